@@ -1,0 +1,76 @@
+"""Flags shared by every command that loads the target, and the loading itself."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..errors import UserError
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and placement")
+    g.add_argument("--model", help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps, xpu (default: cuda if present)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="compute dtype (default bf16; fp16 is very slow on CPU)")
+    g.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
+                   help="weight-only int8 for linear layers (auto: int8 for quantized GGUF weights on CPU)")
+    g.add_argument("--target-devices", help="comma-separated devices, one per shard (e.g. cpu,cpu or cuda:0,cuda:1)")
+    g.add_argument("--target-layer-split", help="comma-separated relative layer counts per shard (e.g. 1,2)")
+    g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
+    g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
+    g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def load_engine(args, progress: bool = True):
+    """Build (source, pipeline, engine) from parsed args; raises UserError on bad input."""
+    from ..engine.generate import Engine
+    from ..runtime.pipeline import build_pipeline
+    from ..runtime.placement import parse_devices, parse_split, plan_placement
+    from ..weights.default_model import default_model_path
+    from ..weights.loader import open_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = open_model(args.model or default_model_path())
+    cfg = source.config
+    try:
+        device = resolve_device(args.device)
+        devices = parse_devices(args.target_devices) if args.target_devices else parse_devices(device)
+        split = parse_split(args.target_layer_split) if args.target_layer_split else None
+        shards = plan_placement(cfg.num_layers, devices, split)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    for d in {s.device for s in shards}:
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"device {d} requested but CUDA is not available")
+    dtype = torch.bfloat16 if args.dtype == "auto" else DTYPES[args.dtype]
+    max_ctx = args.max_ctx or min(cfg.max_position_embeddings, 8192)
+    if args.quantize == "auto":
+        quantized = source.format == "gguf" and source.source_type("model.layers.0.mlp.down_proj.weight") not in (
+            "F32", "F16", "BF16")
+        quantize = quantized and all(s.device == "cpu" for s in shards) and dtype != torch.float32
+    else:
+        quantize = args.quantize == "int8"
+    pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=progress)
+    return source, pipeline, Engine(pipeline, chunk=args.chunk)

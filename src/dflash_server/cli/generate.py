@@ -1,0 +1,74 @@
+"""``dflash-server generate``: one prompt in, text out (streamed) or one JSON object."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import UserError
+from .common import add_model_args, load_engine, positive_int
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="raw prompt text (no chat template)")
+    src.add_argument("--chat", help="user message; the model's chat template is applied")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine.generate import GenerationRequest
+    from ..engine.sampling import SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    source, pipeline, engine = load_engine(args, progress=not args.json)
+    tok = source.tokenizer
+    if args.prompt is not None:
+        ids = tok.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.chat if args.chat is not None else
+                         "What is the capital of France?"})
+        try:
+            ids = tok.encode_chat(messages)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    try:
+        req = GenerationRequest(tuple(ids), sampling, args.max_tokens, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+    def stream(text: str):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        res = engine.generate(req, on_text=None if args.json else stream)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
+                          "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,
+                          "timings": res.timings()}))
+    else:
+        sys.stdout.write("\n")
+        t = res.timings()
+        print(f"[{res.prompt_tokens} prompt tokens, {res.completion_tokens} generated; prefill "
+              f"{t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s]", file=sys.stderr)
+    return 0

@@ -1,0 +1,115 @@
+"""Sampling: penalties, temperature, top-k, top-p, min-p, seeded and reproducible.
+
+Penalty semantics follow the usual server conventions: ``repetition_penalty`` (HF style,
+divides positive logits / multiplies negative ones) applies to prompt and generated
+tokens; ``frequency_penalty`` / ``presence_penalty`` (OpenAI style) to generated tokens.
+All processing happens on the target distribution, so speculative verification that
+samples from it stays lossless.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def check(name, ok, what):
+            if not ok:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+        check("temperature", 0.0 <= self.temperature <= 100.0, "in [0, 100]")
+        check("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0")
+        check("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
+        check("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]")
+        check("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]")
+        check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]")
+        check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]")
+        check("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "in [0, 2^63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+class Sampler:
+    """Per-request sampler; call ``sample`` then ``accept`` for each emitted token."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, device, prompt_ids: list[int] = ()):
+        self.params, self.vocab_size, self.device = params, vocab_size, torch.device(device)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.counts = None
+        self.seen = None
+        if params.has_penalties:
+            self.counts = torch.zeros(vocab_size, device=self.device)
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            ids = [i for i in prompt_ids if 0 <= i < vocab_size]
+            if ids:
+                self.seen[torch.tensor(ids, device=self.device)] = True
+
+    def accept(self, token: int) -> None:
+        if self.counts is not None and 0 <= token < self.vocab_size:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalised logits (…, V) in fp32."""
+        p = self.params
+        logits = logits[..., :self.vocab_size].float()
+        if self.counts is None:
+            return logits
+        if p.repetition_penalty != 1.0:
+            pen = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(self.seen, pen, logits)
+        if p.frequency_penalty:
+            logits = logits - p.frequency_penalty * self.counts
+        if p.presence_penalty:
+            logits = logits - p.presence_penalty * (self.counts > 0).float()
+        return logits
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution actually sampled from (after temperature and truncation)."""
+        p = self.params
+        logits = self.process(logits)
+        if p.greedy:
+            out = torch.zeros_like(logits)
+            out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            return out
+        logits = logits / p.temperature
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            # drop a token when the mass before it already reaches top_p (keeps at least one)
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), 0.0)
+        return probs / probs.sum(-1, keepdim=True)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """One token from (V,) logits."""
+        if self.params.greedy:
+            return int(self.process(logits).argmax(-1))
+        probs = self.probs(logits)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,11 @@
+"""Errors that reach a user as one clear line (CLI) or a 4xx (server), never a traceback."""
+
+
+class UserError(Exception):
+    """A problem with what the user asked for or supplied (flags, files, placement)."""
+
+    exit_code = 2
+
+
+class ModelLoadError(UserError):
+    """A model directory or file is missing, corrupt, truncated or of an unknown architecture."""

@@ -1,0 +1,83 @@
+"""Full (optionally sliding-window) attention over a position-addressed KV cache.
+
+The cache is preallocated to the stage's max context: a forward at ``start`` writes rows
+``[start, start+T)`` and attends to rows ``[0, start+T)``. Rolling back is therefore just
+moving the sequence length back (crop); stale rows past it are overwritten by the next
+forward and never read before that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .context import ForwardContext
+from .linear import Linear
+from .norms import RMSNorm
+from .rope import apply_rope
+
+
+@dataclass
+class KVState:
+    k: torch.Tensor  # (1, num_kv_heads, max_ctx, head_dim)
+    v: torch.Tensor
+
+    kind = "kv"
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with the options of the supported families.
+
+    ``q_norm``/``k_norm``: per-head RMSNorm before RoPE (Qwen3, Qwen3.5).
+    ``output_gate``: q_proj yields ``[query | gate]`` per head and the output is multiplied
+    by ``sigmoid(gate)`` (Qwen3.5 gated attention).
+    """
+
+    def __init__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_bias=None, k_bias=None, v_bias=None, o_bias=None,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                 output_gate: bool = False, window: int | None = None, scale: float | None = None):
+        super().__init__()
+        self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
+        self.output_gate = output_gate
+        self.q_dim = num_heads * head_dim * (2 if output_gate else 1)
+        self.kv_dim = num_kv_heads * head_dim
+        self.qkv = Linear.fused([q, k, v], [q_bias, k_bias, v_bias])
+        self.o = Linear(o, o_bias)
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.window = window
+        self.scale = scale if scale is not None else head_dim ** -0.5
+
+    def new_state(self, max_ctx: int, device, dtype) -> KVState:
+        shape = (1, self.nkv, max_ctx, self.hd)
+        return KVState(torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(shape, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        gate = None
+        if self.output_gate:
+            qg = q.view(B, T, self.nh, 2 * self.hd)
+            q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(B, T, self.nh * self.hd)
+        q = q.reshape(B, T, self.nh, self.hd)
+        k = k.reshape(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), ctx.cos, ctx.sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        state.k[:, :, ctx.start:ctx.end] = k
+        state.v[:, :, ctx.start:ctx.end] = v
+        keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
+        mask = ctx.causal_mask(x.device, self.window)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.nh != self.nkv)
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o(out)

@@ -1,0 +1,43 @@
+"""Per-forward context shared by all layers of one stage forward."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """Positions ``[start, start + length)`` are being written this forward.
+
+    ``cos``/``sin`` are the rotary rows for those positions; ``mask`` is built lazily and
+    shared by every full-attention layer of the stage (it only depends on positions).
+    ``record`` asks recurrent layers to keep what a rollback replay needs.
+    """
+
+    start: int
+    length: int
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    record: bool = False
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:
+        """Bool (T, end) mask, True = may attend; None when plain full attention over the
+        prefix is already correct (a single query, no window)."""
+        if self.length == 1 and window is None:
+            return None
+        key = (str(device), window)
+        m = self._masks.get(key)
+        if m is None:
+            q_pos = torch.arange(self.start, self.end, device=device)[:, None]
+            k_pos = torch.arange(0, self.end, device=device)[None, :]
+            m = k_pos <= q_pos
+            if window is not None:
+                m = m & (k_pos > q_pos - window)
+            self._masks[key] = m
+        return m

@@ -1,0 +1,107 @@
+"""Gated DeltaNet token mixer (Qwen3.5 / Qwen3.6 linear-attention layers).
+
+State per sequence: the conv window (last K-1 pre-conv inputs) and the fp32 recurrent
+matrix S per value head. Neither can be cropped, so speculative rollback works by
+checkpoint + replay: while ``ctx.record`` is set the layer keeps the block's pre-conv
+inputs and (q, k, v, g, beta); ``rollback_to(n)`` recomputes the state after the first n
+recorded tokens from the checkpoint, which costs a tiny fraction of the verify pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .context import ForwardContext
+from .gdn_ops import causal_conv1d, gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from .linear import Linear
+
+
+@dataclass
+class RecurrentState:
+    conv: torch.Tensor  # (1, conv_dim, K-1), compute dtype
+    ssm: torch.Tensor   # (1, Hv, Dk, Dv), fp32
+    # checkpoint for speculative rollback: (conv, ssm) at checkpoint time + recorded block
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None
+    records: list = field(default_factory=list)
+
+    kind = "recurrent"
+
+    def checkpoint(self) -> None:
+        self.saved = (self.conv.clone(), self.ssm.clone())
+        self.records = []
+
+    def discard_checkpoint(self) -> None:
+        self.saved, self.records = None, []
+
+    def recorded_tokens(self) -> int:
+        return sum(r[0].shape[-1] for r in self.records)
+
+    def rollback_to(self, n: int) -> None:
+        """Make the state equal to "checkpoint + first n recorded tokens"."""
+        if self.saved is None:
+            raise RuntimeError("rollback without a checkpoint")
+        total = self.recorded_tokens()
+        if not 0 <= n <= total:
+            raise ValueError(f"cannot roll back to {n} of {total} recorded tokens")
+        conv0, ssm0 = self.saved
+        if n < total:
+            qkv = torch.cat([r[0] for r in self.records], dim=-1)  # (1, C, total) pre-conv
+            window = torch.cat([conv0, qkv], dim=-1)
+            kw = conv0.shape[-1]
+            self.conv = window[..., n:n + kw].contiguous()
+            if n == 0:
+                self.ssm = ssm0.clone()
+            else:
+                q, k, v, g, beta = (torch.cat([r[i] for r in self.records], dim=1)[:, :n] for i in range(1, 6))
+                _, self.ssm = recurrent_gated_delta_rule(q, k, v, g, beta, ssm0)
+        self.discard_checkpoint()
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, *, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv_weight, A_log, dt_bias,
+                 norm_weight, out_proj, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, eps: float):
+        super().__init__()
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        # one GEMM for all four input projections
+        self.in_proj = Linear.fused([in_proj_qkv, in_proj_z, in_proj_b, in_proj_a])
+        self.conv_weight = nn.Parameter(conv_weight.detach().reshape(self.conv_dim, -1), requires_grad=False)
+        self.neg_A = nn.Parameter(-A_log.detach().float().exp(), requires_grad=False)
+        self.dt_bias = nn.Parameter(dt_bias.detach().float(), requires_grad=False)
+        self.norm_weight = nn.Parameter(norm_weight.detach().float(), requires_grad=False)
+        self.out_proj = Linear(out_proj)
+        self.eps = float(eps)
+
+    def new_state(self, max_ctx: int, device, dtype) -> RecurrentState:
+        k = self.conv_weight.shape[-1]
+        return RecurrentState(torch.zeros(1, self.conv_dim, k - 1, device=device, dtype=dtype),
+                              torch.zeros(1, self.hv, self.dk, self.dv, device=device, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
+        B, T, _ = x.shape
+        mixed = self.in_proj(x)
+        qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        qkv_t = qkv.transpose(1, 2)  # (B, C, T)
+        y, state.conv = causal_conv1d(qkv_t, state.conv, self.conv_weight)
+        q, k, v = y.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.hk, self.dk).float()
+        k = k.reshape(B, T, self.hk, self.dk).float()
+        v = v.reshape(B, T, self.hv, self.dv).float()
+        if self.hv != self.hk:  # value head h reads key head h // (hv / hk)
+            q = q.repeat_interleave(self.hv // self.hk, dim=2)
+            k = k.repeat_interleave(self.hv // self.hk, dim=2)
+        q = l2norm(q) * (self.dk ** -0.5)
+        k = l2norm(k)
+        beta = torch.sigmoid(b.float())
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
+        if ctx.record:
+            state.records.append((qkv_t, q, k, v, g, beta))
+        o, state.ssm = gated_delta_rule(q, k, v, g, beta, state.ssm)
+        # gated RMSNorm over each head's value dim, in fp32
+        o = F.rms_norm(o, (self.dv,), self.norm_weight, self.eps) * F.silu(z.reshape(B, T, self.hv, self.dv).float())
+        return self.out_proj(o.reshape(B, T, self.value_dim).to(x.dtype))

@@ -1,0 +1,77 @@
+"""Architecture description shared by all families (parsed from HF config.json or GGUF)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    qk_norm: bool = False
+    attn_output_gate: bool = False
+    zero_centred_norm: bool = False
+    # one entry per layer: "full_attention" | "sliding_attention" | "linear_attention"
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # Gated DeltaNet (linear attention) sizes
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads {self.num_heads} not divisible by num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"model config: {len(self.layer_types)} layer_types for {self.num_layers} layers")
+        bad = set(self.layer_types) - {"full_attention", "sliding_attention", "linear_attention"}
+        if bad:
+            raise ValueError(f"model config: unknown layer types {sorted(bad)}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def rope_from_hf(cfg: dict) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial_rotary_factor) from either the flat keys or ``rope_parameters``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    return theta, scaling, partial
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)

@@ -1,0 +1,117 @@
+"""TargetPipeline: the target model as a chain of stages (any split is invisible above)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .placement import ShardSpec
+from .stage import LocalStage
+
+
+@dataclass
+class PipelineOutput:
+    logits: torch.Tensor | None                      # (T or 1, V) fp32
+    captures: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (1, T, H)
+
+
+class TargetPipeline:
+    def __init__(self, stages: list, source):
+        self.stages = stages
+        self.source = source
+        self.config = source.config
+        self.tokenizer = source.tokenizer
+        self.max_ctx = stages[0].max_ctx
+
+    @property
+    def length(self) -> int:
+        return self.stages[-1].length
+
+    @property
+    def device(self) -> torch.device:
+        return self.stages[-1].device
+
+    def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = ()) -> PipelineOutput:
+        """Run ids (list or (1, T) tensor) at positions [start, start+T) through every stage."""
+        if not torch.is_tensor(ids):
+            ids = torch.tensor([list(ids)], dtype=torch.long)
+        x, caps = ids, {}
+        for st in self.stages:
+            out = st.forward(x, start, logits=logits, capture=capture)
+            caps.update(out.captures)
+            x = out.hidden
+        return PipelineOutput(out.logits, caps)
+
+    def prefill(self, ids: list[int], start: int = 0, chunk: int = 512,
+                capture: tuple[int, ...] = ()) -> PipelineOutput:
+        """Chunked prefill; returns the last position's logits and all captured rows."""
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        chunk = max(1, chunk)
+        caps: dict[int, list[torch.Tensor]] = {}
+        out = None
+        for off in range(0, len(ids), chunk):
+            out = self.forward(ids[off:off + chunk], start + off, logits="last", capture=capture)
+            for k, v in out.captures.items():
+                caps.setdefault(k, []).append(v)
+        return PipelineOutput(out.logits, {k: torch.cat(v, dim=1) for k, v in caps.items()})
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.stages[-1].project(hidden)
+
+    # state operations fan out to every stage
+    def reset(self):
+        for st in self.stages:
+            st.reset()
+
+    def checkpoint(self):
+        for st in self.stages:
+            st.checkpoint()
+
+    def rollback(self, length: int):
+        for st in self.stages:
+            st.rollback(length)
+
+    def commit(self):
+        for st in self.stages:
+            st.commit()
+
+    def snapshot_save(self, slot: int):
+        for st in self.stages:
+            st.snapshot_save(slot)
+
+    def snapshot_restore(self, slot: int):
+        for st in self.stages:
+            st.snapshot_restore(slot)
+
+    def snapshot_free(self, slot: int):
+        for st in self.stages:
+            st.snapshot_free(slot)
+
+    def snapshot_export(self, slot: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, st in enumerate(self.stages):
+            out.update({f"ls{k}.{name}": t for name, t in st.snapshot_export(slot).items()})
+        return out
+
+    def snapshot_import(self, slot: int, tensors: dict[str, torch.Tensor]):
+        for k, st in enumerate(self.stages):
+            prefix = f"ls{k}."
+            st.snapshot_import(slot, {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)})
+
+
+def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
+                   quantize: bool = False, progress: bool = True) -> TargetPipeline:
+    """Build one LocalStage per shard; each reads only its own layers' weights."""
+    bar = tqdm(total=source.config.num_layers, desc="loading weights", unit="layer", disable=not progress,
+               leave=False)
+    stages = []
+    try:
+        for k, sh in enumerate(shards):
+            stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx,
+                                     is_first=k == 0, is_last=k == len(shards) - 1, quantize=quantize,
+                                     on_layer=bar.update))
+    finally:
+        bar.close()
+    return TargetPipeline(stages, source)

@@ -1,0 +1,65 @@
+"""Where each layer range of the target lives: parsing and validating placement flags."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    device: str
+    begin: int
+    end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.begin
+
+
+def parse_devices(text: str) -> list[str]:
+    devices = [d.strip() for d in text.split(",")]
+    for d in devices:
+        if not d:
+            raise ValueError(f"--target-devices {text!r}: empty device name")
+        if d.startswith("remote:"):
+            raise ValueError(f"--target-devices: remote device {d!r} needs a shard worker, which this build "
+                             "does not support yet")
+        if not _DEVICE_RE.match(d):
+            raise ValueError(f"--target-devices: unknown device {d!r} (use cpu, cuda:N, mps or xpu)")
+    return devices
+
+
+def parse_split(text: str) -> list[float]:
+    try:
+        weights = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--target-layer-split {text!r}: expected comma-separated positive numbers") from None
+    for w in weights:
+        if not w > 0:  # also rejects NaN
+            raise ValueError(f"--target-layer-split {text!r}: every weight must be > 0")
+    return weights
+
+
+def plan_placement(num_layers: int, devices: list[str], split: list[float] | None = None) -> list[ShardSpec]:
+    """Contiguous layer ranges proportional to ``split`` (equal if None), one per device,
+    each at least one layer."""
+    n = len(devices)
+    if n == 0:
+        raise ValueError("no target devices given")
+    if split is None:
+        split = [1.0] * n
+    if len(split) != n:
+        raise ValueError(f"--target-layer-split has {len(split)} weights for {n} target devices")
+    if n > num_layers:
+        raise ValueError(f"{n} shards for a model with only {num_layers} layers: each shard needs a layer")
+    total = sum(split)
+    bounds, acc = [0], 0.0
+    for i, w in enumerate(split[:-1]):
+        acc += w
+        b = round(num_layers * acc / total)
+        lo, hi = bounds[-1] + 1, num_layers - (n - 1 - i)
+        bounds.append(min(max(b, lo), hi))
+    bounds.append(num_layers)
+    return [ShardSpec(devices[i], bounds[i], bounds[i + 1]) for i in range(n)]

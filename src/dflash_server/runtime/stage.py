@@ -1,0 +1,203 @@
+"""LocalStage: a contiguous range of target layers on one device, with its sequence state.
+
+The first stage embeds token ids; the last owns the final norm and the LM head. Between
+stages only the residual stream (B, T, H) travels. State is position-addressed: a forward
+at ``start`` writes positions ``[start, start+T)``; ``length`` is how far the cache is valid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layers.context import ForwardContext
+from ..layers.linear import Linear
+from ..layers.rope import RotaryTable
+
+
+@dataclass
+class StageOutput:
+    hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
+    logits: torch.Tensor | None = None           # (T or 1, V) fp32 on the last stage
+    captures: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (1, T, H)
+
+
+class _Weights:
+    """Adapts a ModelSource to the family's Weights protocol for one device/dtype."""
+
+    def __init__(self, source, device, dtype):
+        self.source, self.device, self.dtype = source, device, dtype
+
+    def has(self, name):
+        return self.source.has(name)
+
+    def get(self, name):
+        t = self.source.get(name)
+        if t.is_floating_point():
+            t = t.to(self.dtype)
+        return t.to(self.device)
+
+
+class LocalStage:
+    def __init__(self, source, begin: int, end: int, device: str, dtype: torch.dtype, max_ctx: int,
+                 *, is_first: bool, is_last: bool, quantize: bool = False, on_layer=None):
+        cfg = source.config
+        self.config, self.begin, self.end = cfg, begin, end
+        self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
+        self.is_first, self.is_last = is_first, is_last
+        fam, w = source.family, _Weights(source, self.device, dtype)
+        self.embed = fam.build_embedding(cfg, w) if is_first else None
+        self.layers = []
+        for i in range(begin, end):
+            self.layers.append(fam.build_layer(cfg, i, w).eval())
+            if on_layer:
+                on_layer()
+        self.final_norm = fam.build_final_norm(cfg, w) if is_last else None
+        self.lm_head = fam.build_lm_head(cfg, w) if is_last else None
+        if quantize:
+            for mod in self._linears():
+                mod.quantize_()
+        self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
+                                self.device, dtype)
+        self.states = [layer.new_state(max_ctx, self.device, dtype) for layer in self.layers]
+        self.length = 0
+        self._ckpt_length: int | None = None
+        self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def _linears(self):
+        mods = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        return mods + ([self.lm_head] if self.lm_head is not None else [])
+
+    def weight_bytes(self) -> int:
+        total = sum(m.nbytes() for m in self._linears())
+        return total + (self.embed.weight.numel() * self.embed.weight.element_size() if self.embed else 0)
+
+    # --- compute --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
+                capture: tuple[int, ...] = ()) -> StageOutput:
+        """x: token ids (1, T) on the first stage, else hidden (1, T, H). Writes state for
+        positions [start, start+T) and sets ``length = start + T``. ``logits``: "last",
+        "all" or "none" (last stage only). ``capture``: global layer ids whose outputs to return."""
+        if start > self.length:
+            raise ValueError(f"forward at {start} leaves a gap after cached length {self.length}")
+        T = x.shape[1]
+        if start + T > self.max_ctx:
+            raise ValueError(f"positions up to {start + T} exceed the context size {self.max_ctx}")
+        x = x.to(self.device)
+        h = self.embed(x) if self.is_first else x.to(self.dtype)
+        cos, sin = self.rope.rows(start, T)
+        ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
+        caps = {}
+        for layer, state in zip(self.layers, self.states):
+            h = layer(h, ctx, state)
+            if layer.index in capture:
+                caps[layer.index] = h
+        self.length = start + T
+        out = StageOutput(hidden=h, captures=caps)
+        if self.is_last and logits != "none":
+            hs = h[:, -1:] if logits == "last" else h
+            out.logits = self.lm_head(self.final_norm(hs))[0].float()
+            out.hidden = None
+        return out
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on (already normed) draft hidden states (…, H) -> fp32 logits."""
+        return self.lm_head(hidden.to(self.device, self.dtype)).float()
+
+    # --- sequence state -------------------------------------------------------------------
+    def reset(self) -> None:
+        self.length = 0
+        self._ckpt_length = None
+        for s in self.states:
+            if s.kind == "recurrent":
+                s.conv.zero_()
+                s.ssm.zero_()
+                s.discard_checkpoint()
+
+    def checkpoint(self) -> None:
+        """Remember the current state so ``rollback`` can return to any position between
+        here and wherever later forwards reach. KV needs nothing (crop); recurrent layers
+        save their state and record what replay needs."""
+        self._ckpt_length = self.length
+        for s in self.states:
+            if s.kind == "recurrent":
+                s.checkpoint()
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` positions (>= the checkpoint's) and drop the rest;
+        ends the checkpoint."""
+        if self._ckpt_length is None:
+            raise RuntimeError("rollback without checkpoint")
+        if not self._ckpt_length <= length <= self.length:
+            raise ValueError(f"rollback to {length} outside [{self._ckpt_length}, {self.length}]")
+        for s in self.states:
+            if s.kind == "recurrent":
+                s.rollback_to(length - self._ckpt_length)
+        self.length = length
+        self._ckpt_length = None
+
+    def commit(self) -> None:
+        """Accept everything since the checkpoint."""
+        if self._ckpt_length is not None:
+            self.rollback(self.length)
+
+    # --- snapshots ------------------------------------------------------------------------
+    def _state_tensors(self, length: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, s in zip(self.layers, self.states):
+            i = layer.index
+            if s.kind == "kv":
+                out[f"kv_k.{i}"] = s.k[:, :, :length]
+                out[f"kv_v.{i}"] = s.v[:, :, :length]
+            else:
+                out[f"conv.{i}"], out[f"ssm.{i}"] = s.conv, s.ssm
+        return out
+
+    def snapshot_save(self, slot: int) -> None:
+        """Copy the state of positions [0, length) into ``slot`` (right-sized)."""
+        self._snapshots[slot] = (self.length, {k: v.clone() for k, v in self._state_tensors(self.length).items()})
+
+    def snapshot_restore(self, slot: int) -> None:
+        length, tensors = self._snapshots[slot]
+        self._load_state(length, tensors)
+
+    def snapshot_free(self, slot: int) -> None:
+        self._snapshots.pop(slot, None)
+
+    def snapshot_export(self, slot: int) -> dict[str, torch.Tensor]:
+        length, tensors = self._snapshots[slot]
+        out = {k: v.detach().to("cpu") for k, v in tensors.items()}
+        out["length"] = torch.tensor(length, dtype=torch.int64)
+        return out
+
+    def snapshot_import(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Validate names, dtypes and shapes against this stage, then store in ``slot``."""
+        length = int(tensors["length"])
+        if not 0 <= length <= self.max_ctx:
+            raise ValueError(f"snapshot length {length} outside context {self.max_ctx}")
+        expect = self._state_tensors(length)
+        if set(expect) != set(tensors) - {"length"}:
+            raise ValueError("snapshot tensor names do not match this stage")
+        conv = {}
+        for k, ref in expect.items():
+            t = tensors[k]
+            if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+                raise ValueError(f"snapshot tensor {k}: {tuple(t.shape)} {t.dtype}, expected "
+                                 f"{tuple(ref.shape)} {ref.dtype}")
+            conv[k] = t.to(self.device).clone()
+        self._snapshots[slot] = (length, conv)
+
+    def _load_state(self, length: int, tensors: dict[str, torch.Tensor]) -> None:
+        for layer, s in zip(self.layers, self.states):
+            i = layer.index
+            if s.kind == "kv":
+                s.k[:, :, :length].copy_(tensors[f"kv_k.{i}"])
+                s.v[:, :, :length].copy_(tensors[f"kv_v.{i}"])
+            else:
+                s.conv = tensors[f"conv.{i}"].clone()
+                s.ssm = tensors[f"ssm.{i}"].clone()
+                s.discard_checkpoint()
+        self.length = length
+        self._ckpt_length = None

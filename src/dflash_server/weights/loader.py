@@ -1,0 +1,90 @@
+"""Open a model (HF directory or .gguf): family, config, tensors by HF name, tokenizer."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from ..models.base import Family
+from ..models.config import ModelConfig
+from ..models.registry import family_for_gguf_arch, family_for_hf_config
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class ModelSource:
+    """Everything needed to build stages; tensors are only read when a stage asks."""
+
+    path: Path
+    format: str  # "hf" | "gguf"
+    family: Family
+    config: ModelConfig
+    tokenizer: Tokenizer
+    _backend: object
+
+    def has(self, name: str) -> bool:
+        if self.format == "hf":
+            return self._backend.has(name)
+        try:
+            gname, _ = self.family.gguf_tensor(name, self.config)
+        except KeyError:
+            return False
+        return self._backend.has(gname)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self.format == "hf":
+            return self._backend.get(name)
+        try:
+            gname, transform = self.family.gguf_tensor(name, self.config)
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: no GGUF mapping for weight {name!r}") from None
+        t = self._backend.get(gname)
+        return transform(t) if transform is not None else t
+
+    def source_type(self, name: str) -> str | None:
+        """The stored GGUF quantization type of a weight (None for HF safetensors)."""
+        if self.format != "gguf":
+            return None
+        return self._backend.tensor_type(self.family.gguf_tensor(name, self.config)[0])
+
+    def fingerprint(self) -> str:
+        """Identity of the weights: file names, sizes and mtimes (cheap; no hashing of GBs)."""
+        h = hashlib.sha256()
+        files = [self.path] if self.path.is_file() else sorted(self.path.iterdir())
+        for f in files:
+            if f.is_file():
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+        return h.hexdigest()[:16]
+
+
+def open_model(path: str | Path) -> ModelSource:
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+        from .gguf_file import GGUFFile
+
+        gf = GGUFFile(path)
+        try:
+            family = family_for_gguf_arch(gf.arch)
+            config = family.config_from_gguf(gf.meta, gf.arch)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        tokenizer = Tokenizer.from_gguf_meta(gf.meta)
+        return ModelSource(path, "gguf", family, config, tokenizer, gf)
+    from .hf_dir import SafetensorsDir
+
+    d = SafetensorsDir(path)
+    try:
+        family = family_for_hf_config(d.config)
+        config = family.config_from_hf(d.config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    tokenizer = Tokenizer.from_hf_dir(path, d.config)
+    return ModelSource(path, "hf", family, config, tokenizer, d)
