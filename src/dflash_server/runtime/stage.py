@@ -107,6 +107,7 @@ class LocalStage:
         return self.lm_head(hidden.to(self.device, self.dtype)).float()
 
     # --- sequence state -------------------------------------------------------------------
+    @torch.inference_mode()
     def reset(self) -> None:
         self.length = 0
         self._ckpt_length = None
@@ -116,6 +117,7 @@ class LocalStage:
                 s.ssm.zero_()
                 s.discard_checkpoint()
 
+    @torch.inference_mode()
     def checkpoint(self) -> None:
         """Remember the current state so ``rollback`` can return to any position between
         here and wherever later forwards reach. KV needs nothing (crop); recurrent layers
@@ -125,6 +127,7 @@ class LocalStage:
             if s.kind == "recurrent":
                 s.checkpoint()
 
+    @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` positions (>= the checkpoint's) and drop the rest;
         ends the checkpoint."""
@@ -155,10 +158,12 @@ class LocalStage:
                 out[f"conv.{i}"], out[f"ssm.{i}"] = s.conv, s.ssm
         return out
 
+    @torch.inference_mode()
     def snapshot_save(self, slot: int) -> None:
         """Copy the state of positions [0, length) into ``slot`` (right-sized)."""
         self._snapshots[slot] = (self.length, {k: v.clone() for k, v in self._state_tensors(self.length).items()})
 
+    @torch.inference_mode()
     def snapshot_restore(self, slot: int) -> None:
         length, tensors = self._snapshots[slot]
         self._load_state(length, tensors)
@@ -166,12 +171,14 @@ class LocalStage:
     def snapshot_free(self, slot: int) -> None:
         self._snapshots.pop(slot, None)
 
+    @torch.inference_mode()
     def snapshot_export(self, slot: int) -> dict[str, torch.Tensor]:
         length, tensors = self._snapshots[slot]
         out = {k: v.detach().to("cpu") for k, v in tensors.items()}
         out["length"] = torch.tensor(length, dtype=torch.int64)
         return out
 
+    @torch.inference_mode()
     def snapshot_import(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """Validate names, dtypes and shapes against this stage, then store in ``slot``."""
         length = int(tensors["length"])

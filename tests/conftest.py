@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Cached tiny model directories: tiny_dir("llama") -> Path."""
+    from helpers.tiny import make_tiny_model
+
+    cache = {}
+
+    def get(family: str, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(family, tmp_path_factory.mktemp(family), **overrides)
+        return cache[key]
+
+    return get

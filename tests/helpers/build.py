@@ -1,0 +1,31 @@
+"""Build our pipeline/engine for tests."""
+from __future__ import annotations
+
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.runtime.pipeline import build_pipeline
+from dflash_server.runtime.placement import plan_placement
+from dflash_server.weights.loader import open_model
+
+
+def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: int = 512, quantize=False):
+    src = open_model(path)
+    shards = plan_placement(src.config.num_layers, ["cpu"] * stages, split)
+    return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False)
+
+
+def greedy(pipe, prompt_ids, max_tokens=16, chunk=512, **kw) -> list[int]:
+    req = GenerationRequest(tuple(prompt_ids), max_tokens=max_tokens, ignore_eos=True, **kw)
+    return Engine(pipe, chunk=chunk).generate(req).token_ids
+
+
+def prompt_ids(pipe, n: int, seed: int = 0) -> list[int]:
+    """n token ids of real text (tokenized), padded with random ids if the text is short."""
+    text = ("The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed on the Moon; "
+            "def f(x):\n    return x * 2  # double\n") * 8
+    ids = pipe.tokenizer.encode(text)[:n]
+    g = torch.Generator().manual_seed(seed)
+    while len(ids) < n:
+        ids.append(int(torch.randint(0, 1000, (1,), generator=g)))
+    return ids

