@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .context import ForwardContext
-from .gdn_ops import causal_conv1d, gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from .gdn_ops import causal_conv1d, gated_delta_rule, l2norm
 from .linear import Linear
 
 
@@ -56,7 +56,7 @@ class RecurrentState:
                 self.ssm = ssm0.clone()
             else:
                 q, k, v, g, beta = (torch.cat([r[i] for r in self.records], dim=1)[:, :n] for i in range(1, 6))
-                _, self.ssm = recurrent_gated_delta_rule(q, k, v, g, beta, ssm0)
+                _, self.ssm = gated_delta_rule(q, k, v, g, beta, ssm0)
         self.discard_checkpoint()
 
 

@@ -10,7 +10,7 @@ from ..layers.gdn import GatedDeltaNet
 from .base import Weights
 from .config import ModelConfig, eos_ids, rope_from_hf
 from .llama import LlamaFamily, gguf_name
-from .qwen3_5_gguf import GGUF_LAYER_NAMES, config_from_gguf_meta, gguf_transform
+from .qwen3_5_gguf import GGUF_LAYER_NAMES, config_from_gguf_meta, gguf_layer_name, gguf_transform
 
 
 class Qwen3_5Family(LlamaFamily):
@@ -58,7 +58,8 @@ class Qwen3_5Family(LlamaFamily):
         return config_from_gguf_meta(self.name, meta, arch)
 
     def gguf_tensor(self, hf_name: str, cfg: ModelConfig):
-        return gguf_name(hf_name, GGUF_LAYER_NAMES), gguf_transform(hf_name, cfg)
+        name = gguf_layer_name(hf_name) or gguf_name(hf_name, GGUF_LAYER_NAMES)
+        return name, gguf_transform(hf_name, cfg)
 
     def build_mixer(self, cfg: ModelConfig, index: int, p: str, w: Weights):
         if cfg.layer_types[index] != "linear_attention":

@@ -1,0 +1,100 @@
+"""GGUF loading: tiny models written like llama.cpp's converter, several quant types,
+compared with the safetensors load and with transformers' own GGUF loader; the built-in
+default model against transformers."""
+import gguf
+import pytest
+import torch
+
+from helpers.build import greedy, pipeline, prompt_ids
+from helpers.gguf_export import export_gguf
+from helpers.qwen_tokenizer import gguf_tokenizer_metadata_from_hf
+from helpers.tiny import smollm2_gguf_path
+
+Q = gguf.GGMLQuantizationType
+PRE = {"llama": "smollm", "qwen3": "qwen2", "qwen3_5": "qwen35"}
+
+
+def _export(tiny_dir, tmp_path, family, qtype_for=None):
+    src = tiny_dir(family)
+    meta = gguf_tokenizer_metadata_from_hf(src, pre=PRE[family])
+    return export_gguf(src, tmp_path / f"{family}.gguf", family, meta, qtype_for)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_f32_gguf_equals_safetensors(tiny_dir, tmp_path, family):
+    path = _export(tiny_dir, tmp_path, family)
+    ours_gguf, ours_st = pipeline(path), pipeline(tiny_dir(family))
+    assert ours_gguf.config.layer_types == ours_st.config.layer_types
+    ids = prompt_ids(ours_st, 100)
+    a = ours_gguf.forward(ids, 0, logits="all").logits
+    b = ours_st.forward(ids, 0, logits="all").logits
+    assert (a - b).abs().max().item() < 1e-4
+    # the GGUF tokenizer encodes like the HF tokenizer.json
+    text = "Hello world! def f(x): return 12345 # ünïcödé"
+    assert ours_gguf.tokenizer.encode(text) == ours_st.tokenizer.encode(text)
+
+
+# types transformers' GGUF loader also reads (it has no Q5_0/Q5_1)
+MIXED = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16]
+
+
+def _mixed(name, shape):
+    if shape[-1] % 32:
+        return Q.F32
+    return MIXED[sum(map(ord, name)) % len(MIXED)]
+
+
+def test_q5_and_bf16_gguf_close_to_safetensors(tiny_dir, tmp_path):
+    types = [Q.Q5_0, Q.Q5_1, Q.BF16]
+    path = _export(tiny_dir, tmp_path, "llama",
+                   lambda n, s: types[sum(map(ord, n)) % 3] if s[-1] % 32 == 0 else Q.F32)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"Q5_0", "Q5_1", "BF16"} <= kinds
+    a, b = pipeline(path), pipeline(tiny_dir("llama"))
+    ids = prompt_ids(b, 60)
+    la, lb = a.forward(ids, 0, logits="all").logits, b.forward(ids, 0, logits="all").logits
+    # 5-bit weights: close, not equal (a broken layout would be uncorrelated)
+    cos = torch.nn.functional.cosine_similarity(la, lb, dim=-1)
+    assert cos.min().item() > 0.99
+    assert (la.argmax(-1) == lb.argmax(-1)).float().mean().item() > 0.8
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_quantized_gguf_matches_transformers_gguf_loader(tiny_dir, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    path = _export(tiny_dir, tmp_path, family, _mixed)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"Q8_0", "Q4_0", "Q4_1", "F16"} <= types
+    ours = pipeline(path)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = prompt_ids(ours, 80)
+    with torch.no_grad():
+        r = ref(torch.tensor([ids])).logits[0]
+    o = ours.forward(ids, 0, logits="all").logits
+    assert (o - r).abs().max().item() < 2e-3
+    assert torch.equal(o.argmax(-1), r.argmax(-1))
+
+
+def test_default_model_matches_transformers_greedy():
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    ours = pipeline(path, max_ctx=256)
+    ids = ours.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    out = greedy(ours, ids, max_tokens=24)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        r = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                         eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert out == r
+    text = ours.tokenizer.decode(out)
+    assert "Paris" in text
+
+
+def test_default_model_answers_paris_bf16_int8():
+    path = smollm2_gguf_path()
+    pipe = pipeline(path, dtype=torch.bfloat16, quantize=True, max_ctx=256)
+    ids = pipe.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    text = pipe.tokenizer.decode(greedy(pipe, ids, max_tokens=16))
+    assert "Paris" in text
