@@ -13,23 +13,20 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
 
 class GGUFFile:
     def __init__(self, path: Path):
-        import gguf
+        from .gguf_parse import parse_gguf
 
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: no such file")
         try:
-            self.reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as e:  # the reader raises ValueError/IndexError/etc. on damaged files
-            raise ModelLoadError(f"{self.path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
-        from .gguf_tokenizer import gguf_metadata_dict
-
-        self.meta = gguf_metadata_dict(self.reader)
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        size = self.path.stat().st_size
-        for t in self.reader.tensors:
-            if int(t.data_offset) + int(t.n_bytes) > size:
-                raise ModelLoadError(f"{self.path}: truncated (tensor {t.name} runs past end of file)")
+            header = parse_gguf(self.path)
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"{self.path}: not a valid GGUF file ({e})") from None
+        self.meta, self.tensors = header.meta, header.tensors
+        for t in self.tensors.values():
+            if t.offset + t.nbytes > header.file_size:
+                raise ModelLoadError(f"{self.path}: truncated (tensor {t.name} runs past the end of the file)")
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     @property
     def arch(self) -> str:
@@ -42,24 +39,27 @@ class GGUFFile:
         return name in self.tensors
 
     def tensor_type(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensors[name].ggml_type).name
 
     def get(self, name: str) -> torch.Tensor:
-        """Dequantized fp32 (or fp16/bf16 as stored) tensor in PyTorch (out, in) order."""
+        """Dequantized tensor (fp32, or fp16 as stored) in PyTorch (out, in) order."""
         import gguf
+        from gguf.constants import GGMLQuantizationType
 
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type {kind}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if kind in ("F32", "F16"):
-            arr = np.asarray(t.data)
-            out = torch.from_numpy(arr.copy())
+        qtype = GGMLQuantizationType(t.ggml_type)
+        if qtype.name not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type {qtype.name}")
+        raw = self._data[t.offset:t.offset + t.nbytes]
+        if qtype.name == "F32":
+            arr = raw.view(np.float32).reshape(t.shape)
+        elif qtype.name == "F16":
+            arr = raw.view(np.float16).reshape(t.shape)
         else:
-            out = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type)))
-        if tuple(out.shape) != shape:
-            out = out.reshape(shape)
-        return out
+            rows = raw.reshape(-1, t.nbytes // max(1, int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1))
+            arr = gguf.quants.dequantize(rows, qtype).reshape(t.shape)
+        return torch.from_numpy(np.array(arr))

@@ -73,56 +73,12 @@ def gguf_metadata_dict(reader) -> dict[str, object]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
 def read_gguf_metadata(path: str | Path) -> dict[str, object]:
     """Same dict as gguf_metadata_dict(GGUFReader(path)), parsed straight from the KV section: ~30x faster
     than GGUFReader on a 150k-token vocabulary (GGUFReader builds a numpy view per string)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        buf = memoryview(mm)
-        try:
-            if bytes(buf[:4]) != b"GGUF":
-                raise ValueError(f"{path}: not a GGUF file")
-            e = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # else a big-endian file
-            version, n_tensors, n_kv = struct.unpack_from(e + "IQQ", buf, 4)
-            if version < 2:
-                raise ValueError(f"{path}: GGUF v{version} is not supported")
-            pos = 24
-            meta: dict[str, object] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    from .gguf_parse import parse_gguf
 
-            def string() -> str:
-                nonlocal pos
-                (n,) = struct.unpack_from(e + "Q", buf, pos)
-                pos += 8 + n
-                return str(buf[pos - n : pos], "utf-8", "replace")
-
-            def value(vtype: int) -> object:
-                nonlocal pos
-                if vtype == 8:
-                    return string()
-                if vtype == 9:
-                    itype, count = struct.unpack_from(e + "IQ", buf, pos)
-                    pos += 12
-                    if itype in _SCALAR:
-                        arr = np.frombuffer(buf, np.dtype(e + _SCALAR[itype]), count, pos)
-                        pos += arr.nbytes
-                        return arr.tolist()
-                    return [value(itype) for _ in range(count)]
-                if vtype not in _SCALAR:
-                    raise ValueError(f"{path}: unknown GGUF value type {vtype}")
-                fmt = e + _SCALAR[vtype]
-                pos += struct.calcsize(fmt)
-                return struct.unpack_from(fmt, buf, pos - struct.calcsize(fmt))[0]
-
-            for _ in range(n_kv):
-                key = string()
-                (vtype,) = struct.unpack_from(e + "I", buf, pos)
-                pos += 4
-                meta[key] = value(vtype)
-            return meta
-        finally:
-            buf.release()
+    return parse_gguf(path).meta
 
 
 def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizerInfo:
