@@ -7,11 +7,18 @@ import sys
 from ..errors import UserError
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (the full usage is one --help away)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import generate
 
-    p = argparse.ArgumentParser(prog="dflash-server", description="LLM inference server with DFlash speculative decoding")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="dflash-server", description="LLM inference server with DFlash speculative decoding")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate.add_parser(sub)
     return p
 

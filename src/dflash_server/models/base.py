@@ -59,6 +59,19 @@ class Family:
     def build_layer(self, cfg: ModelConfig, index: int, w: Weights) -> nn.Module:
         raise NotImplementedError
 
+    def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Weight-name suffix -> shape the config implies (checked at load time)."""
+        H, hd, nh, nkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, \
+            cfg.intermediate_size
+        return {
+            "embed_tokens.weight": (cfg.vocab_size, H), "lm_head.weight": (cfg.vocab_size, H),
+            "model.norm.weight": (H,), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+            "q_proj.weight": (nh * hd * (2 if cfg.attn_output_gate else 1), H), "k_proj.weight": (nkv * hd, H),
+            "v_proj.weight": (nkv * hd, H), "o_proj.weight": (H, nh * hd), "q_norm.weight": (hd,),
+            "k_norm.weight": (hd,), "gate_proj.weight": (inter, H), "up_proj.weight": (inter, H),
+            "down_proj.weight": (H, inter),
+        }
+
     # --- shared parts -----------------------------------------------------------------
     def build_embedding(self, cfg: ModelConfig, w: Weights) -> nn.Module:
         return Embedding(w.get("model.embed_tokens.weight"))

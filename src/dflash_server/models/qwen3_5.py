@@ -61,6 +61,18 @@ class Qwen3_5Family(LlamaFamily):
         name = gguf_layer_name(hf_name) or gguf_name(hf_name, GGUF_LAYER_NAMES)
         return name, gguf_transform(hf_name, cfg)
 
+    def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        shapes = super().expected_shapes(cfg)
+        H, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * hk * dk + hv * dv
+        shapes.update({
+            "in_proj_qkv.weight": (conv_dim, H), "in_proj_z.weight": (hv * dv, H), "in_proj_b.weight": (hv, H),
+            "in_proj_a.weight": (hv, H), "conv1d.weight": (conv_dim, 1, cfg.linear_conv_kernel_dim),
+            "A_log": (hv,), "dt_bias": (hv,), "linear_attn.norm.weight": (dv,), "out_proj.weight": (H, hv * dv),
+        })
+        return shapes
+
     def build_mixer(self, cfg: ModelConfig, index: int, p: str, w: Weights):
         if cfg.layer_types[index] != "linear_attention":
             return self.build_attention(cfg, p, w)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ModelLoadError
 from ..layers.context import ForwardContext
 from ..layers.linear import Linear
 from ..layers.rope import RotaryTable
@@ -27,12 +28,17 @@ class _Weights:
 
     def __init__(self, source, device, dtype):
         self.source, self.device, self.dtype = source, device, dtype
+        self.shapes = source.family.expected_shapes(source.config)
 
     def has(self, name):
         return self.source.has(name)
 
     def get(self, name):
         t = self.source.get(name)
+        want = next((shape for suffix, shape in self.shapes.items() if name.endswith(suffix)), None)
+        if want is not None and tuple(t.shape) != tuple(want):
+            raise ModelLoadError(f"{self.source.path}: weight {name} has shape {tuple(t.shape)} but the "
+                                 f"model config implies {tuple(want)}")
         if t.is_floating_point():
             t = t.to(self.dtype)
         return t.to(self.device)

@@ -1,0 +1,102 @@
+"""Bad inputs to the CLI give one clear error line and a non-zero exit, never a traceback."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dflash_server", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_clean_error(res, needle):
+    assert res.returncode != 0
+    err = res.stderr.strip()
+    assert "Traceback" not in res.stderr, res.stderr
+    assert len(err.splitlines()) == 1, err
+    assert needle.lower() in err.lower(), err
+
+
+def gen(model, *extra):
+    return run_cli("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "2", *extra)
+
+
+def test_missing_model(tmp_path):
+    assert_clean_error(gen(tmp_path / "nope"), "no such file")
+
+
+def test_corrupt_gguf(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    assert_clean_error(gen(p), "gguf")
+    p.write_bytes(b"not a gguf at all")
+    assert_clean_error(gen(p), "gguf")
+
+
+def test_truncated_gguf(tmp_path):
+    from helpers.tiny import smollm2_gguf_path
+
+    data = smollm2_gguf_path().read_bytes()
+    p = tmp_path / "trunc.gguf"
+    p.write_bytes(data[: len(data) // 2])
+    assert_clean_error(gen(p), "truncated")
+
+
+def _copy_tiny(tiny_dir, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama"), dst)
+    return dst
+
+
+def test_dir_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_clean_error(gen(tmp_path / "empty"), "config.json")
+
+
+def test_unknown_architecture(tiny_dir, tmp_path):
+    d = _copy_tiny(tiny_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["FooForCausalLM"], "foo"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(gen(d), "unknown architecture")
+
+
+def test_shape_mismatch(tiny_dir, tmp_path):
+    d = _copy_tiny(tiny_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(gen(d), "shape")
+
+
+def test_truncated_safetensors(tiny_dir, tmp_path):
+    d = _copy_tiny(tiny_dir, tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    assert_clean_error(gen(d), "truncated")
+
+
+@pytest.mark.parametrize("devices,split,needle", [
+    ("cpu,cpu", "0,1", "> 0"), ("cpu,cpu", "-1,2", "error"), ("cpu,cpu", "1,2,3", "weights"),
+    ("cpu,cpu,cpu,cpu,cpu", None, "layer"), ("gpu0", None, "unknown device"),
+])
+def test_bad_placement(tiny_dir, devices, split, needle):
+    args = ["--target-devices", devices] + (["--target-layer-split", split] if split else [])
+    assert_clean_error(gen(tiny_dir("llama"), *args), needle)
+
+
+def test_bad_sampling_flag(tiny_dir):
+    assert_clean_error(gen(tiny_dir("llama"), "--top-p", "0"), "top_p")
+
+
+def test_generate_json_on_tiny_model(tiny_dir):
+    res = run_cli("generate", "--model", str(tiny_dir("llama")), "--prompt", "Hello", "--max-tokens", "5",
+                  "--ignore-eos", "--json", "--dtype", "fp32")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["completion_tokens"] == 5 == len(out["token_ids"])
+    assert out["prompt_tokens"] > 0
+    assert set(out["timings"]) >= {"prefill_s", "decode_s", "decode_tokens_per_s"}
