@@ -9,7 +9,7 @@ from dflash_server.runtime.placement import plan_placement
 from dflash_server.weights.loader import open_model
 
 
-def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: int = 512, quantize=False):
+def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: int = 512, quantize="dense"):
     src = open_model(path)
     shards = plan_placement(src.config.num_layers, ["cpu"] * stages, split)
     return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False)

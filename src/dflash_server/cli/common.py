@@ -27,13 +27,44 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps, xpu (default: cuda if present)")
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (default bf16; fp16 is very slow on CPU)")
-    g.add_argument("--quantize", default="auto", choices=["auto", "none", "int8"],
-                   help="weight-only int8 for linear layers (auto: int8 for quantized GGUF weights on CPU)")
+    g.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization of linear layers (auto: follow a quantized GGUF on CPU: "
+                        "4-bit types -> int4, other quantized types -> int8)")
     g.add_argument("--target-devices", help="comma-separated devices, one per shard (e.g. cpu,cpu or cuda:0,cuda:1)")
     g.add_argument("--target-layer-split", help="comma-separated relative layer counts per shard (e.g. 1,2)")
     g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _mode_for(gguf_type: str | None) -> str:
+    if gguf_type is None or gguf_type in FLOAT_TYPES:
+        return "dense"
+    return "int4" if gguf_type.startswith("Q4") else "int8"
+
+
+def quantize_plan(source, flag: str, cpu_bf16: bool) -> tuple[str, str]:
+    """(layers mode, LM head mode). ``auto`` keeps a quantized GGUF quantized on CPU: the
+    layers follow the majority type of layer 0's weights, the head its own stored type."""
+    if flag == "none":
+        return ("dense", "dense")
+    if flag in ("int8", "int4"):
+        return (flag, "int8")  # the LM head is the most sensitive matrix: keep it at 8 bits
+    if not cpu_bf16 or source.format != "gguf":
+        return ("dense", "dense")
+    names = [n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                         "mlp.down_proj.weight", "linear_attn.in_proj_qkv.weight", "linear_attn.out_proj.weight")
+             if source.has(f"model.layers.0.{n}")]
+    modes = [_mode_for(source.source_type(f"model.layers.0.{n}")) for n in names]
+    layer_mode = max(set(modes), key=modes.count) if modes else "dense"
+    head = "lm_head.weight" if source.has("lm_head.weight") and not source.config.tie_word_embeddings \
+        else "model.embed_tokens.weight"
+    head_mode = _mode_for(source.source_type(head))
+    return (layer_mode, "int8" if head_mode == "int4" else head_mode)
 
 
 def resolve_device(name: str) -> str:
@@ -66,11 +97,7 @@ def load_engine(args, progress: bool = True):
             raise UserError(f"device {d} requested but CUDA is not available")
     dtype = torch.bfloat16 if args.dtype == "auto" else DTYPES[args.dtype]
     max_ctx = args.max_ctx or min(cfg.max_position_embeddings, 8192)
-    if args.quantize == "auto":
-        quantized = source.format == "gguf" and source.source_type("model.layers.0.mlp.down_proj.weight") not in (
-            "F32", "F16", "BF16")
-        quantize = quantized and all(s.device == "cpu" for s in shards) and dtype != torch.float32
-    else:
-        quantize = args.quantize == "int8"
+    quantize = quantize_plan(source, args.quantize, all(s.device == "cpu" for s in shards) and
+                             dtype == torch.bfloat16)
     pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=progress)
     return source, pipeline, Engine(pipeline, chunk=args.chunk)

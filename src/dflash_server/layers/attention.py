@@ -52,6 +52,10 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim ** -0.5
 
     def new_state(self, max_ctx: int, device, dtype) -> KVState:
+        # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
+        # query over 300 keys), so the cache is fp32 there; elsewhere it is the compute dtype.
+        if torch.device(device).type == "cpu":
+            dtype = torch.float32
         shape = (1, self.nkv, max_ctx, self.hd)
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
@@ -59,25 +63,29 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x)
-        q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         gate = None
         if self.output_gate:
-            qg = q.view(B, T, self.nh, 2 * self.hd)
+            qg = qkv[..., :self.q_dim].view(B, T, self.nh, 2 * self.hd)
             q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(B, T, self.nh * self.hd)
-        q = q.reshape(B, T, self.nh, self.hd)
-        k = k.reshape(B, T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), ctx.cos, ctx.sin)  # (B, H, T, D)
-        k = apply_rope(k.transpose(1, 2), ctx.cos, ctx.sin)
-        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
-        state.k[:, :, ctx.start:ctx.end] = k
-        state.v[:, :, ctx.start:ctx.end] = v
+            k = qkv[..., self.q_dim:self.q_dim + self.kv_dim].view(B, T, self.nkv, self.hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, ctx.cos[:, None], ctx.sin[:, None]), apply_rope(k, ctx.cos[:, None], ctx.sin[:, None])
+        else:
+            # rotate q and k heads together: (B, T, nh + nkv, hd)
+            qk = qkv[..., :self.q_dim + self.kv_dim].view(B, T, self.nh + self.nkv, self.hd)
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, :, :self.nh]), self.k_norm(qk[:, :, self.nh:])], dim=2)
+            qk = apply_rope(qk, ctx.cos[:, None], ctx.sin[:, None])
+            q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
+        v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
+        state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
+        state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
         keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
         mask = ctx.causal_mask(x.device, self.window)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.nh != self.nkv)
-        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
+                                             scale=self.scale, enable_gqa=self.nh != self.nkv)
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)

@@ -1,10 +1,13 @@
-"""Linear layers with optional weight-only int8.
+"""Linear layers with optional weight-only int8 / int4.
 
 Batch-1 decode reads every weight once per token, so it is bound by memory bandwidth:
-int8 weights with per-output-channel scales halve the bytes read versus bf16, and
-``aten._weight_int8pack_mm`` is the fused CPU kernel for that (about 2x a bf16 GEMV on
-the reference 2-core machine). Fused projections (QKV, gate+up) are built by
-concatenating weights along the output dimension before quantizing.
+int8 weights with per-output-channel scales halve the bytes read versus bf16
+(``aten._weight_int8pack_mm``, about 2x a bf16 GEMV on the reference 2-core machine), and
+int4 with per-32-group scale and offset halves them again
+(``aten._weight_int4pack_mm_for_cpu``). The int4 format is the one of GGUF Q4_1
+(``w = scale * q + min``, q in 0..15), so Q4_0/Q4_1 weights map onto it without new rounding
+of q. Fused projections (QKV, gate+up) are concatenated along the output dimension before
+quantizing.
 """
 from __future__ import annotations
 
@@ -21,6 +24,24 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+INT4_GROUP = 32
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per-group 4-bit: returns (q int32 (N, K) in 0..15, scales_and_zeros (K/g, N, 2) fp32)
+    such that ``w ~= (q - 8) * scale + zero`` (the layout torch's int4 kernels use)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_supported(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.shape[0] % 16 == 0 and weight.shape[1] % INT4_GROUP == 0
+
+
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; ``W`` is (out, in) in the compute dtype, or int8 + scales."""
 
@@ -29,6 +50,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.scales: torch.Tensor | None = None
+        self.mode = "dense"  # | "int8" | "int4"
         self.out_features, self.in_features = weight.shape
 
     @classmethod
@@ -39,30 +61,36 @@ class Linear(nn.Module):
                               for w, b in zip(weights, biases)])
         return cls(torch.cat(weights, dim=0), bias)
 
-    def quantize_(self) -> None:
-        """Convert in place to weight-only int8 (no-op if already quantized)."""
-        if self.scales is not None:
+    def quantize_(self, mode: str = "int8") -> None:
+        """Convert in place to weight-only ``int8`` or ``int4`` (int4 falls back to int8 where
+        the kernel's shape rules or the device do not allow it). No-op if already quantized."""
+        if self.mode != "dense" or mode == "dense":
             return
         dtype = self.weight.dtype
+        if mode == "int4" and int4_supported(self.weight):
+            q, sz = quantize_int4(self.weight)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.scales = sz.to(dtype)
+            self.mode = "int4"
+            return
         q, s = quantize_int8(self.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.scales = s.to(dtype)  # the kernel wants scales in the activation dtype
-        self._compute_dtype = dtype
-
-    @property
-    def is_int8(self) -> bool:
-        return self.scales is not None
+        self.mode = "int8"
 
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.scales is None else self.scales.numel() * self.scales.element_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scales is None:
+        if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu":
+        if self.mode == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, INT4_GROUP, self.scales)
+        elif x2.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # no fused kernel assumed elsewhere: dequantize on the fly
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales

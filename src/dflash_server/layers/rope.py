@@ -45,21 +45,19 @@ class RotaryTable:
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_pos, rotary_dim)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one op instead of four
+        half = rotary_dim // 2
+        self.sin = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1).to(device=device, dtype=dtype)
 
     def rows(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[start:start + length], self.sin[start:start + length]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); cos/sin: (T, rotary_dim). Rotates the first rotary_dim dims."""
+    """x: (..., T, H, D) or (..., H, T, D) with cos/sin broadcastable to it (rows of
+    ``RotaryTable``; ``sin`` is the signed table). Rotates the first rotary_dim dims."""
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + x.roll(rd // 2, dims=-1) * sin
     rot, rest = x[..., :rd], x[..., rd:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+    return torch.cat((rot * cos + rot.roll(rd // 2, dims=-1) * sin, rest), dim=-1)

@@ -102,7 +102,7 @@ class TargetPipeline:
 
 
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
-                   quantize: bool = False, progress: bool = True) -> TargetPipeline:
+                   quantize: str | tuple[str, str] = "dense", progress: bool = True) -> TargetPipeline:
     """Build one LocalStage per shard; each reads only its own layers' weights."""
     bar = tqdm(total=source.config.num_layers, desc="loading weights", unit="layer", disable=None if progress else True,  # None: only on a terminal
                leave=False)

@@ -46,7 +46,9 @@ class _Weights:
 
 class LocalStage:
     def __init__(self, source, begin: int, end: int, device: str, dtype: torch.dtype, max_ctx: int,
-                 *, is_first: bool, is_last: bool, quantize: bool = False, on_layer=None):
+                 *, is_first: bool, is_last: bool, quantize: str | tuple[str, str] = "dense", on_layer=None):
+        """``quantize``: mode for all linears, or (layers mode, LM head mode); modes are
+        "dense", "int8", "int4"."""
         cfg = source.config
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
@@ -60,9 +62,9 @@ class LocalStage:
                 on_layer()
         self.final_norm = fam.build_final_norm(cfg, w) if is_last else None
         self.lm_head = fam.build_lm_head(cfg, w) if is_last else None
-        if quantize:
-            for mod in self._linears():
-                mod.quantize_()
+        layer_mode, head_mode = (quantize, quantize) if isinstance(quantize, str) else quantize
+        for mod in self._linears():
+            mod.quantize_(head_mode if mod is self.lm_head else layer_mode)
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
         self.states = [layer.new_state(max_ctx, self.device, dtype) for layer in self.layers]
