@@ -34,6 +34,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-layer-split", help="comma-separated relative layer counts per shard (e.g. 1,2)")
     g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -100,4 +102,6 @@ def load_engine(args, progress: bool = True):
     quantize = quantize_plan(source, args.quantize, all(s.device == "cpu" for s in shards) and
                              dtype == torch.bfloat16)
     pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=progress)
+    if args.compile:
+        pipeline.compile_decode()
     return source, pipeline, Engine(pipeline, chunk=args.chunk)

@@ -57,6 +57,10 @@ class TargetPipeline:
                 caps.setdefault(k, []).append(v)
         return PipelineOutput(out.logits, {k: torch.cat(v, dim=1) for k, v in caps.items()})
 
+    def compile_decode(self) -> None:
+        for st in self.stages:
+            st.compile_decode()
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].project(hidden)
 

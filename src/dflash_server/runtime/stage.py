@@ -70,7 +70,17 @@ class LocalStage:
         self.states = [layer.new_state(max_ctx, self.device, dtype) for layer in self.layers]
         self.length = 0
         self._ckpt_length: int | None = None
+        self._decode_fn = None
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def compile_decode(self) -> None:
+        """Use a torch.compile'd layer loop for single-token steps (fuses the small
+        elementwise ops between the matmuls; positions are dynamic, so it compiles once)."""
+        def run_layers(h, ctx):
+            for layer, state in zip(self.layers, self.states):
+                h = layer(h, ctx, state)
+            return h
+        self._decode_fn = torch.compile(run_layers, dynamic=True)
 
     def _linears(self):
         mods = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
@@ -97,10 +107,13 @@ class LocalStage:
         cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
         caps = {}
-        for layer, state in zip(self.layers, self.states):
-            h = layer(h, ctx, state)
-            if layer.index in capture:
-                caps[layer.index] = h
+        if self._decode_fn is not None and T == 1 and not capture and not ctx.record:
+            h = self._decode_fn(h, ctx)
+        else:
+            for layer, state in zip(self.layers, self.states):
+                h = layer(h, ctx, state)
+                if layer.index in capture:
+                    caps[layer.index] = h
         self.length = start + T
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
