@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run)
 
@@ -50,16 +51,18 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
     try:
-        req = GenerationRequest(tuple(ids), sampling, args.max_tokens, ignore_eos=args.ignore_eos)
+        req = GenerationRequest(tuple(ids), sampling, args.max_tokens, ignore_eos=args.ignore_eos,
+                                stop=tuple(args.stop))
     except ValueError as e:
         raise UserError(str(e)) from None
 
-    def stream(text: str):
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    def stream(ev):
+        if ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
 
     try:
-        res = engine.generate(req, on_text=None if args.json else stream)
+        res = engine.generate(req, on_event=None if args.json else stream)
     except ValueError as e:
         raise UserError(str(e)) from None
     if args.json:

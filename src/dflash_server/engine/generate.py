@@ -1,7 +1,8 @@
 """The generation loop (one sequence at a time): prefill, then decode until a stop.
 
-Speculative decoding and prefix caching plug in here later without changing the
-request/result types, so callers (CLI, HTTP server) stay the same.
+Callers (CLI, HTTP server) see only ``GenerationRequest`` -> ``TokenEvent``s ->
+``GenerationResult``; speculative decoding and prefix caching plug in underneath. The
+engine is not thread-safe: one generation at a time (the server queues requests).
 """
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from .detok import IncrementalDetokenizer
 from .sampling import Sampler, SamplingParams
+from .stops import StopStringMatcher
+
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -20,12 +26,26 @@ class GenerationRequest:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()          # stop strings: generation ends there, excluded from text
+    logprobs: int | None = None         # None: off; k >= 0: chosen token + k alternatives
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("prompt is empty")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``text`` is the text released with it: possibly empty (an
+    incomplete UTF-8 character or a possible stop-string prefix is held back)."""
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -36,6 +56,9 @@ class GenerationResult:
     prompt_tokens: int
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    cached_tokens: int = 0      # prompt tokens restored from a cache instead of prefilled
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    logprobs: list[TokenEvent] | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -54,52 +77,99 @@ class GenerationResult:
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
 
 
+class _Output:
+    """Turns sampled tokens into events, text and a finish decision."""
+
+    def __init__(self, engine: "Engine", req: GenerationRequest, on_event):
+        self.req, self.on_event = req, on_event
+        self.stop_ids = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            self.stop_ids |= set(engine.tokenizer.eos_token_ids)
+        self.detok = IncrementalDetokenizer(engine.tokenizer, skip_ids=tuple(self.stop_ids))
+        self.stops = StopStringMatcher(req.stop)
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []
+        self.events: list[TokenEvent] | None = [] if req.logprobs is not None else None
+        self.finish: str | None = None
+        self.stop_reason = None
+
+    def add(self, token: int, logits: torch.Tensor | None) -> bool:
+        """Record one token (``logits``: the distribution it was chosen from, for logprobs).
+        Returns True when generation must end."""
+        self.tokens.append(token)
+        ev = TokenEvent(token, "")
+        if self.req.logprobs is not None and logits is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            ev.logprob = float(lp[token])
+            if self.req.logprobs:
+                top = torch.topk(lp, self.req.logprobs)
+                ev.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+        if token in self.stop_ids:
+            self.finish, self.stop_reason = "stop", token
+        else:
+            text, stopped = self.stops.push(self.detok.push(token))
+            ev.text = text
+            if stopped:
+                self.finish, self.stop_reason = "stop", self.stops.matched
+            elif len(self.tokens) >= self.req.max_tokens:
+                self.finish = "length"
+        self._emit(ev)
+        return self.finish is not None
+
+    def _emit(self, ev: TokenEvent):
+        if ev.text:
+            self.pieces.append(ev.text)
+        if self.events is not None:
+            self.events.append(ev)
+        if self.on_event:
+            self.on_event(ev)
+
+    def close(self, finish: str) -> None:
+        """Release held-back text unless a stop string ended generation."""
+        self.finish = self.finish or finish
+        if self.stops.matched is None:
+            tail = self.stops.push(self.detok.flush())[0] + self.stops.flush()
+            if tail:
+                self.pieces.append(tail)
+                if self.on_event:
+                    self.on_event(TokenEvent(-1, tail))  # text-only event: no new token
+
+
 class Engine:
     def __init__(self, pipeline, *, chunk: int = 512):
         self.pipeline = pipeline
         self.tokenizer = pipeline.tokenizer
         self.chunk = chunk
 
-    def generate(self, req: GenerationRequest, on_text: Callable[[str], None] | None = None,
+    def generate(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+        """Run one request to completion. ``on_event`` gets each token as it is produced
+        (``token_id == -1`` marks a final text-only flush); ``cancelled`` is polled once per
+        decode step and ends generation with finish_reason "cancelled"."""
         pipe, prompt = self.pipeline, list(req.prompt_ids)
-        if len(prompt) + 1 > pipe.max_ctx:
+        if len(prompt) >= pipe.max_ctx:
             raise ValueError(f"prompt has {len(prompt)} tokens; the context size is {pipe.max_ctx}")
-        stop_ids = set(req.stop_token_ids)
-        if not req.ignore_eos:
-            stop_ids |= set(self.tokenizer.eos_token_ids)
         sampler = Sampler(req.sampling, pipe.config.vocab_size, pipe.device, prompt)
-        detok = IncrementalDetokenizer(self.tokenizer, skip_ids=tuple(stop_ids))
-        pieces: list[str] = []
-
-        def emit(text: str):
-            if text:
-                pieces.append(text)
-                if on_text:
-                    on_text(text)
-
+        out = _Output(self, req, on_event)
         t0 = time.perf_counter()
         pipe.reset()
         logits = pipe.prefill(prompt, chunk=self.chunk).logits[-1]
         t1 = time.perf_counter()
-        out: list[int] = []
-        finish = "length"
         pos = len(prompt)
+        finish = "length"
         while True:
             tok = sampler.sample(logits)
             sampler.accept(tok)
-            out.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
+            if out.add(tok, logits):
                 break
-            emit(detok.push(tok))
-            if len(out) >= req.max_tokens or pos + 1 >= pipe.max_ctx:
+            if pos + 1 >= pipe.max_ctx:
                 break
             if cancelled is not None and cancelled():
                 finish = "cancelled"
                 break
             logits = pipe.forward([tok], pos).logits[-1]
             pos += 1
-        emit(detok.flush())
+        out.close(finish)
         t2 = time.perf_counter()
-        return GenerationResult(out, "".join(pieces), finish, len(prompt), t1 - t0, t2 - t1)
+        return GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(prompt), t1 - t0, t2 - t1,
+                                stop_reason=out.stop_reason, logprobs=out.events)
