@@ -75,3 +75,16 @@ def test_eos_stops_unless_ignored(engine):
     r = engine.generate(GenerationRequest(tuple(ids), max_tokens=10, stop_token_ids=(first,)))
     assert r.finish_reason == "stop" and r.token_ids == [first] and r.text == ""
     assert eos in engine.tokenizer.eos_token_ids
+
+
+def test_think_budget_forces_close(engine):
+    tok = engine.tokenizer
+    ids = prompt_ids(engine.pipeline, 12)
+    close = tuple(tok.encode("</think>"))
+    free = engine.generate(GenerationRequest(tuple(ids), max_tokens=20, ignore_eos=True)).token_ids
+    r = engine.generate(GenerationRequest(tuple(ids), max_tokens=20, ignore_eos=True, think_budget=4,
+                                          think_open=True, think_close_ids=close))
+    # 4 free thinking tokens, then the forced close, then generation continues
+    assert r.token_ids[:4] == free[:4]
+    assert tuple(r.token_ids[4:4 + len(close)]) == close
+    assert len(r.token_ids) == 20

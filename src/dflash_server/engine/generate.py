@@ -28,6 +28,13 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()          # stop strings: generation ends there, excluded from text
     logprobs: int | None = None         # None: off; k >= 0: chosen token + k alternatives
+    # reasoning budget: at most ``think_budget`` tokens inside <think>..</think>, then the
+    # engine force-feeds ``think_close_ids`` (e.g. the tokens of "\n</think>\n\n")
+    think_budget: int | None = None
+    think_open: bool = False            # the prompt ends inside an open think block
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+    think_close_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -36,6 +43,36 @@ class GenerationRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.think_budget is not None and (self.think_budget < 0 or not self.think_close_ids):
+            raise ValueError("think_budget needs a non-negative budget and think_close_ids")
+
+
+class ThinkBudget:
+    """Counts tokens inside the think block and says which tokens to force when the
+    budget runs out."""
+
+    def __init__(self, req: GenerationRequest):
+        self.req = req
+        self.inside = req.think_open
+        self.used = 0
+        self.forced: list[int] = []
+
+    def next_forced(self) -> int | None:
+        r = self.req
+        if r.think_budget is None:
+            return None
+        if not self.forced and self.inside and self.used >= r.think_budget:
+            self.forced = list(r.think_close_ids)
+        return self.forced.pop(0) if self.forced else None
+
+    def observe(self, token: int) -> None:
+        r = self.req
+        if token == r.think_start_id:
+            self.inside = True
+        elif token == r.think_end_id:
+            self.inside = False
+        elif self.inside:
+            self.used += 1
 
 
 @dataclass
@@ -157,8 +194,12 @@ class Engine:
         t1 = time.perf_counter()
         pos = len(prompt)
         finish = "length"
+        think = ThinkBudget(req)
         while True:
-            tok = sampler.sample(logits)
+            tok = think.next_forced()
+            if tok is None:
+                tok = sampler.sample(logits)
+            think.observe(tok)
             sampler.accept(tok)
             if out.add(tok, logits):
                 break
