@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from .detok import IncrementalDetokenizer
+from .output import OutputBuilder, ThinkBudget, TokenEvent
 from .sampling import Sampler, SamplingParams
-from .stops import StopStringMatcher
+from .speculative import SpecStats, speculative_decode
 
 MAX_TOP_LOGPROBS = 20
 
@@ -47,44 +47,6 @@ class GenerationRequest:
             raise ValueError("think_budget needs a non-negative budget and think_close_ids")
 
 
-class ThinkBudget:
-    """Counts tokens inside the think block and says which tokens to force when the
-    budget runs out."""
-
-    def __init__(self, req: GenerationRequest):
-        self.req = req
-        self.inside = req.think_open
-        self.used = 0
-        self.forced: list[int] = []
-
-    def next_forced(self) -> int | None:
-        r = self.req
-        if r.think_budget is None:
-            return None
-        if not self.forced and self.inside and self.used >= r.think_budget:
-            self.forced = list(r.think_close_ids)
-        return self.forced.pop(0) if self.forced else None
-
-    def observe(self, token: int) -> None:
-        r = self.req
-        if token == r.think_start_id:
-            self.inside = True
-        elif token == r.think_end_id:
-            self.inside = False
-        elif self.inside:
-            self.used += 1
-
-
-@dataclass
-class TokenEvent:
-    """One generated token. ``text`` is the text released with it: possibly empty (an
-    incomplete UTF-8 character or a possible stop-string prefix is held back)."""
-    token_id: int
-    text: str
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
 @dataclass
 class GenerationResult:
     token_ids: list[int]
@@ -114,69 +76,13 @@ class GenerationResult:
                 "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
 
 
-class _Output:
-    """Turns sampled tokens into events, text and a finish decision."""
-
-    def __init__(self, engine: "Engine", req: GenerationRequest, on_event):
-        self.req, self.on_event = req, on_event
-        self.stop_ids = set(req.stop_token_ids)
-        if not req.ignore_eos:
-            self.stop_ids |= set(engine.tokenizer.eos_token_ids)
-        self.detok = IncrementalDetokenizer(engine.tokenizer, skip_ids=tuple(self.stop_ids))
-        self.stops = StopStringMatcher(req.stop)
-        self.tokens: list[int] = []
-        self.pieces: list[str] = []
-        self.events: list[TokenEvent] | None = [] if req.logprobs is not None else None
-        self.finish: str | None = None
-        self.stop_reason = None
-
-    def add(self, token: int, logits: torch.Tensor | None) -> bool:
-        """Record one token (``logits``: the distribution it was chosen from, for logprobs).
-        Returns True when generation must end."""
-        self.tokens.append(token)
-        ev = TokenEvent(token, "")
-        if self.req.logprobs is not None and logits is not None:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            ev.logprob = float(lp[token])
-            if self.req.logprobs:
-                top = torch.topk(lp, self.req.logprobs)
-                ev.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
-        if token in self.stop_ids:
-            self.finish, self.stop_reason = "stop", token
-        else:
-            text, stopped = self.stops.push(self.detok.push(token))
-            ev.text = text
-            if stopped:
-                self.finish, self.stop_reason = "stop", self.stops.matched
-            elif len(self.tokens) >= self.req.max_tokens:
-                self.finish = "length"
-        self._emit(ev)
-        return self.finish is not None
-
-    def _emit(self, ev: TokenEvent):
-        if ev.text:
-            self.pieces.append(ev.text)
-        if self.events is not None:
-            self.events.append(ev)
-        if self.on_event:
-            self.on_event(ev)
-
-    def close(self, finish: str) -> None:
-        """Release held-back text unless a stop string ended generation."""
-        self.finish = self.finish or finish
-        if self.stops.matched is None:
-            tail = self.stops.push(self.detok.flush())[0] + self.stops.flush()
-            if tail:
-                self.pieces.append(tail)
-                if self.on_event:
-                    self.on_event(TokenEvent(-1, tail))  # text-only event: no new token
-
-
 class Engine:
-    def __init__(self, pipeline, *, chunk: int = 512):
+    def __init__(self, pipeline, *, chunk: int = 512, proposer=None):
+        """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding)."""
         self.pipeline = pipeline
         self.tokenizer = pipeline.tokenizer
         self.chunk = chunk
+        self.proposer = proposer
 
     def generate(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
@@ -187,14 +93,21 @@ class Engine:
         if len(prompt) >= pipe.max_ctx:
             raise ValueError(f"prompt has {len(prompt)} tokens; the context size is {pipe.max_ctx}")
         sampler = Sampler(req.sampling, pipe.config.vocab_size, pipe.device, prompt)
-        out = _Output(self, req, on_event)
+        out = OutputBuilder(self.tokenizer, req, on_event)
+        spec = self.proposer
         t0 = time.perf_counter()
         pipe.reset()
-        logits = pipe.prefill(prompt, chunk=self.chunk).logits[-1]
+        pre = pipe.prefill(prompt, chunk=self.chunk, capture=spec.taps if spec else ())
+        logits = pre.logits[-1]
+        if spec:
+            spec.reset()
+            spec.add_context(pre.captures, 0)
         t1 = time.perf_counter()
         pos = len(prompt)
         finish = "length"
         think = ThinkBudget(req)
+        if spec:
+            return self._speculative(req, sampler, out, think, logits, pos, cancelled, t0, t1)
         while True:
             tok = think.next_forced()
             if tok is None:
@@ -210,7 +123,25 @@ class Engine:
                 break
             logits = pipe.forward([tok], pos).logits[-1]
             pos += 1
+        return self._result(out, finish, req, t0, t1)
+
+    def _speculative(self, req, sampler, out, think, logits, pos, cancelled, t0, t1) -> GenerationResult:
+        stats = SpecStats(self.proposer.block_size)
+        tok = think.next_forced()
+        if tok is None:
+            tok = sampler.sample(logits)
+        think.observe(tok)
+        sampler.accept(tok)
+        finish = "stop"
+        if not out.add(tok, logits):
+            finish = speculative_decode(self.pipeline, self.proposer, sampler, out, think, tok, pos,
+                                        req.max_tokens, stats, cancelled)
+        res = self._result(out, finish, req, t0, t1)
+        res.extra["spec"] = stats.to_dict()
+        return res
+
+    def _result(self, out, finish, req, t0, t1) -> GenerationResult:
         out.close(finish)
         t2 = time.perf_counter()
-        return GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(prompt), t1 - t0, t2 - t1,
-                                stop_reason=out.stop_reason, logprobs=out.events)
+        return GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(req.prompt_ids), t1 - t0,
+                                t2 - t1, stop_reason=out.stop_reason, logprobs=out.events)

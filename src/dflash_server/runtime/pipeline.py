@@ -61,6 +61,11 @@ class TargetPipeline:
         for st in self.stages:
             st.compile_decode()
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token embeddings (the draft borrows them): (1, T) -> (1, T, H)."""
+        with torch.inference_mode():
+            return self.stages[0].embed(ids.to(self.stages[0].device))
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].project(hidden)
 

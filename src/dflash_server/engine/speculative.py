@@ -1,0 +1,90 @@
+"""DFlash speculative decoding loop (one sequence).
+
+Each step: the proposer drafts ``B-1`` tokens after the anchor in one pass; the target
+verifies ``[anchor, drafts]`` in one forward (capturing the tapped layers); tokens are taken
+from the target's own distribution position by position (argmax, or sampled with the
+request's settings and RNG), and drafts are accepted while they equal them. So the output
+is exactly what plain decoding would produce: token for token under greedy, in distribution
+under sampling. Rejected positions are rolled back (KV crop; recurrent state replay) and the
+committed positions' features extend the draft's context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    block_size: int
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    committed: int = 0
+    histogram: list[int] = field(default_factory=list)  # [k] = steps that accepted exactly k drafts
+
+    def __post_init__(self):
+        if not self.histogram:
+            self.histogram = [0] * self.block_size
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.committed += accepted + 1
+        self.histogram[accepted] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per verify step (tau), bonus token included."""
+        return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def position_acceptance(self) -> list[float]:
+        """[k] = fraction of steps whose draft k+1 was accepted."""
+        n = max(1, self.steps)
+        return [sum(self.histogram[k + 1:]) / n for k in range(self.block_size - 1)]
+
+    def to_dict(self) -> dict:
+        return {"block_size": self.block_size, "steps": self.steps, "proposed": self.proposed,
+                "accepted": self.accepted, "acceptance_length": round(self.acceptance_length, 4),
+                "accept_rate": round(self.accept_rate, 4), "accept_histogram": list(self.histogram),
+                "position_acceptance": [round(x, 4) for x in self.position_acceptance()]}
+
+
+def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: int, max_tokens: int,
+                       stats: SpecStats, cancelled=None) -> str:
+    """Continue after ``anchor`` (already emitted, at position ``pos``, not yet in the
+    target cache). Returns the finish reason when the output builder did not decide one."""
+    taps = proposer.taps
+    while True:
+        block = min(proposer.block_size, max_tokens - len(out.tokens), pipe.max_ctx - pos)
+        if block < 1:
+            return "length"
+        if cancelled is not None and cancelled():
+            return "cancelled"
+        drafts = proposer.propose(anchor, pos, block)
+        pipe.checkpoint()
+        verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=taps)
+        acc, done, tok = 0, False, anchor
+        for i in range(block):
+            row = verify.logits[i]
+            tok = think.next_forced()
+            if tok is None:
+                tok = sampler.sample(row)
+            think.observe(tok)
+            sampler.accept(tok)
+            done = out.add(tok, row)
+            if done or i == block - 1 or drafts[i] != tok:
+                break
+            acc += 1
+        # positions pos .. pos+acc (anchor + accepted drafts) are committed
+        pipe.rollback(pos + acc + 1)
+        proposer.add_context(verify.captures, pos, acc + 1)
+        stats.record(block - 1, acc)
+        if done:
+            return out.finish
+        pos += acc + 1
+        anchor = tok

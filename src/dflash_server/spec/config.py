@@ -1,0 +1,118 @@
+"""DFlash draft configuration in the z-lab checkpoint format (config.json).
+
+Accepts the format variants seen in published drafts: ``block_size`` at the top level or in
+``dflash_config``; ``rope_theta`` flat or under ``rope_parameters``; ``layer_types`` with
+per-layer sliding windows; ``target_layer_ids`` defaulting to the paper's uniform spread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """Uniform from layer 1 to layer L-3 (one tap: the middle layer)."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    # per layer: (causal, window or None). Full attention layers are non-causal (the block
+    # attends bidirectionally); sliding layers are causal with a window (vLLM's rule).
+    layer_attention: tuple[tuple[bool, int | None], ...] = ()
+    num_target_layers: int | None = None
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"draft config: {name} must be positive")
+        if self.block_size < 2:
+            raise ValueError(f"draft config: block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("draft config: target_layer_ids is empty")
+        if not self.layer_attention:
+            object.__setattr__(self, "layer_attention", ((False, None),) * self.num_layers)
+        if len(self.layer_attention) != self.num_layers:
+            raise ValueError("draft config: layer_types has the wrong length")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "DraftConfig":
+        dc = dict(cfg.get("dflash_config") or {})
+        try:
+            hidden = int(cfg["hidden_size"])
+            nh = int(cfg["num_attention_heads"])
+            n_layers = int(cfg["num_hidden_layers"])
+        except KeyError as e:
+            raise ValueError(f"draft config: missing {e.args[0]}") from None
+        block = dc.get("block_size", cfg.get("block_size"))
+        if block is None:
+            raise ValueError("draft config: no block_size (top level or dflash_config)")
+        mask = dc.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask is None:
+            raise ValueError("draft config: no dflash_config.mask_token_id")
+        n_target = cfg.get("num_target_layers")
+        taps = dc.get("target_layer_ids") or cfg.get("target_layer_ids")
+        if not taps:
+            if n_target is None:
+                raise ValueError("draft config: no target_layer_ids and no num_target_layers")
+            taps = default_target_layer_ids(int(n_target), int(dc.get("num_target_features", 5)))
+        params = dict(cfg.get("rope_parameters") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+        window = cfg.get("sliding_window")
+        forced = dc.get("causal", cfg.get("is_causal"))
+        types = cfg.get("layer_types")
+        attn = []
+        for i in range(n_layers):
+            if types:
+                sliding = types[i] == "sliding_attention"
+                causal, win = (sliding, int(window) if sliding and window else None)
+            elif dc.get("use_swa") and window:  # MiMo-style: non-causal SWA everywhere
+                causal, win = False, int(window)
+            else:
+                causal, win = False, None
+            if forced is not None:
+                causal = bool(forced)
+            attn.append((causal, win))
+        return cls(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]), num_layers=n_layers,
+                   num_heads=nh, num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+                   head_dim=int(cfg.get("head_dim") or hidden // nh), block_size=int(block),
+                   mask_token_id=int(mask), target_layer_ids=tuple(int(t) for t in taps),
+                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+                   layer_attention=tuple(attn), num_target_layers=int(n_target) if n_target is not None else None,
+                   attention_bias=bool(cfg.get("attention_bias", False)))
+
+    def to_dict(self) -> dict:
+        """config.json in the z-lab format."""
+        types = ["sliding_attention" if w else "full_attention" for _, w in self.layer_attention]
+        window = next((w for _, w in self.layer_attention if w), None)
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "hidden_act": "silu", "attention_bias": self.attention_bias, "layer_types": types,
+            "sliding_window": window, "use_sliding_window": window is not None,
+            "num_target_layers": self.num_target_layers, "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size},
+        }

@@ -1,0 +1,247 @@
+"""The DFlash draft model: a small Qwen3-style decoder that drafts a whole block in one pass.
+
+It has no embedding and no LM head (it borrows the target's). Every layer's keys/values are
+``[K/V of the context ; K/V of the block]``: the context is one vector per committed token,
+``hidden_norm(fc(concat of tapped target-layer outputs))``, projected by that layer's own
+k/v projections (no input norm) and cached; the block is ``[anchor, MASK x (B-1)]``.
+Queries come only from the block, which attends bidirectionally (full layers) or causally
+within a window (sliding layers). Output position k predicts the token at position k.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import Linear
+from ..layers.mlp import SwiGLU
+from ..layers.norms import RMSNorm
+from ..layers.rope import RotaryTable, apply_rope
+from .config import DraftConfig
+
+
+def attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool, window: int | None):
+    """Bool (T, S) "may attend" mask. Keys with ``k_block == -1`` are context: visible when
+    strictly before the query's anchor. Block keys are visible within the same block; causal
+    layers also require ``k_pos <= q_pos``; windowed layers ``k_pos > q_pos - window``."""
+    ctx = (k_block[None, :] == -1) & (k_pos[None, :] < q_anchor[:, None])
+    blk = k_block[None, :] == q_block[:, None]
+    m = ctx | blk
+    if causal:
+        m = m & (k_pos[None, :] <= q_pos[:, None])
+    if window:
+        m = m & (k_pos[None, :] > q_pos[:, None] - window)
+    return m
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, index: int, get):
+        super().__init__()
+        p = f"layers.{index}."
+        eps = cfg.rms_norm_eps
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.input_layernorm = RMSNorm(get(p + "input_layernorm.weight"), eps)
+        self.post_attention_layernorm = RMSNorm(get(p + "post_attention_layernorm.weight"), eps)
+        a = p + "self_attn."
+        self.q_proj = Linear(get(a + "q_proj.weight"))
+        self.kv_proj = Linear.fused([get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+        self.o_proj = Linear(get(a + "o_proj.weight"))
+        self.q_norm = RMSNorm(get(a + "q_norm.weight"), eps)
+        self.k_norm = RMSNorm(get(a + "k_norm.weight"), eps)
+        self.mlp = SwiGLU(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"),
+                          get(p + "mlp.down_proj.weight"))
+        self.causal, self.window = cfg.layer_attention[index]
+
+    def project_kv(self, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (1, T, H) -> roped k, v as (1, nkv, T, hd)."""
+        B, T, _ = h.shape
+        kv = self.kv_proj(h).view(B, T, 2 * self.nkv, self.hd)
+        k = apply_rope(self.k_norm(kv[:, :, :self.nkv]), cos[:, None], sin[:, None])
+        return k.transpose(1, 2), kv[:, :, self.nkv:].transpose(1, 2)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        B, T, _ = x.shape
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_norm(self.q_proj(h).view(B, T, self.nh, self.hd)), cos[:, None], sin[:, None])
+        k, v = self.project_kv(h, cos, sin)
+        keys = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
+        values = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
+                                             enable_gqa=self.nh != self.nkv)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DraftContext:
+    """Cached context K/V per layer for positions [0, length)."""
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], device="cpu",
+                 dtype=torch.bfloat16, max_ctx: int = 4096):
+        super().__init__()
+        self.cfg, self.device, self.dtype, self.max_ctx = cfg, torch.device(device), dtype, max_ctx
+
+        def get(name):
+            if name not in tensors:
+                raise ValueError(f"draft weights: missing tensor {name}")
+            return tensors[name].to(self.device, dtype)
+        H = cfg.hidden_size
+        expect = {"fc.weight": (H, cfg.num_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+        for name, shape in expect.items():
+            if name not in tensors:
+                raise ValueError(f"draft weights: missing tensor {name}")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"draft weights: {name} has shape {tuple(tensors[name].shape)}, the config "
+                                 f"implies {shape}")
+        self.fc = Linear(get("fc.weight"))
+        self.hidden_norm = RMSNorm(get("hidden_norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(get("norm.weight"), cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i, get) for i in range(cfg.num_layers))
+        self.rope = RotaryTable(cfg.head_dim, cfg.head_dim, cfg.rope_theta, max_ctx + cfg.block_size,
+                                cfg.rope_scaling, self.device, dtype)
+        # like the target's KV on CPU: fp32 attention is much faster there
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        self.context = self._empty_context()
+
+    # --- construction ---------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, device="cpu", dtype=torch.bfloat16, max_ctx: int = 4096) -> "DFlashDraft":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"{path}: no config.json (not a DFlash draft directory)")
+        try:
+            cfg = DraftConfig.from_dict(json.loads(cfg_file.read_text()))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{cfg_file}: {e}") from None
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors weights")
+        tensors = {}
+        for f in files:
+            try:
+                tensors.update(load_file(str(f)))
+            except Exception as e:
+                raise ValueError(f"{f}: corrupt or truncated safetensors ({e})") from None
+        tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+        return cls(cfg, tensors, device, dtype, max_ctx)
+
+    @staticmethod
+    def random_tensors(cfg: DraftConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=g) * std
+        t = {"fc.weight": rnd(H, cfg.num_taps * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            t.update({p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+                      p + "self_attn.q_proj.weight": rnd(cfg.num_heads * hd, H),
+                      p + "self_attn.k_proj.weight": rnd(cfg.num_kv_heads * hd, H),
+                      p + "self_attn.v_proj.weight": rnd(cfg.num_kv_heads * hd, H),
+                      p + "self_attn.o_proj.weight": rnd(H, cfg.num_heads * hd),
+                      p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+                      p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H),
+                      p + "mlp.down_proj.weight": rnd(H, I)})
+        return t
+
+    def zlab_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the z-lab checkpoint names (for export)."""
+        out = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm.weight,
+               "norm.weight": self.norm.weight}
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            kv = layer.kv_proj.weight
+            nk = layer.nkv * layer.hd
+            out.update({p + "input_layernorm.weight": layer.input_layernorm.weight,
+                        p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+                        p + "self_attn.q_proj.weight": layer.q_proj.weight, p + "self_attn.k_proj.weight": kv[:nk],
+                        p + "self_attn.v_proj.weight": kv[nk:], p + "self_attn.o_proj.weight": layer.o_proj.weight,
+                        p + "self_attn.q_norm.weight": layer.q_norm.weight,
+                        p + "self_attn.k_norm.weight": layer.k_norm.weight,
+                        p + "mlp.gate_proj.weight": layer.mlp.gate_up.weight[:layer.mlp.inter],
+                        p + "mlp.up_proj.weight": layer.mlp.gate_up.weight[layer.mlp.inter:],
+                        p + "mlp.down_proj.weight": layer.mlp.down.weight})
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+    def check_target(self, num_target_layers: int, hidden_size: int, vocab_size: int) -> None:
+        """Clear errors for a draft that does not fit the target."""
+        c = self.cfg
+        if c.hidden_size != hidden_size:
+            raise ValueError(f"draft hidden_size {c.hidden_size} != target hidden_size {hidden_size}")
+        bad = [t for t in c.target_layer_ids if not 0 <= t < num_target_layers]
+        if bad:
+            raise ValueError(f"draft target_layer_ids {bad} outside the target's {num_target_layers} layers")
+        if not 0 <= c.mask_token_id < vocab_size:
+            raise ValueError(f"draft mask_token_id {c.mask_token_id} outside the target vocabulary ({vocab_size})")
+
+    # --- context (committed tokens' features) -------------------------------------------
+    def _empty_context(self) -> DraftContext:
+        shape = (1, self.cfg.num_kv_heads, self.max_ctx, self.cfg.head_dim)
+        return DraftContext([torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in self.layers],
+                            [torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in self.layers])
+
+    def reset(self) -> None:
+        self.context.length = 0
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """(1, n, taps*H) tapped target outputs -> (1, n, H) context vectors."""
+        return self.hidden_norm(self.fc(features.to(self.device, self.dtype)))
+
+    @torch.inference_mode()
+    def append_context(self, features: torch.Tensor, start: int) -> None:
+        """Project the features of committed positions [start, start+n) into every layer's
+        context cache (``start <= length``: later rows are overwritten)."""
+        n = features.shape[1]
+        if start > self.context.length or start + n > self.max_ctx:
+            raise ValueError(f"draft context: cannot write [{start}, {start + n}) after length "
+                             f"{self.context.length} (max {self.max_ctx})")
+        c = self.fuse(features)
+        cos, sin = self.rope.rows(start, n)
+        for layer, k_cache, v_cache in zip(self.layers, self.context.k, self.context.v):
+            k, v = layer.project_kv(c, cos, sin)
+            k_cache[:, :, start:start + n] = k
+            v_cache[:, :, start:start + n] = v
+        self.context.length = start + n
+
+    def crop(self, length: int) -> None:
+        self.context.length = min(self.context.length, length)
+
+    # --- drafting -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_hidden(self, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
+        """block_embeds (1, B, H) = target embeddings of [anchor, MASK...] at positions
+        [start, start+B) with the context covering [0, start). Returns the final-normed
+        hidden states (1, B, H); position k predicts the token at start + k."""
+        S, B = self.context.length, block_embeds.shape[1]
+        if S != start:
+            raise ValueError(f"draft context covers {S} positions, block starts at {start}")
+        x = block_embeds.to(self.device, self.dtype)
+        cos, sin = self.rope.rows(start, B)
+        q_pos = torch.arange(start, start + B, device=self.device)
+        k_pos = torch.arange(0, start + B, device=self.device)
+        k_block = torch.cat([torch.full((S,), -1, device=self.device), torch.zeros(B, device=self.device,
+                                                                                   dtype=torch.long)])
+        masks = {}
+        for layer, k_cache, v_cache in zip(self.layers, self.context.k, self.context.v):
+            key = (layer.causal, layer.window)
+            if key not in masks:
+                masks[key] = None if key == (False, None) else attention_mask(
+                    q_pos, torch.full_like(q_pos, start), torch.zeros_like(q_pos), k_pos, k_block, *key)
+            x = layer(x, cos, sin, k_cache[:, :, :S], v_cache[:, :, :S], masks[key])
+        return self.norm(x)
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,49 @@
+"""DFlashProposer: drafts a block for the target pipeline with a DFlash draft.
+
+Glue between the draft (which owns only its layers and context cache) and the target
+pipeline (which lends its embedding and LM head). Drafts are always greedy: with a one-hot
+draft, matching against target-sampled tokens is exactly lossless.
+"""
+from __future__ import annotations
+
+import torch
+
+from .draft import DFlashDraft
+
+
+class DFlashProposer:
+    def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None):
+        cfg = pipeline.config
+        draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
+        trained = draft.cfg.block_size
+        self.block_size = block_size or trained
+        if not 2 <= self.block_size:
+            raise ValueError(f"block size must be >= 2, got {self.block_size}")
+        self.draft, self.pipeline = draft, pipeline
+        self.taps = draft.cfg.target_layer_ids
+        self.mask_id = draft.cfg.mask_token_id
+
+    def reset(self) -> None:
+        self.draft.reset()
+
+    @property
+    def context_length(self) -> int:
+        return self.draft.context.length
+
+    def add_context(self, captures: dict[int, torch.Tensor], start: int, n: int | None = None) -> None:
+        """Append the tapped outputs of committed positions [start, start+n)."""
+        feats = torch.cat([captures[t].to(self.draft.device) for t in self.taps], dim=-1)
+        if n is not None:
+            feats = feats[:, :n]
+        self.draft.append_context(feats, start)
+
+    @torch.inference_mode()
+    def propose(self, anchor: int, start: int, block: int) -> list[int]:
+        """``block - 1`` draft tokens following ``anchor`` (which sits at ``start``)."""
+        if block < 2:
+            return []
+        ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
+        emb = self.pipeline.embed(ids)
+        hidden = self.draft.draft_hidden(emb, start)
+        logits = self.pipeline.project(hidden[:, 1:])
+        return logits[0, :, :self.pipeline.config.vocab_size].argmax(-1).tolist()
