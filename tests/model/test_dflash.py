@@ -1,0 +1,216 @@
+"""DFlash speculative decoding: lossless vs plain decoding, oracle/random drafts, config
+variants and clear errors."""
+import json
+
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.engine.sampling import SamplingParams
+from dflash_server.spec.config import DraftConfig, default_target_layer_ids
+from dflash_server.spec.draft import DFlashDraft
+from dflash_server.spec.proposer import DFlashProposer
+from helpers.build import pipeline, prompt_ids
+
+
+def random_draft(pipe, block_size=8, taps=(1, 2), seed=0, layers=2, std=0.05):
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=layers, num_heads=4,
+                      num_kv_heads=2, head_dim=16, block_size=block_size, mask_token_id=5,
+                      target_layer_ids=tuple(taps), num_target_layers=c.num_layers)
+    return DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, seed, std), "cpu", torch.float32, pipe.max_ctx)
+
+
+def run(pipe, ids, proposer=None, **kw):
+    kw.setdefault("ignore_eos", True)
+    return Engine(pipe, proposer=proposer).generate(GenerationRequest(tuple(ids), **kw))
+
+
+class OracleProposer(DFlashProposer):
+    """Proposes the target's own greedy continuation (known in advance)."""
+
+    def __init__(self, draft, pipe, block_size, prompt, continuation):
+        super().__init__(draft, pipe, block_size)
+        self.seq = list(prompt) + list(continuation)
+
+    def propose(self, anchor, start, block):
+        return [self.seq[start + 1 + i] if start + 1 + i < len(self.seq) else 0 for i in range(block - 1)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_greedy_lossless_across_block_sizes(tiny_dir, family, stages):
+    pipe = pipeline(tiny_dir(family), stages=stages)
+    ids = prompt_ids(pipe, 30)
+    ref = run(pipe, ids, max_tokens=40).token_ids
+    for block in (2, 3, 8):
+        prop = DFlashProposer(random_draft(pipe, block_size=8), pipe, block_size=block)
+        res = run(pipe, ids, prop, max_tokens=40)
+        assert res.token_ids == ref, (family, stages, block)
+        spec = res.extra["spec"]
+        assert spec["steps"] > 0 and 1.0 <= spec["acceptance_length"] <= block
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_oracle_draft_accepts_whole_blocks(tiny_dir, family):
+    pipe = pipeline(tiny_dir(family))
+    ids = prompt_ids(pipe, 20)
+    ref = run(pipe, ids, max_tokens=33).token_ids
+    block = 8
+    prop = OracleProposer(random_draft(pipe), pipe, block, ids, ref)
+    res = run(pipe, ids, prop, max_tokens=33)
+    assert res.token_ids == ref
+    spec = res.extra["spec"]
+    # 1 token from prefill + 4 full blocks of 8 = 33
+    assert spec["steps"] == 4 and spec["acceptance_length"] == block and spec["accept_rate"] == 1.0
+    assert spec["accept_histogram"][block - 1] == 4
+
+
+def test_random_draft_still_exact_and_mostly_rejected(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = prompt_ids(pipe, 20)
+    ref = run(pipe, ids, max_tokens=24).token_ids
+    res = run(pipe, ids, DFlashProposer(random_draft(pipe, seed=3), pipe), max_tokens=24)
+    assert res.token_ids == ref
+    assert res.extra["spec"]["acceptance_length"] < 2.0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 9, 13])
+def test_max_tokens_and_stop_strings_mid_block(tiny_dir, max_tokens):
+    pipe = pipeline(tiny_dir("qwen3_5"))
+    ids = prompt_ids(pipe, 16)
+    ref = run(pipe, ids, max_tokens=40)
+    prop = OracleProposer(random_draft(pipe), pipe, 8, ids, ref.token_ids)
+    res = run(pipe, ids, prop, max_tokens=max_tokens)
+    assert res.token_ids == ref.token_ids[:max_tokens] and res.finish_reason == "length"
+    text = ref.text
+    stop = text[10:13]
+    plain = run(pipe, ids, max_tokens=40, stop=(stop,))
+    spec = run(pipe, ids, OracleProposer(random_draft(pipe), pipe, 8, ids, ref.token_ids), max_tokens=40,
+               stop=(stop,))
+    assert spec.text == plain.text == text[:text.index(stop)]
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
+
+
+def test_eos_mid_block(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = prompt_ids(pipe, 16)
+    ref = run(pipe, ids, max_tokens=30).token_ids
+    stop_tok = ref[6]
+    plain = run(pipe, ids, max_tokens=30, stop_token_ids=(stop_tok,), ignore_eos=False)
+    spec = run(pipe, ids, OracleProposer(random_draft(pipe), pipe, 8, ids, ref), max_tokens=30,
+               stop_token_ids=(stop_tok,), ignore_eos=False)
+    assert spec.token_ids == plain.token_ids == ref[:ref.index(stop_tok) + 1]
+
+
+def test_cancellation_mid_generation(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = prompt_ids(pipe, 16)
+    seen = []
+    res = Engine(pipe, proposer=DFlashProposer(random_draft(pipe), pipe)).generate(
+        GenerationRequest(tuple(ids), max_tokens=50, ignore_eos=True), on_event=seen.append,
+        cancelled=lambda: len(seen) >= 5)
+    assert res.finish_reason == "cancelled" and 5 <= res.completion_tokens < 50
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_seeded_sampling_identical_to_plain(tiny_dir, family):
+    """Every emitted token is drawn from the target distribution with the request's RNG,
+    one draw per token, so even sampled output matches plain decoding for a fixed seed."""
+    pipe = pipeline(tiny_dir(family))
+    ids = prompt_ids(pipe, 16)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=11)
+    ref = run(pipe, ids, max_tokens=30, sampling=params).token_ids
+    greedy_ref = run(pipe, ids, max_tokens=30).token_ids
+    prop = OracleProposer(random_draft(pipe), pipe, 6, ids, greedy_ref)
+    assert run(pipe, ids, prop, max_tokens=30, sampling=params).token_ids == ref
+
+
+def test_sampled_distribution_matches_target(tiny_dir):
+    """Statistical check: the joint distribution of the first two sampled tokens with a
+    draft matches the target's exact distribution (computed from its logits), over 600 runs
+    with different seeds. Chi-square goodness of fit over the 16 top-k pairs; the threshold
+    is the 99.9th percentile of chi-square with 15 degrees of freedom (37.7)."""
+    from dflash_server.engine.sampling import Sampler
+
+    pipe = pipeline(tiny_dir("llama"))
+    ids = prompt_ids(pipe, 10)
+    params = dict(temperature=1.5, top_k=4)
+    greedy_ref = run(pipe, ids, max_tokens=4).token_ids
+    probe = Sampler(SamplingParams(**params), pipe.config.vocab_size, "cpu")
+    pipe.reset()
+    p1 = probe.probs(pipe.prefill(ids).logits[-1])
+    exact = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        pipe.reset()
+        p2 = probe.probs(pipe.prefill(ids + [t1]).logits[-1])
+        for t2 in p2.nonzero().flatten().tolist():
+            exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    n = 600
+    counts = {}
+    prop = OracleProposer(random_draft(pipe), pipe, 4, ids, greedy_ref)
+    for seed in range(n):
+        toks = tuple(run(pipe, ids, prop, max_tokens=2, sampling=SamplingParams(seed=seed, **params)).token_ids)
+        assert toks in exact
+        counts[toks] = counts.get(toks, 0) + 1
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert chi2 < 37.7, (chi2, counts)
+
+
+def test_config_variants_parse():
+    base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16}
+    a = DraftConfig.from_dict({**base, "block_size": 16, "rope_theta": 1e6,
+                               "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}})
+    assert a.block_size == 16 and a.rope_theta == 1e6 and a.target_layer_ids == (1, 2)
+    b = DraftConfig.from_dict({**base, "rope_parameters": {"rope_theta": 1e7, "rope_type": "default"},
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                               "sliding_window": 32,
+                               "dflash_config": {"block_size": 8, "mask_token_id": 7, "target_layer_ids": [0]}})
+    assert b.block_size == 8 and b.rope_theta == 1e7 and b.rope_scaling is None
+    assert b.layer_attention == ((True, 32), (True, 32), (False, None))
+    c = DraftConfig.from_dict({**base, "block_size": 4, "num_target_layers": 36,
+                               "dflash_config": {"mask_token_id": 7}})
+    assert c.target_layer_ids == (1, 9, 17, 25, 33) == default_target_layer_ids(36, 5)
+    d = DraftConfig.from_dict({**base, "block_size": 4, "dflash_config": {"mask_token_id": 7, "causal": True,
+                                                                          "target_layer_ids": [1]}})
+    assert all(causal for causal, _ in d.layer_attention)
+    assert DraftConfig.from_dict(a.to_dict()) == a
+    for bad in ({**base}, {**base, "block_size": 4}, {**base, "block_size": 1, "dflash_config": {"mask_token_id": 1}}):
+        with pytest.raises(ValueError):
+            DraftConfig.from_dict(bad)
+
+
+def test_draft_target_mismatch_errors(tiny_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    pipe = pipeline(tiny_dir("llama"))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DFlashProposer(random_draft(pipe, taps=(1, 9)), pipe)
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1,))
+    with pytest.raises(ValueError, match="hidden_size"):
+        DFlashProposer(DFlashDraft(cfg, DFlashDraft.random_tensors(cfg), "cpu", torch.float32, 64), pipe)
+    # a checkpoint whose tensors do not match its config
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+    t = DFlashDraft.random_tensors(cfg)
+    t["fc.weight"] = torch.zeros(32, 64)
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight"):
+        DFlashDraft.load(d, "cpu", torch.float32, 64)
+
+
+def test_save_load_round_trip(tiny_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    pipe = pipeline(tiny_dir("llama"))
+    draft = random_draft(pipe, seed=4)
+    (tmp_path / "config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    save_file(draft.zlab_state_dict(), str(tmp_path / "model.safetensors"))
+    again = DFlashDraft.load(tmp_path, "cpu", torch.float32, pipe.max_ctx)
+    ids = prompt_ids(pipe, 12)
+    a = run(pipe, ids, DFlashProposer(draft, pipe), max_tokens=12)
+    b = run(pipe, ids, DFlashProposer(again, pipe), max_tokens=12)
+    assert a.extra["spec"] == b.extra["spec"]
