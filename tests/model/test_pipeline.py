@@ -118,3 +118,29 @@ def test_forward_beyond_context_rejected(tiny_dir):
     pipe.reset()
     with pytest.raises(ValueError):
         pipe.prefill(list(range(20)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_lockstep_equals_single(tiny_dir, family):
+    """batch > 1 (used to sample training data): each row equals its own batch-1 run."""
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+    from dflash_server.weights.loader import open_model
+
+    src = open_model(tiny_dir(family))
+    batched = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu", "cpu"]), dtype=torch.float32,
+                             max_ctx=128, progress=False, batch=3)
+    single = pipeline(tiny_dir(family), stages=2, max_ctx=128)
+    ids = prompt_ids(single, 20)
+    conts = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    batched.reset()
+    batched.prefill(ids)
+    rows = []
+    for j in range(3):
+        rows.append(batched.forward(torch.tensor([[c[j]] for c in conts]), 20 + j, logits="last").logits)
+    for b, cont in enumerate(conts):
+        single.reset()
+        single.prefill(ids)
+        for j, t in enumerate(cont):
+            ref = single.forward([t], 20 + j).logits[-1]
+            assert (rows[j][b, -1] - ref).abs().max().item() < 1e-4

@@ -21,7 +21,7 @@ from .rope import apply_rope
 
 @dataclass
 class KVState:
-    k: torch.Tensor  # (1, num_kv_heads, max_ctx, head_dim)
+    k: torch.Tensor  # (batch, num_kv_heads, max_ctx, head_dim)
     v: torch.Tensor
 
     kind = "kv"
@@ -51,12 +51,12 @@ class Attention(nn.Module):
         self.window = window
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def new_state(self, max_ctx: int, device, dtype) -> KVState:
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState:
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
         # query over 300 keys), so the cache is fp32 there; elsewhere it is the compute dtype.
         if torch.device(device).type == "cpu":
             dtype = torch.float32
-        shape = (1, self.nkv, max_ctx, self.hd)
+        shape = (batch, self.nkv, max_ctx, self.hd)
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
 

@@ -17,8 +17,8 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.input_norm, self.mixer, self.post_norm, self.mlp = input_norm, mixer, post_norm, mlp
 
-    def new_state(self, max_ctx: int, device, dtype):
-        return self.mixer.new_state(max_ctx, device, dtype)
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1):
+        return self.mixer.new_state(max_ctx, device, dtype, batch)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
         x = x + self.mixer(self.input_norm(x), ctx, state)

@@ -77,10 +77,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(out_proj)
         self.eps = float(eps)
 
-    def new_state(self, max_ctx: int, device, dtype) -> RecurrentState:
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> RecurrentState:
         k = self.conv_weight.shape[-1]
-        return RecurrentState(torch.zeros(1, self.conv_dim, k - 1, device=device, dtype=dtype),
-                              torch.zeros(1, self.hv, self.dk, self.dv, device=device, dtype=torch.float32))
+        return RecurrentState(torch.zeros(batch, self.conv_dim, k - 1, device=device, dtype=dtype),
+                              torch.zeros(batch, self.hv, self.dk, self.dv, device=device, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
         B, T, _ = x.shape

@@ -36,6 +36,8 @@ class TargetPipeline:
         """Run ids (list or (1, T) tensor) at positions [start, start+T) through every stage."""
         if not torch.is_tensor(ids):
             ids = torch.tensor([list(ids)], dtype=torch.long)
+        if ids.shape[0] != self.stages[0].batch:  # one prompt for a whole batch
+            ids = ids.expand(self.stages[0].batch, -1)
         x, caps = ids, {}
         for st in self.stages:
             out = st.forward(x, start, logits=logits, capture=capture)
@@ -111,7 +113,8 @@ class TargetPipeline:
 
 
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
-                   quantize: str | tuple[str, str] = "dense", progress: bool = True) -> TargetPipeline:
+                   quantize: str | tuple[str, str] = "dense", progress: bool = True,
+                   batch: int = 1) -> TargetPipeline:
     """Build one LocalStage per shard; each reads only its own layers' weights."""
     bar = tqdm(total=source.config.num_layers, desc="loading weights", unit="layer", disable=None if progress else True,  # None: only on a terminal
                leave=False)
@@ -120,7 +123,7 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
         for k, sh in enumerate(shards):
             stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx,
                                      is_first=k == 0, is_last=k == len(shards) - 1, quantize=quantize,
-                                     on_layer=bar.update))
+                                     on_layer=bar.update, batch=batch))
     finally:
         bar.close()
     return TargetPipeline(stages, source)

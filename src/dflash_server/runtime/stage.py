@@ -46,9 +46,11 @@ class _Weights:
 
 class LocalStage:
     def __init__(self, source, begin: int, end: int, device: str, dtype: torch.dtype, max_ctx: int,
-                 *, is_first: bool, is_last: bool, quantize: str | tuple[str, str] = "dense", on_layer=None):
+                 *, is_first: bool, is_last: bool, quantize: str | tuple[str, str] = "dense", on_layer=None,
+                 batch: int = 1):
         """``quantize``: mode for all linears, or (layers mode, LM head mode); modes are
-        "dense", "int8", "int4"."""
+        "dense", "int8", "int4". ``batch`` > 1 runs that many sequences in lockstep (same
+        positions; used to sample training data); snapshots and rollback need batch 1."""
         cfg = source.config
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
@@ -67,7 +69,8 @@ class LocalStage:
             mod.quantize_(head_mode if mod is self.lm_head else layer_mode)
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
-        self.states = [layer.new_state(max_ctx, self.device, dtype) for layer in self.layers]
+        self.batch = batch
+        self.states = [layer.new_state(max_ctx, self.device, dtype, batch) for layer in self.layers]
         self.length = 0
         self._ckpt_length: int | None = None
         self._decode_fn = None
@@ -118,7 +121,8 @@ class LocalStage:
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
-            out.logits = self.lm_head(self.final_norm(hs))[0].float()
+            logits = self.lm_head(self.final_norm(hs)).float()
+            out.logits = logits[0] if self.batch == 1 else logits  # (T, V) or (batch, T, V)
             out.hidden = None
         return out
 
