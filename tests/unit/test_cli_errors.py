@@ -100,3 +100,40 @@ def test_generate_json_on_tiny_model(tiny_dir):
     assert out["completion_tokens"] == 5 == len(out["token_ids"])
     assert out["prompt_tokens"] > 0
     assert set(out["timings"]) >= {"prefill_s", "decode_s", "decode_tokens_per_s"}
+
+
+def _save_random_draft(tiny_dir, dst):
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+
+    cfg = DraftConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1, 2), num_target_layers=4)
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(DFlashDraft.random_tensors(cfg, 0, 0.05), str(dst / "model.safetensors"))
+    return dst
+
+
+def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
+    draft = _save_random_draft(tiny_dir, tmp_path / "draft")
+    base = ["generate", "--model", str(tiny_dir("llama")), "--prompt", "Hello there", "--max-tokens", "12",
+            "--ignore-eos", "--json", "--dtype", "fp32"]
+    plain = json.loads(run_cli(*base).stdout)
+    res = run_cli(*base, "--draft", str(draft), "--block-size", "3")
+    assert res.returncode == 0, res.stderr
+    spec = json.loads(res.stdout)
+    assert spec["token_ids"] == plain["token_ids"] and plain["spec"] is None
+    assert spec["spec"]["steps"] > 0 and spec["spec"]["block_size"] == 3
+    assert {"acceptance_length", "accept_rate", "steps"} <= set(spec["spec"])
+
+
+def test_bad_draft_gives_clean_error(tiny_dir, tmp_path):
+    assert_clean_error(gen(tiny_dir("llama"), "--draft", str(tmp_path / "missing")), "draft")
+    draft = _save_random_draft(tiny_dir, tmp_path / "d2")
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 7]
+    (draft / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft)), "target_layer_ids")

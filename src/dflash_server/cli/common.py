@@ -37,6 +37,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    d = p.add_argument_group("speculative decoding (DFlash)")
+    d.add_argument("--draft", help="DFlash draft directory (z-lab format: config.json + model.safetensors); "
+                                   "default: the shipped draft when serving the built-in model")
+    d.add_argument("--draft-device", help="device of the draft (default: the target's last stage device)")
+    d.add_argument("--block-size", type=positive_int, help="draft block size (may be smaller than trained)")
+    d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -104,4 +110,28 @@ def load_engine(args, progress: bool = True):
     pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=progress)
     if args.compile:
         pipeline.compile_decode()
-    return source, pipeline, Engine(pipeline, chunk=args.chunk)
+    proposer = load_proposer(args, pipeline, dtype, using_default=args.model is None)
+    return source, pipeline, Engine(pipeline, chunk=args.chunk, proposer=proposer)
+
+
+def load_proposer(args, pipeline, dtype, using_default: bool):
+    """The DFlash proposer asked for (or the shipped one for the built-in model), or None."""
+    from ..spec.draft import DFlashDraft
+    from ..spec.proposer import DFlashProposer
+    from ..weights.default_model import default_draft_path
+
+    if args.no_draft:
+        return None
+    path = args.draft
+    if path is None and using_default:
+        path = default_draft_path()
+    if path is None:
+        return None
+    device = resolve_device(args.draft_device) if args.draft_device else str(pipeline.device)
+    try:
+        draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx)
+        if args.block_size is not None and args.block_size < 2:
+            raise ValueError("--block-size must be >= 2")
+        return DFlashProposer(draft, pipeline, block_size=args.block_size)
+    except (ValueError, OSError) as e:
+        raise UserError(f"draft {path}: {e}") from None

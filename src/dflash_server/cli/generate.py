@@ -68,10 +68,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
                           "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,
-                          "timings": res.timings()}))
+                          "timings": res.timings(), "spec": res.extra.get("spec")}))
     else:
         sys.stdout.write("\n")
         t = res.timings()
+        spec = res.extra.get("spec")
+        tau = f", acceptance length {spec['acceptance_length']:.2f}" if spec else ""
         print(f"[{res.prompt_tokens} prompt tokens, {res.completion_tokens} generated; prefill "
-              f"{t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s]", file=sys.stderr)
+              f"{t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s{tau}]", file=sys.stderr)
     return 0

@@ -22,3 +22,9 @@ def default_model_path() -> Path:
         if p.is_file():
             return p
     raise UserError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package; reinstall: {INSTALL_HINT}")
+
+
+def default_draft_path() -> Path | None:
+    """The DFlash draft trained for the built-in model and shipped with the package."""
+    p = Path(__file__).resolve().parents[1] / "assets" / "drafts" / "smollm2-135m-instruct"
+    return p if (p / "config.json").is_file() and (p / "model.safetensors").is_file() else None
