@@ -105,28 +105,35 @@ def load_engine(args, progress: bool = True):
             raise UserError(f"device {d} requested but CUDA is not available")
     dtype = torch.bfloat16 if args.dtype == "auto" else DTYPES[args.dtype]
     max_ctx = args.max_ctx or min(cfg.max_position_embeddings, 8192)
-    quantize = quantize_plan(source, args.quantize, all(s.device == "cpu" for s in shards) and
-                             dtype == torch.bfloat16)
+    draft_path = resolve_draft_path(args)
+    # With a draft, the target runs B-token verify blocks, not single tokens: there dense
+    # bf16 GEMMs beat the weight-only kernels, whose cost grows linearly with the rows
+    # (measured: at 16 rows int4 costs 6.7x one row, bf16 2.5x), so `auto` stays dense.
+    quantize = quantize_plan(source, "none" if draft_path and args.quantize == "auto" else args.quantize,
+                             all(s.device == "cpu" for s in shards) and dtype == torch.bfloat16)
     pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=progress)
     if args.compile:
         pipeline.compile_decode()
-    proposer = load_proposer(args, pipeline, dtype, using_default=args.model is None)
+    proposer = load_proposer(args, pipeline, dtype, draft_path) if draft_path else None
     return source, pipeline, Engine(pipeline, chunk=args.chunk, proposer=proposer)
 
 
-def load_proposer(args, pipeline, dtype, using_default: bool):
-    """The DFlash proposer asked for (or the shipped one for the built-in model), or None."""
-    from ..spec.draft import DFlashDraft
-    from ..spec.proposer import DFlashProposer
+def resolve_draft_path(args):
+    """--draft, else the shipped draft when serving the built-in model; None with --no-draft."""
     from ..weights.default_model import default_draft_path
 
     if args.no_draft:
         return None
-    path = args.draft
-    if path is None and using_default:
-        path = default_draft_path()
-    if path is None:
-        return None
+    if args.draft is not None:
+        return args.draft
+    return default_draft_path() if args.model is None else None
+
+
+def load_proposer(args, pipeline, dtype, path):
+    """Load the DFlash draft at ``path`` and wrap it for the pipeline (UserError if unfit)."""
+    from ..spec.draft import DFlashDraft
+    from ..spec.proposer import DFlashProposer
+
     device = resolve_device(args.draft_device) if args.draft_device else str(pipeline.device)
     try:
         draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx)
