@@ -77,12 +77,19 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, pipeline, *, chunk: int = 512, proposer=None):
-        """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding)."""
+    def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
+                 prefix_bytes: int | None = None):
+        """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).
+        ``prefix_slots``: in-memory prefix-cache snapshots (0 disables), with an optional
+        byte budget."""
+        from ..cache.prefix_index import PrefixIndex
+        from .prefix import PrefixCache
+
         self.pipeline = pipeline
         self.tokenizer = pipeline.tokenizer
         self.chunk = chunk
         self.proposer = proposer
+        self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer)
 
     def generate(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
@@ -94,16 +101,25 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt)} tokens; the context size is {pipe.max_ctx}")
         sampler = Sampler(req.sampling, pipe.config.vocab_size, pipe.device, prompt)
         out = OutputBuilder(self.tokenizer, req, on_event)
-        spec = self.proposer
         t0 = time.perf_counter()
-        pipe.reset()
-        pre = pipe.prefill(prompt, chunk=self.chunk, capture=spec.taps if spec else ())
-        logits = pre.logits[-1]
-        if spec:
-            spec.reset()
-            spec.add_context(pre.captures, 0)
+        pre = self.prefix_cache.prefill(prompt, self.chunk)
+        logits = pre.logits
         t1 = time.perf_counter()
-        pos = len(prompt)
+        try:
+            res = self._decode(req, sampler, out, logits, cancelled, t0, t1)
+        except BaseException:
+            self.prefix_cache.discard(pre.pending)
+            raise
+        res.cached_tokens = pre.cached_tokens
+        if res.finish_reason in ("stop", "length"):
+            self.prefix_cache.commit(pre.pending)
+        else:
+            self.prefix_cache.discard(pre.pending)
+        return res
+
+    def _decode(self, req, sampler, out, logits, cancelled, t0, t1) -> GenerationResult:
+        pipe, spec = self.pipeline, self.proposer
+        pos = len(req.prompt_ids)
         finish = "length"
         think = ThinkBudget(req)
         if spec:

@@ -100,6 +100,9 @@ class TargetPipeline:
         for st in self.stages:
             st.snapshot_free(slot)
 
+    def snapshot_nbytes(self, slot: int) -> int:
+        return sum(st.snapshot_nbytes(slot) for st in self.stages)
+
     def snapshot_export(self, slot: int) -> dict[str, torch.Tensor]:
         out = {}
         for k, st in enumerate(self.stages):

@@ -193,6 +193,9 @@ class LocalStage:
         length, tensors = self._snapshots[slot]
         self._load_state(length, tensors)
 
+    def snapshot_nbytes(self, slot: int) -> int:
+        return sum(t.numel() * t.element_size() for t in self._snapshots[slot][1].values())
+
     def snapshot_free(self, slot: int) -> None:
         self._snapshots.pop(slot, None)
 

@@ -118,6 +118,9 @@ class DFlashDraft(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
+        if path.suffix.lower() == ".gguf":
+            from .draft_gguf import load_gguf_draft
+            return cls(*load_gguf_draft(path), device, dtype, max_ctx)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"{path}: no config.json (not a DFlash draft directory)")
@@ -245,3 +248,21 @@ class DFlashDraft(nn.Module):
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def context_export(self) -> dict[str, torch.Tensor]:
+        """The context K/V of positions [0, length), right-sized copies (for snapshots)."""
+        n = self.context.length
+        out = {"length": torch.tensor(n, dtype=torch.int64)}
+        for i, (k, v) in enumerate(zip(self.context.k, self.context.v)):
+            out[f"k.{i}"], out[f"v.{i}"] = k[:, :, :n].clone(), v[:, :, :n].clone()
+        return out
+
+    def context_import(self, tensors: dict[str, torch.Tensor]) -> None:
+        n = int(tensors["length"])
+        for i, (k, v) in enumerate(zip(self.context.k, self.context.v)):
+            src_k, src_v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+            if src_k.shape != (1, k.shape[1], n, k.shape[3]) or src_v.shape != src_k.shape:
+                raise ValueError(f"draft context snapshot: layer {i} has shape {tuple(src_k.shape)}")
+            k[:, :, :n].copy_(src_k)
+            v[:, :, :n].copy_(src_v)
+        self.context.length = n

@@ -26,6 +26,12 @@ class DFlashProposer:
     def reset(self) -> None:
         self.draft.reset()
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return self.draft.context_export()
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.draft.context_import(tensors)
+
     @property
     def context_length(self) -> int:
         return self.draft.context.length

@@ -1,0 +1,90 @@
+"""Prefix cache in memory: a hit gives exactly the output of a fresh prefill (dense and
+hybrid, with and without DFlash, 1 and 2 stages), prefills only the new part, and keeps
+DFlash acceptance."""
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.spec.proposer import DFlashProposer
+from helpers.build import pipeline
+
+from .test_dflash import random_draft
+
+QUESTIONS = ["Tell me about the sea.", "Why is it salty?", "And the sky?", "Name three birds.", "Thanks!"]
+
+
+def converse(engine, turns=4, max_tokens=6):
+    tok = engine.tokenizer
+    messages = [{"role": "system", "content": "You are terse."}]
+    results = []
+    for q in QUESTIONS[:turns]:
+        messages.append({"role": "user", "content": q})
+        ids = tok.encode_chat(messages)
+        r = engine.generate(GenerationRequest(tuple(ids), max_tokens=max_tokens, ignore_eos=True))
+        results.append(r)
+        messages.append({"role": "assistant", "content": r.text})
+    return results
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("draft", [False, True])
+def test_hit_equals_miss(tiny_dir, family, stages, draft):
+    def engine(slots):
+        pipe = pipeline(tiny_dir(family), stages=stages)
+        prop = DFlashProposer(random_draft(pipe, block_size=4, seed=1), pipe) if draft else None
+        return Engine(pipe, proposer=prop, prefix_slots=slots)
+    cached, fresh = converse(engine(8)), converse(engine(0))
+    for i, (a, b) in enumerate(zip(cached, fresh)):
+        assert a.token_ids == b.token_ids, i
+        assert b.cached_tokens == 0
+        if draft:  # same draft context after a hit: same drafts, same acceptance
+            assert a.extra["spec"] == b.extra["spec"]
+    assert cached[0].cached_tokens == 0
+    for r in cached[1:]:
+        assert 0 < r.cached_tokens < r.prompt_tokens
+
+
+def test_turns_prefill_only_the_new_part(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    eng = Engine(pipe, prefix_slots=4)
+    prefilled = []
+    orig = pipe.prefill
+
+    def spy(ids, start=0, **kw):
+        prefilled.append(len(ids))
+        return orig(ids, start=start, **kw)
+    pipe.prefill = spy
+    messages = [{"role": "system", "content": "You are terse."}]
+    for turn, q in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": q})
+        ids = eng.tokenizer.encode_chat(messages)
+        prefilled.clear()
+        r = eng.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))
+        messages.append({"role": "assistant", "content": r.text})
+        assert sum(prefilled) == r.prompt_tokens - r.cached_tokens
+        if turn:
+            # everything up to the end of the previous user turn came from the cache
+            assert r.cached_tokens > 0 and sum(prefilled) < r.prompt_tokens
+    assert eng.prefix_cache.stats()["hits"] == len(QUESTIONS) - 1
+
+
+def test_cancelled_request_keeps_no_snapshot(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    eng = Engine(pipe, prefix_slots=4)
+    ids = eng.tokenizer.encode_chat([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
+    eng.generate(GenerationRequest(tuple(ids), max_tokens=5, ignore_eos=True), cancelled=lambda: True)
+    assert eng.prefix_cache.stats()["slots"] == 0
+    assert not pipe.stages[0]._snapshots
+    eng.generate(GenerationRequest(tuple(ids), max_tokens=2, ignore_eos=True))
+    assert eng.prefix_cache.stats()["slots"] == 1
+
+
+def test_eviction_frees_stage_snapshots(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    eng = Engine(pipe, prefix_slots=2)
+    for i in range(5):
+        ids = eng.tokenizer.encode_chat([{"role": "system", "content": f"sys {i}"}, {"role": "user", "content": "q"}])
+        eng.generate(GenerationRequest(tuple(ids), max_tokens=2, ignore_eos=True))
+    assert eng.prefix_cache.stats()["slots"] == 2
+    assert len(pipe.stages[0]._snapshots) == 2 and len(eng.prefix_cache.extras) == 2
