@@ -15,11 +15,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import generate
+    from . import generate, serve
 
     p = _Parser(prog="dflash-server", description="LLM inference server with DFlash speculative decoding")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate.add_parser(sub)
+    serve.add_parser(sub)
     return p
 
 

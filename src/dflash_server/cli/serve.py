@@ -1,0 +1,153 @@
+"""``dflash-server serve``: the OpenAI- and Anthropic-compatible HTTP server.
+
+The socket opens at once (``/health`` answers 503 while the weights load in a background
+thread, then 200). SIGTERM / Ctrl-C: stop accepting, give in-flight requests
+``--shutdown-grace`` seconds, cancel the rest, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ..errors import UserError
+from .common import add_model_args, positive_int
+
+log = logging.getLogger("dflash_server")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def add_parser(sub) -> None:
+    from ..server.config import ServerConfig as C
+
+    p = sub.add_parser("serve", help="serve the OpenAI / Anthropic HTTP API")
+    add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=C.host, help=f"bind address (default {C.host}: this machine only)")
+    g.add_argument("--port", type=_non_negative_int, default=C.port, help=f"port (default {C.port})")
+    g.add_argument("--model-name", help="model id served in /v1/models (default: the model's file or directory name)")
+    g.add_argument("--model-alias", action="append", default=[],
+                   help="another model name requests may use (repeatable; '*' accepts any name)")
+    g.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
+    g.add_argument("--api-key-file", help="read the API key from this file (keeps it out of the process list)")
+    g.add_argument("--cors", nargs="?", const="*", help="enable CORS for these comma-separated origins (no value: any)")
+    g.add_argument("--chat-template-file", help="Jinja chat template to use instead of the model's own")
+    g.add_argument("--default-max-tokens", type=positive_int, default=C.default_max_tokens,
+                   help=f"max new tokens when a request sets none (default {C.default_max_tokens}; "
+                        "clamped to what fits in the context)")
+    g.add_argument("--default-temperature", type=float, default=C.default_temperature,
+                   help=f"temperature when a request sets none (default {C.default_temperature})")
+    g.add_argument("--max-queue", type=_non_negative_int, default=C.max_queue,
+                   help=f"requests that may wait behind the running one; beyond: 503 + Retry-After (default {C.max_queue})")
+    g.add_argument("--max-body-mb", type=positive_int, default=C.max_body_bytes >> 20,
+                   help=f"largest request body in MiB (default {C.max_body_bytes >> 20})")
+    g.add_argument("--shutdown-grace", type=float, default=C.shutdown_grace_s,
+                   help=f"seconds in-flight requests get on shutdown (default {C.shutdown_grace_s:g})")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=run)
+
+
+def _config(args):
+    from ..server.config import ServerConfig
+    from ..weights.chat_template import TemplateError, compile_template
+
+    api_key = args.api_key
+    if args.api_key_file:
+        try:
+            api_key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise UserError(f"--api-key-file: {e}") from None
+    template = None
+    if args.chat_template_file:
+        try:
+            template = Path(args.chat_template_file).read_text()
+            compile_template(template)
+        except OSError as e:
+            raise UserError(f"--chat-template-file: {e}") from None
+        except TemplateError as e:
+            raise UserError(f"--chat-template-file: {e}") from None
+    name = args.model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else "SmolLM2-135M-Instruct")
+    cors = tuple(o.strip() for o in args.cors.split(",") if o.strip()) if args.cors else ()
+    try:
+        return ServerConfig(host=args.host, port=args.port, model_name=name, model_aliases=tuple(args.model_alias),
+                            api_key=api_key or None, cors_origins=cors, default_max_tokens=args.default_max_tokens,
+                            default_temperature=args.default_temperature, max_queue=args.max_queue,
+                            max_body_bytes=args.max_body_mb << 20, chat_template=template,
+                            shutdown_grace_s=args.shutdown_grace)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _model_info(args, source, pipeline) -> dict:
+    import torch
+
+    cfg = source.config
+    return {
+        "max_ctx": pipeline.max_ctx,
+        "fingerprint": source.fingerprint(),
+        "model": {"path": str(source.path), "format": source.format, "family": cfg.family,
+                  "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                  "max_position_embeddings": cfg.max_position_embeddings},
+        "runtime": {"backend": "torch", "torch": torch.__version__, "dtype": str(pipeline.stages[0].dtype),
+                    "quantize": args.quantize, "compile": bool(args.compile), "chunk": args.chunk,
+                    "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+        "placement": [{"device": str(st.device), "layers": [st.begin, st.end]} for st in pipeline.stages],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..server.app import create_app
+    from ..server.state import ServerState
+    from .common import load_engine
+
+    config = _config(args)
+    if args.model and not Path(args.model).exists():
+        raise UserError(f"{args.model}: no such file or directory")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState(config)
+    app = create_app(state, on_shutdown=lambda: state.close(cancel_running=True))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           access_log=args.access_log, timeout_graceful_shutdown=config.shutdown_grace_s,
+                                           lifespan="on", server_header=False))
+    outcome = {"code": 0}
+
+    def load():
+        try:
+            source, pipeline, engine = load_engine(args, progress=False)
+            state.attach(engine, _model_info(args, source, pipeline))
+            log.info("model %s ready (%s, context %d)", config.model_name, source.path, pipeline.max_ctx)
+        except UserError as e:
+            print(f"dflash-server: error: {e}", file=sys.stderr)
+            state.fail(str(e))
+            outcome["code"] = e.exit_code
+            server.should_exit = True
+        except Exception as e:  # noqa: BLE001 - report and stop; /health says why meanwhile
+            log.exception("loading the model failed")
+            state.fail(f"{type(e).__name__}: {e}")
+            outcome["code"] = 1
+            server.should_exit = True
+
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the
+    # handler that was installed before it: make that one a no-op so a clean stop exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    threading.Thread(target=load, name="dflash-load", daemon=True).start()
+    server.run()
+    state.close(cancel_running=True)
+    if outcome["code"] == 0 and server.started is False and state.status != "failed":
+        return 1  # could not bind (uvicorn logged why)
+    return outcome["code"]

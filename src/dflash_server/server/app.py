@@ -1,0 +1,149 @@
+"""The FastAPI application: routes, error shapes, and the middleware stack."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from . import protocol_anthropic, protocol_completions, protocol_openai, protocol_responses
+from .errors import APIError, error_body, is_anthropic_path
+from .metrics import CONTENT_TYPE_LATEST
+from .middleware import Gate
+from .props import props
+from .schemas_common import Model
+from .schemas_openai import Message, hf_messages
+from .sse import ClientGone
+
+log = logging.getLogger("dflash_server")
+
+
+class TokenizeRequest(Model):
+    content: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special: bool | None = None
+
+
+class DetokenizeRequest(Model):
+    tokens: list[int]
+
+
+def _error_response(err: APIError, path: str) -> JSONResponse:
+    return JSONResponse(error_body(err, is_anthropic_path(path)), status_code=err.status, headers=err.headers)
+
+
+def create_app(state, on_shutdown=None):
+    """ASGI app over ``state`` (a ServerState); ``on_shutdown`` runs after the server
+    stopped taking requests (in-flight ones have finished or were cancelled)."""
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    api = FastAPI(title="dflash-server", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @api.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(exc, request.url.path)
+
+    @api.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = "unknown route" if exc.status_code == 404 else str(exc.detail)
+        return _error_response(APIError(exc.status_code, f"{msg}: {request.method} {request.url.path}"),
+                               request.url.path)
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return _error_response(APIError(400, "invalid request"), request.url.path)
+
+    # --- generation --------------------------------------------------------------------------
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await protocol_openai.handle(state, request)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        return await protocol_completions.handle(state, request)
+
+    @api.post("/v1/responses")
+    async def responses(request: Request):
+        return await protocol_responses.handle(state, request)
+
+    @api.post("/v1/messages")
+    async def messages(request: Request):
+        return await protocol_anthropic.handle(state, request)
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await protocol_anthropic.count_tokens(state, request)
+
+    # --- tokens --------------------------------------------------------------------------------
+    @api.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await state.parse(request, TokenizeRequest)
+        if body.messages:
+            ids = (await state.render_chat(hf_messages(body.messages))).ids
+        else:
+            text = body.content if body.content is not None else (body.prompt or "")
+            ids = state.tokenizer.encode(text, add_bos=body.add_special)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.service.max_ctx}
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await state.parse(request, DetokenizeRequest)
+        vocab = state.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        text = state.tokenizer.decode(body.tokens)
+        return {"content": text, "prompt": text}
+
+    # --- introspection -------------------------------------------------------------------------
+    def model_card():
+        return {"id": state.config.model_name, "object": "model", "created": created, "owned_by": "dflash-server",
+                "context_length": state.info.get("max_ctx"), "max_model_len": state.info.get("max_ctx")}
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.config.model_name:
+            raise APIError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
+        return model_card()
+
+    @api.get("/health")
+    async def health():
+        code = {"ready": 200, "loading": 503}.get(state.status, 500)
+        body = {"status": "ok" if code == 200 else state.status}
+        if state.error:
+            body["error"] = state.error
+        return JSONResponse(body, status_code=code)
+
+    @api.get("/props")
+    async def get_props():
+        return props(state)
+
+    @api.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    asgi = Gate(api, state)
+    if state.config.cors_origins:
+        asgi = CORSMiddleware(asgi, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
+                              allow_headers=["*"], max_age=600)
+    return asgi

@@ -1,0 +1,188 @@
+"""API-neutral generation: admission (context and queue), running a job, parsing its output.
+
+The protocol modules build a ``Prompt`` and ``GenOptions``, call ``Service.start`` and
+then either iterate the ``Run`` (streaming) or ``collect`` it; both paths feed the same
+``OutputParser`` with the same engine deltas, so streamed and non-streamed output agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
+from ..engine.sampling import SamplingParams
+from .errors import APIError, bad_request
+from .output_parser import Delta, OutputParser
+from .prompt import Prompt
+from .reasoning import Thinking, budget_fields
+from .scheduler import QueueFull, ShuttingDown
+from .tools import ToolSet
+
+
+@dataclass
+class GenOptions:
+    max_tokens: int | None = None           # None: the server default, clamped to what fits
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    thinking: Thinking = field(default_factory=Thinking)
+    tools: ToolSet | None = None
+    parse_output: bool = True               # split <think> / tool calls (chat APIs)
+
+
+@dataclass
+class Step:
+    deltas: list[Delta]
+    logprobs: list[TokenEvent]
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), headers={"Retry-After": "5"})
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    return APIError(500, f"generation failed: {type(e).__name__}")
+
+
+class Run:
+    """One generation in flight, as parsed output steps."""
+
+    def __init__(self, job, prompt: Prompt, opts: GenOptions, stop_ids: set[int]):
+        self.job, self.prompt, self.opts = job, prompt, opts
+        self.parser = OutputParser(think_open=prompt.think_open, tools=opts.tools) if opts.parse_output else None
+        if self.parser is not None and prompt.prefix:
+            self.parser.push(prompt.prefix)  # already in the prompt; opens the tool-call block
+        self.stop_ids = stop_ids
+        self.result: GenerationResult | None = None
+        self.text_parts: list[str] = []
+        self.reasoning_tokens = 0
+        self._pending = None
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+    async def start(self) -> None:
+        """Wait for the first engine event; a failure before any output raises APIError."""
+        item = await self.job.next()
+        if isinstance(item, BaseException):
+            raise engine_error(item)
+        self._pending = item
+
+    def _step(self, ev: TokenEvent) -> Step:
+        lps = [ev] if ev.token_id >= 0 and ev.token_id not in self.stop_ids and ev.logprob is not None else []
+        if ev.token_id >= 0 and self.parser is not None and self.parser.mode == "reasoning":
+            self.reasoning_tokens += 1
+        if not ev.text:
+            return Step([], lps)
+        self.text_parts.append(ev.text)
+        if self.parser is None:
+            return Step([Delta("content", ev.text)], lps)
+        return Step(self.parser.push(ev.text), lps)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while self.result is None:
+            item = self._pending if self._pending is not None else await self.job.next()
+            self._pending = None
+            if isinstance(item, BaseException):
+                raise engine_error(item)
+            if isinstance(item, GenerationResult):
+                if item.finish_reason == "cancelled":
+                    # the client left (nobody reads this) or the server is shutting down
+                    raise APIError(503, "generation was cancelled: the server is shutting down",
+                                   headers={"Retry-After": "5"})
+                self.result = item
+                if self.parser is not None:
+                    tail = self.parser.finish()
+                    if tail:
+                        yield Step(tail, [])
+                return
+            step = self._step(item)
+            if step.deltas or step.logprobs:
+                yield step
+
+    async def collect(self) -> list[TokenEvent]:
+        """Run to the end (non-streaming); returns the logprob events."""
+        lps: list[TokenEvent] = []
+        async for step in self:
+            lps.extend(step.logprobs)
+        return lps
+
+    # --- results -------------------------------------------------------------------------
+    @property
+    def content(self) -> str:
+        return self.parser.text if self.parser is not None else "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str:
+        return self.parser.reasoning_text if self.parser is not None else ""
+
+    @property
+    def tool_calls(self) -> list:
+        return self.parser.calls if self.parser is not None else []
+
+    @property
+    def finish_reason(self) -> str:
+        """stop | length | tool_calls | cancelled"""
+        r = self.result.finish_reason
+        if r == "stop" and self.tool_calls:
+            return "tool_calls"
+        return r
+
+    @property
+    def stop_string(self) -> str | None:
+        s = self.result.stop_reason
+        return s if isinstance(s, str) else None
+
+
+class Service:
+    def __init__(self, config, tokenizer, scheduler, prompts, think_tokens, max_ctx: int):
+        self.config, self.tokenizer, self.scheduler = config, tokenizer, scheduler
+        self.prompts, self.think_tokens, self.max_ctx = prompts, think_tokens, max_ctx
+
+    def request(self, prompt: Prompt, opts: GenOptions, seed_offset: int = 0) -> GenerationRequest:
+        n, ctx = len(prompt.ids), self.max_ctx
+        if n >= ctx:
+            raise bad_request(f"the prompt has {n} tokens; the context size is {ctx} tokens", "messages")
+        room = ctx - n
+        if opts.max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, room)
+        elif opts.max_tokens > room:
+            raise bad_request(f"prompt ({n} tokens) + max_tokens ({opts.max_tokens}) = {n + opts.max_tokens} "
+                              f"exceeds the context size ({ctx} tokens); at most {room} new tokens fit",
+                              "max_tokens")
+        else:
+            max_tokens = opts.max_tokens
+        sampling = opts.sampling
+        if seed_offset and sampling.seed is not None:
+            sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + seed_offset) % 2**63})
+        try:
+            return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
+                                     stop=opts.stop, logprobs=opts.logprobs,
+                                     **budget_fields(opts.thinking, prompt.think_open, max_tokens,
+                                                     self.think_tokens))
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def start(self, prompt: Prompt, opts: GenOptions, n: int = 1, label: str = "") -> list[Run]:
+        """Queue ``n`` generations of one prompt back to back (all or none)."""
+        reqs = [self.request(prompt, opts, i) for i in range(n)]
+        stop_ids = set() if opts.ignore_eos else set(self.tokenizer.eos_token_ids)
+        runs: list[Run] = []
+        try:
+            for req in reqs:
+                runs.append(Run(self.scheduler.submit(req, label), prompt, opts, stop_ids))
+        except QueueFull as e:
+            for r in runs:
+                r.cancel()
+            raise APIError(503, "the server is busy: the request queue is full; retry later",
+                           code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDown as e:
+            for r in runs:
+                r.cancel()
+            raise engine_error(e) from None
+        return runs

@@ -1,0 +1,92 @@
+"""Prometheus metrics (own registry, so several apps in one process do not collide).
+
+Engine-side counters (speculative decoding, prefix cache) are read defensively from
+``GenerationResult.extra`` / ``cached_tokens``: they stay at zero until the engine
+reports them.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        p = "dflash_"
+        self.requests = Counter(p + "requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.generations = Counter(p + "generations", "finished generations by finish reason",
+                                   ["finish_reason"], registry=r)
+        self.rejected = Counter(p + "rejected_requests", "requests refused because the queue was full",
+                                registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "requests waiting for the engine", registry=r)
+        self.running = Gauge(p + "requests_running", "requests being generated", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens processed", registry=r)
+        self.cached_tokens = Counter(p + "prompt_cached_tokens", "prompt tokens restored from a cache",
+                                     registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "submit to first token (queue included)",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "time spent waiting for the engine",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "time between consecutive tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.duration = Histogram(p + "generation_duration_seconds", "engine time per request",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_tps = Histogram(p + "decode_tokens_per_second", "decode speed per request",
+                                    buckets=_TPS_BUCKETS, registry=r)
+        self.last_decode_tps = Gauge(p + "last_decode_tokens_per_second", "decode speed of the last request",
+                                     registry=r)
+        self.prefill_tps = Gauge(p + "last_prefill_tokens_per_second", "prefill speed of the last request",
+                                 registry=r)
+        # speculative decoding and cache (filled once the engine reports them)
+        self.spec_drafted = Counter(p + "spec_draft_tokens", "draft tokens proposed", registry=r)
+        self.spec_accepted = Counter(p + "spec_accepted_tokens", "draft tokens accepted", registry=r)
+        self.spec_steps = Counter(p + "spec_verify_steps", "speculative verify passes", registry=r)
+        self.cache_hits = Counter(p + "prefix_cache_hits", "requests that restored a cached prefix",
+                                  registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- scheduler hooks (called from the worker thread) -----------------------------
+    def queue_changed(self, depth: int, running: bool) -> None:
+        self.queue_depth.set(depth)
+        self.running.set(1 if running else 0)
+
+    def token(self, job, now: float) -> None:
+        if job.t_first is None:
+            self.ttft.observe(now - job.t_submit)
+            self.queue_wait.observe((job.t_start or now) - job.t_submit)
+        elif job.t_last is not None:
+            self.itl.observe(now - job.t_last)
+
+    def failed(self, job) -> None:
+        self.generations.labels("error").inc()
+
+    def finished(self, job, result) -> None:
+        self.generations.labels(result.finish_reason).inc()
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generated_tokens.inc(result.completion_tokens)
+        if result.cached_tokens:
+            self.cached_tokens.inc(result.cached_tokens)
+            self.cache_hits.inc()
+        self.duration.observe(result.prefill_s + result.decode_s)
+        tps = result.decode_tokens_per_s
+        if tps > 0:
+            self.decode_tps.observe(tps)
+            self.last_decode_tps.set(tps)
+        if result.prefill_s > 0:
+            self.prefill_tps.set(result.prompt_tokens / result.prefill_s)
+        spec = (result.extra or {}).get("spec") if isinstance(result.extra, dict) else None
+        if isinstance(spec, dict):
+            for key, counter in (("draft_tokens", self.spec_drafted), ("accepted_tokens", self.spec_accepted),
+                                 ("steps", self.spec_steps)):
+                v = spec.get(key)
+                if isinstance(v, (int, float)) and v > 0:
+                    counter.inc(v)

@@ -1,0 +1,66 @@
+"""The ASGI gate in front of every route: request metrics, API key, body size, and a last
+line of defence that turns any unhandled exception into a JSON 500."""
+from __future__ import annotations
+
+import json
+import logging
+
+from .auth import PUBLIC_PATHS, authorized
+from .errors import APIError, error_body, is_anthropic_path
+
+log = logging.getLogger("dflash_server.http")
+
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                    "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/props",
+                    "/metrics"})
+
+
+async def send_error(send, err: APIError, path: str) -> None:
+    body = json.dumps(error_body(err, is_anthropic_path(path))).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gate:
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        route = "/v1/models/{id}" if route.startswith("/v1/models/") else route
+        status = {"code": 500, "started": False}
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status["code"], status["started"] = message["status"], True
+            await send(message)
+
+        cfg = self.state.config
+        headers = dict(scope.get("headers") or [])
+        try:
+            if scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS and not authorized(headers, cfg.api_key):
+                await send_error(send_wrapped, APIError(401, "invalid or missing API key"), path)
+                return
+            length = headers.get(b"content-length")
+            if length is not None:
+                if not length.isdigit():
+                    await send_error(send_wrapped, APIError(400, "bad Content-Length header"), path)
+                    return
+                if int(length) > cfg.max_body_bytes:
+                    await send_error(send_wrapped, APIError(
+                        413, f"request body of {int(length)} bytes exceeds the limit of {cfg.max_body_bytes}"), path)
+                    return
+            await self.app(scope, receive, send_wrapped)
+        except Exception:  # noqa: BLE001 - never let a request take the server down
+            log.exception("unhandled error on %s", path)
+            if not status["started"]:
+                await send_error(send_wrapped, APIError(500, "internal server error"), path)
+        finally:
+            self.state.metrics.requests.labels(route, str(status["code"])).inc()

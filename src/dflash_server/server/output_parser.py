@@ -1,0 +1,150 @@
+"""Split streamed model text into reasoning, content and tool calls.
+
+Fed the engine's text deltas in order; returns typed deltas as soon as they are certain.
+Text that may be the start of a marker (``<think>``, ``</think>``, ``<tool_call>``,
+``<function=``) is held back until the next delta decides, and a tool call is buffered
+until its closing tag, so a half-written call never reaches the client as content.
+The same parser serves streaming and non-streaming responses, so both agree exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tools import ToolCall, ToolSet, parse_tool_block
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# (opener, closer, the opener belongs to the parsed block)
+_TOOL_MARKERS = (("<tool_call>", "</tool_call>", False), ("<function=", "</function>", True))
+
+
+@dataclass
+class Delta:
+    kind: str                     # "reasoning" | "content" | "tool_call"
+    text: str = ""
+    call: ToolCall | None = None
+
+
+def _partial_suffix(text: str, markers) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a marker."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+class OutputParser:
+    def __init__(self, *, think_open: bool = False, tools: ToolSet | None = None):
+        self.mode = "reasoning" if think_open else "content"
+        self.buf = ""
+        self.tools = tools.names if tools is not None and tools.active else None
+        self.parallel = tools.parallel if tools is not None else True
+        self.markers = _TOOL_MARKERS if self.tools is not None else ()
+        self.tool_marker = None
+        self.at_start = think_open    # drop leading whitespace (after </think>, a tool call)
+        self.emitted = think_open     # anything emitted (or a think block already open)
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning)
+
+    def push(self, text: str) -> list[Delta]:
+        self.buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Delta]:
+        return self._drain(final=True)
+
+    # ----------------------------------------------------------------------------------
+    def _emit(self, out: list[Delta], kind: str, text: str) -> None:
+        if self.at_start:
+            text = text.lstrip()
+        if not text:
+            return
+        self.at_start = False
+        if kind == "content":
+            self.content.append(text)
+        else:
+            self.reasoning.append(text)
+        self.emitted = True
+        if out and out[-1].kind == kind:
+            out[-1].text += text
+        else:
+            out.append(Delta(kind, text))
+
+    def _drain(self, final: bool) -> list[Delta]:
+        out: list[Delta] = []
+        while True:
+            if self.mode == "reasoning":
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    self._emit(out, "reasoning", self.buf[:i].rstrip())
+                    self.buf = self.buf[i + len(THINK_CLOSE):]
+                    self.mode, self.at_start = "content", True
+                    continue
+                # hold back a possible "</think>" start and trailing whitespace (dropped at the close)
+                cut = len(self.buf)
+                if not final:
+                    cut -= _partial_suffix(self.buf, (THINK_CLOSE,))
+                    cut = len(self.buf[:cut].rstrip())
+                self._emit(out, "reasoning", self.buf[:cut])
+                self.buf = self.buf[cut:]
+                return out
+            if self.mode == "content":
+                if self.at_start:
+                    self.buf = self.buf.lstrip()
+                if not self.emitted:  # a think block may open the output (after whitespace)
+                    rest = self.buf.lstrip()
+                    if rest.startswith(THINK_OPEN):
+                        self.buf = rest[len(THINK_OPEN):]
+                        self.mode, self.emitted, self.at_start = "reasoning", True, True
+                        continue
+                    if not final and THINK_OPEN.startswith(rest):
+                        return out
+                watch = [m[0] for m in self.markers]
+                hits = [(i, m) for m in watch if (i := self.buf.find(m)) >= 0]
+                if hits:
+                    i, m = min(hits)
+                    self._emit(out, "content", self.buf[:i])
+                    self.tool_marker = next(t for t in self.markers if t[0] == m)
+                    self.buf = self.buf[i if self.tool_marker[2] else i + len(m):]
+                    self.mode = "tool"
+                    continue
+                keep = 0 if final else _partial_suffix(self.buf, watch)
+                self._emit(out, "content", self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                return out
+            # mode == "tool": buffer until the closing tag
+            opener, closer, inclusive = self.tool_marker
+            j = self.buf.find(closer, len(opener) if inclusive else 0)
+            if j < 0 and not final:
+                return out
+            end = len(self.buf) if j < 0 else j + len(closer)
+            block = self.buf[:end] if inclusive else self.buf[:j if j >= 0 else end]
+            raw = ("" if inclusive else opener) + self.buf[:end]
+            self.buf = self.buf[end:]
+            self._tool(out, block, raw)
+            self.mode, self.at_start = "content", True
+            if j < 0:
+                return out
+
+    def _tool(self, out: list[Delta], block: str, raw: str) -> None:
+        calls = parse_tool_block(block, self.tools or {})
+        if calls is None:
+            self._emit(out, "content", raw)  # not a valid call: the model's text, whole
+            return
+        for call in calls:
+            if self.calls and not self.parallel:
+                break
+            self.calls.append(call)
+            self.emitted = True
+            out.append(Delta("tool_call", call=call))

@@ -1,0 +1,125 @@
+"""Prompts: chat messages through the model's Jinja template, or raw text / token ids.
+
+Every API first turns its input into HF-style messages
+(``{"role", "content": str, "tool_calls"?, "tool_call_id"?, "reasoning_content"?}``);
+this module renders them. A template that knows nothing about tools gets them as a
+Hermes-style system note and tool traffic as inline ``<tool_call>`` / ``<tool_response>``
+text, so tool calling works with any chat model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..weights.chat_template import render_chat
+from .errors import bad_request
+from .output_parser import THINK_OPEN
+from .reasoning import CLOSE_TEXT, Thinking
+from .tools import ToolSet, forced_prefix, tool_format
+
+RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+_HERMES_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>")
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str = ""
+    think_open: bool = False   # the prompt ends inside an open <think> block
+    prefix: str = ""           # assistant text already in the prompt (forced tool call start)
+
+
+def _args_obj(arguments):
+    """Templates iterate tool-call arguments as a mapping; clients send a JSON string."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments) if arguments.strip() else {}
+            return value if isinstance(value, dict) else arguments
+        except ValueError:
+            return arguments
+    return arguments if arguments is not None else {}
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, template: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = template if template is not None else tokenizer.chat_template
+        self.template_tools = bool(self.template) and "tools" in self.template
+        self.tool_format = tool_format(self.template) if self.template_tools else "json"
+
+    def chat(self, messages: list[dict], tools: ToolSet | None = None, thinking: Thinking = Thinking(),
+             template_kwargs: dict | None = None) -> Prompt:
+        if not self.template:
+            raise bad_request("this model has no chat template; start the server with --chat-template-file")
+        if not messages:
+            raise bad_request("messages must not be empty", "messages")
+        msgs = [dict(m) for m in messages]
+        for m in msgs:
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _args_obj(
+                    c["function"].get("arguments"))}} for c in m["tool_calls"]]
+        specs = list(tools.specs) if tools is not None and tools.active else []
+        if not self.template_tools:
+            msgs = self._inline_tools(msgs, specs)
+            specs = []
+        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_KWARGS}
+        if thinking.enabled is not None:
+            kwargs["enable_thinking"] = thinking.enabled
+        try:
+            text = render_chat(self.template, msgs, add_generation_prompt=True, tools=specs or None,
+                               bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",
+                               **kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors and template bugs alike are a 400
+            raise bad_request(f"chat template: {e}") from None
+        think_open = text.rstrip().endswith(THINK_OPEN)
+        prefix = forced_prefix(tools, self.tool_format) if tools is not None and tools.active else ""
+        if prefix and think_open:
+            text, think_open = text + CLOSE_TEXT.lstrip("\n"), False
+        text += prefix
+        return Prompt(self.tokenizer.encode(text, add_bos=False), text, think_open, prefix)
+
+    def raw(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt must not be empty", "prompt")
+            return Prompt(self.tokenizer.encode(prompt), prompt)
+        vocab = self.tokenizer.vocab_size
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return Prompt(list(prompt), "")
+
+    @staticmethod
+    def _inline_tools(msgs: list[dict], specs: list[dict]) -> list[dict]:
+        out = []
+        for m in msgs:
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                calls = "\n".join("<tool_call>\n" + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                    ensure_ascii=False) + "\n</tool_call>" for c in m["tool_calls"])
+                content = m.get("content") or ""
+                out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
+            elif m.get("role") == "tool":
+                text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+                if out and out[-1].get("_tool_turn"):
+                    out[-1]["content"] += "\n" + text
+                else:
+                    out.append({"role": "user", "content": text, "_tool_turn": True})
+            else:
+                out.append({k: v for k, v in m.items() if k != "tool_calls"})
+        for m in out:
+            m.pop("_tool_turn", None)
+        if specs:
+            note = _HERMES_TOOLS.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in specs))
+            if out and out[0].get("role") == "system":
+                out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + note}
+            else:
+                out.insert(0, {"role": "system", "content": note})
+        return out

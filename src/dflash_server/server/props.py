@@ -1,0 +1,59 @@
+"""GET /props: what this server runs and can do (model, runtime, placement, speculative
+decoding, cache, capabilities, limits, live status)."""
+from __future__ import annotations
+
+from .middleware import ROUTES
+from .reasoning import EFFORT_BUDGETS
+
+PROPS_SCHEMA = 1
+
+
+def _engine_section(engine, name: str) -> dict:
+    """Engine-reported state (``engine.props()[name]``), read defensively."""
+    getter = getattr(engine, "props", None)
+    try:
+        data = getter() if callable(getter) else {}
+    except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
+        data = {}
+    section = data.get(name) if isinstance(data, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def props(state) -> dict:
+    cfg, info = state.config, state.info
+    out = {
+        "props_schema": PROPS_SCHEMA,
+        "status": state.status,
+        "model": {"id": cfg.model_name, "aliases": list(cfg.model_aliases), **info.get("model", {})},
+        "runtime": info.get("runtime", {}),
+        "placement": info.get("placement", []),
+        "limits": {"max_queue": cfg.max_queue, "max_body_bytes": cfg.max_body_bytes,
+                   "default_max_tokens": cfg.default_max_tokens, "max_ctx": info.get("max_ctx")},
+        "default_generation_settings": {"temperature": cfg.default_temperature, "top_p": 1.0, "top_k": 0,
+                                        "min_p": 0.0, "repetition_penalty": 1.0,
+                                        "max_tokens": cfg.default_max_tokens, "n_ctx": info.get("max_ctx")},
+        "api": {"endpoints": sorted(ROUTES), "auth": cfg.api_key is not None, "cors": bool(cfg.cors_origins)},
+    }
+    if state.status != "ready":
+        return out
+    spec = {"enabled": False, **info.get("speculative", {}), **_engine_section(state.engine, "speculative")}
+    cache = {"prefix": {"enabled": False}, "disk": {"enabled": False}, **info.get("cache", {}),
+             **_engine_section(state.engine, "cache")}
+    prompts = state.prompts
+    out.update({
+        "speculative": spec,
+        "cache": cache,
+        "capabilities": {
+            "chat_template": bool(prompts.template),
+            "chat_template_source": "file" if cfg.chat_template is not None else "model",
+            "tools": True, "tools_in_template": prompts.template_tools, "tool_format": prompts.tool_format,
+            "tool_choice": ["auto", "none", "required", "function"],
+            "reasoning": state.think is not None or "<think>" in (prompts.template or ""),
+            "reasoning_budget": state.think is not None,
+            "reasoning_efforts": {k: v for k, v in EFFORT_BUDGETS.items()},
+            "logprobs": True, "max_top_logprobs": 20, "max_n": 8, "max_stop": 4, "streaming": True,
+        },
+        "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running is not None},
+    })
+    return out
+

@@ -1,0 +1,176 @@
+"""OpenAI Responses: POST /v1/responses (JSON and SSE), stateless."""
+from __future__ import annotations
+
+import secrets
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from . import sse
+from .errors import APIError, error_body
+from .generation import GenOptions, Run
+from .logprobs import chat_entries
+from .schemas_common import stop_list
+from .schemas_responses import ResponsesRequest
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class _Response:
+    """The response object and its output items, as they build up."""
+
+    def __init__(self, app, body: ResponsesRequest, model: str):
+        self.body, self.model = body, model
+        self.id, self.created = _id("resp"), time.time()
+        self.output: list[dict] = []
+        self.tools = [t.model_dump(exclude_none=True) for t in body.function_tools()]
+        tc = body.tool_choice
+        self.tool_choice = tc.model_dump() if hasattr(tc, "model_dump") else (tc or "auto")
+
+    def obj(self, status: str, run: Run | None = None, output: list | None = None) -> dict:
+        b = self.body
+        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+               "model": self.model, "output": self.output if output is None else output, "error": None,
+               "incomplete_details": None, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+               "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": self.tool_choice,
+               "tools": self.tools, "temperature": b.temperature, "top_p": b.top_p,
+               "reasoning": b.reasoning.model_dump() if b.reasoning else None,
+               "text": {"format": {"type": "text"}}, "metadata": b.metadata or {}, "usage": None}
+        if run is not None and run.result is not None:
+            res = run.result
+            out["usage"] = {"input_tokens": res.prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": res.cached_tokens, "cache_write_tokens": 0},
+                            "output_tokens": res.completion_tokens,
+                            "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens},
+                            "total_tokens": res.prompt_tokens + res.completion_tokens}
+            if status == "incomplete":
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+        return out
+
+
+def _status(run: Run) -> str:
+    return "incomplete" if run.finish_reason == "length" else "completed"
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
+
+def message_item(item_id: str, text: str, status: str = "completed", logprobs=None) -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]
+            if status != "in_progress" else []}
+
+
+def call_item(item_id: str, call, status: str = "completed") -> dict:
+    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+async def handle(app, request: Request):
+    body = await app.parse(request, ResponsesRequest)
+    app.check_model(body.model)
+    body.check_supported()
+    tools, thinking = body.toolset(), body.thinking()
+    prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
+    opts = GenOptions(max_tokens=body.max_output_tokens, sampling=body.sampling(app.config.default_temperature),
+                      stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools)
+    runs = app.service.start(prompt, opts, 1, label="responses")
+    resp = _Response(app, body, body.model or app.config.model_name)
+    if body.stream:
+        return await sse.start_stream(runs, _stream(app, runs[0], resp))
+    lps = (await sse.collect(request, runs))[0]
+    run = runs[0]
+    if run.reasoning:
+        resp.output.append(reasoning_item(_id("rs"), run.reasoning))
+    if run.content or not run.tool_calls:
+        entries = chat_entries(lps, app.token_texts) if body.top_logprobs is not None else None
+        resp.output.append(message_item(_id("msg"), run.content, logprobs=entries))
+    resp.output.extend(call_item(_id("fc"), c) for c in run.tool_calls)
+    return JSONResponse(resp.obj(_status(run), run))
+
+
+async def _stream(app, run: Run, resp: _Response):
+    seq = 0
+
+    def ev(kind: str, **fields) -> bytes:
+        nonlocal seq
+        seq += 1
+        return sse.event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
+
+    cur = None  # (kind, output_index, item_id, accumulated text)
+
+    def close():
+        nonlocal cur
+        if cur is None:
+            return b""
+        kind, idx, iid, text = cur
+        cur = None
+        if kind == "reasoning":
+            item = reasoning_item(iid, text)
+            part = {"type": "reasoning_text", "text": text}
+            out = [ev("response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0, text=text)]
+        else:
+            item = message_item(iid, text)
+            part = item["content"][0]
+            out = [ev("response.output_text.done", item_id=iid, output_index=idx, content_index=0, text=text,
+                      logprobs=[])]
+        out.append(ev("response.content_part.done", item_id=iid, output_index=idx, content_index=0, part=part))
+        out.append(ev("response.output_item.done", output_index=idx, item=item))
+        resp.output.append(item)
+        return b"".join(out)
+
+    def open_(kind: str) -> bytes:
+        nonlocal cur
+        idx, iid = len(resp.output), _id("rs" if kind == "reasoning" else "msg")
+        cur = (kind, idx, iid, "")
+        if kind == "reasoning":
+            item, part = reasoning_item(iid, "", "in_progress"), {"type": "reasoning_text", "text": ""}
+        else:
+            item, part = message_item(iid, "", "in_progress"), {"type": "output_text", "text": "", "annotations": [],
+                                                                 "logprobs": []}
+        return ev("response.output_item.added", output_index=idx, item=item) + ev(
+            "response.content_part.added", item_id=iid, output_index=idx, content_index=0, part=part)
+
+    yield ev("response.created", response=resp.obj("in_progress"))
+    yield ev("response.in_progress", response=resp.obj("in_progress"))
+    try:
+        async for step in run:
+            for d in step.deltas:
+                if d.kind == "tool_call":
+                    yield close()
+                    idx, iid = len(resp.output), _id("fc")
+                    yield ev("response.output_item.added", output_index=idx, item=call_item(iid, d.call, "in_progress"))
+                    yield ev("response.function_call_arguments.delta", item_id=iid, output_index=idx,
+                             delta=d.call.arguments)
+                    yield ev("response.function_call_arguments.done", item_id=iid, output_index=idx,
+                             name=d.call.name, arguments=d.call.arguments)
+                    item = call_item(iid, d.call)
+                    resp.output.append(item)
+                    yield ev("response.output_item.done", output_index=idx, item=item)
+                    continue
+                kind = "reasoning" if d.kind == "reasoning" else "message"
+                if cur is None or cur[0] != kind:
+                    yield close()
+                    yield open_(kind)
+                k, idx, iid, text = cur
+                cur = (k, idx, iid, text + d.text)
+                name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                extra = {} if kind == "reasoning" else {"logprobs": []}
+                yield ev(name, item_id=iid, output_index=idx, content_index=0, delta=d.text, **extra)
+        if cur is None and not resp.output:
+            yield open_("message")
+        yield close()
+        status = _status(run)
+        yield ev("response.completed" if status == "completed" else "response.incomplete",
+                 response=resp.obj(status, run))
+    except APIError as e:
+        err = error_body(e, anthropic=False)["error"]
+        yield ev("error", code=err["code"], message=err["message"], param=err["param"])
+        failed = resp.obj("failed")
+        failed["error"] = {"code": "server_error", "message": e.message}
+        yield ev("response.failed", response=failed)

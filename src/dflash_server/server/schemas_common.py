@@ -1,0 +1,72 @@
+"""Request fields shared by the APIs: bounded types and the sampling mixin.
+
+Models are strict (no "5" -> 5 coercion) and ignore unknown fields, which is what the
+official clients expect from a compatible server; fields whose meaning we cannot honour
+are declared and rejected explicitly instead of being silently dropped.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from ..engine.sampling import SamplingParams
+from .errors import bad_request
+
+MAX_TOKENS_LIMIT = 10**9
+ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+StopString = Annotated[str, StringConstraints(max_length=512)]
+Json = dict[str, Any]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SamplingFields(Model):
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=1_000_000)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+
+    def sampling(self, default_temperature: float = 1.0) -> SamplingParams:
+        top_p = 1.0 if self.top_p is None else max(self.top_p, 1e-6)  # top_p=0: keep the top token
+        try:
+            return SamplingParams(
+                temperature=default_temperature if self.temperature is None else float(self.temperature),
+                top_p=top_p, top_k=max(0, self.top_k or 0), min_p=self.min_p or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                seed=None if self.seed is None else self.seed % 2**63)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+
+def stop_list(stop: str | list[str] | None, limit: int, param: str = "stop") -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > limit:
+        raise bad_request(f"{param}: at most {limit} stop sequences, got {len(items)}", param)
+    return tuple(dict.fromkeys(s for s in items if s))
+
+
+def text_of_parts(content, param: str, allowed=("text", "input_text", "output_text")) -> str:
+    """String content, or the text of a list of content parts (only text parts are supported)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        ptype = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+        text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
+        if ptype not in allowed or not isinstance(text, str):
+            raise bad_request(f"{param}: content part type {ptype!r} is not supported (this server takes text)",
+                              param)
+        texts.append(text)
+    return "\n".join(texts)

@@ -1,0 +1,87 @@
+"""SSE framing, streaming responses, and what happens when a client goes away.
+
+A stream is committed (status 200 and headers sent) only after the engine produced its
+first event, so a request that fails before generating anything gets a proper 4xx/5xx.
+When the client disconnects, Starlette cancels the body iterator; the ``finally`` below
+cancels the engine job, which stops within one decode step. Non-streaming requests watch
+for the disconnect themselves (``collect``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def data(obj) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n".encode()
+
+
+def event(name: str, obj) -> bytes:
+    return f"event: {name}\ndata: {dumps(obj)}\n\n".encode()
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming response was ready."""
+
+
+async def start_stream(runs, body: AsyncIterator[bytes]) -> StreamingResponse:
+    """Wait until the first run produced output (errors raise here, before any byte is
+    sent), then hand ``body`` to a streaming response that cancels ``runs`` on exit."""
+    try:
+        await runs[0].start()
+    except BaseException:
+        for r in runs:
+            r.cancel()
+        raise
+
+    async def guarded():
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            for r in runs:
+                r.cancel()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(request: Request, runs) -> list[list]:
+    """Run every job to the end (non-streaming); cancels them all if the client leaves.
+    Returns each run's logprob events."""
+    async def all_runs():
+        return [await r.collect() for r in runs]
+
+    work = asyncio.ensure_future(all_runs())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        watch.cancel()
+        for r in runs:
+            r.cancel()
+        raise
+    if work in done:
+        watch.cancel()
+        return work.result()
+    for r in runs:
+        r.cancel()
+    work.cancel()
+    raise ClientGone()

@@ -1,0 +1,91 @@
+"""What the routes share: config, metrics, and (once loaded) the model and its scheduler."""
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from anyio import to_thread
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from .config import ServerConfig
+from .errors import APIError, from_validation
+from .generation import Service
+from .logprobs import TokenTexts
+from .metrics import Metrics
+from .prompt import Prompt, PromptBuilder
+from .reasoning import Thinking, think_tokens
+from .scheduler import Scheduler
+
+log = logging.getLogger("dflash_server")
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.status = "loading"         # loading | ready | failed
+        self.error: str | None = None
+        self.info: dict = {}
+        self.engine = None
+        self.scheduler: Scheduler | None = None
+        self.service: Service | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def attach(self, engine, info: dict) -> None:
+        """The model is loaded: start the worker and open for requests (any thread)."""
+        tok = engine.tokenizer
+        self.tokenizer = tok
+        self.prompts = PromptBuilder(tok, self.config.chat_template)
+        self.think = think_tokens(tok)
+        self.token_texts = TokenTexts(tok)
+        self.info = dict(info)
+        self.fingerprint = "dflash-" + str(info.get("fingerprint", ""))[:12]
+        self.engine = engine
+        self.scheduler = Scheduler(engine, max_queue=self.config.max_queue, hooks=self.metrics)
+        self.service = Service(self.config, tok, self.scheduler, self.prompts, self.think,
+                               int(info.get("max_ctx") or engine.pipeline.max_ctx))
+        self.status = "ready"
+
+    def fail(self, message: str) -> None:
+        self.status, self.error = "failed", message
+
+    def close(self, cancel_running: bool = True) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close(cancel_running=cancel_running)
+
+    # --- helpers for the routes ------------------------------------------------------------
+    def require_ready(self) -> None:
+        if self.status != "ready":
+            raise APIError(503, "the model is still loading" if self.status == "loading" else
+                           f"the model failed to load: {self.error}", headers={"Retry-After": "5"})
+
+    def check_model(self, name: str | None) -> None:
+        if not self.config.accepts_model(name):
+            raise APIError(404, f"model {name!r} not found; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit, chunks, size = self.config.max_body_bytes, [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parse(self, request: Request, model_cls):
+        self.require_ready()
+        body = await self.read_body(request)
+        try:
+            return model_cls.model_validate_json(body)
+        except ValidationError as e:
+            raise from_validation(e) from None
+
+    async def render_chat(self, messages: list[dict], tools=None, thinking: Thinking = Thinking(),
+                          template_kwargs: dict | None = None) -> Prompt:
+        # templates and tokenizers are CPU work: keep them off the event loop
+        return await to_thread.run_sync(partial(self.prompts.chat, messages, tools, thinking, template_kwargs))
+
+    async def render_raw(self, prompt) -> Prompt:
+        return await to_thread.run_sync(partial(self.prompts.raw, prompt))

@@ -1,0 +1,178 @@
+"""Tool calls: the tool set of a request, and parsing the model's tool-call markup.
+
+Two output formats are understood, inside ``<tool_call>...</tool_call>``:
+- Hermes / Qwen3 JSON: ``{"name": "f", "arguments": {...}}``
+- Qwen3.5 XML: ``<function=f><parameter=p>value</parameter></function>``; values are
+  coerced to the JSON-schema type the tool declares for that parameter.
+A block that does not parse, or names a tool the request did not declare, is not a tool
+call: the caller keeps its raw text as content rather than emitting half of it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+_FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
+_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str          # a JSON object, serialized
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or new_call_id()
+
+    @property
+    def input(self) -> dict:
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True)
+class ToolSet:
+    """The request's function tools in the chat-completions shape templates expect."""
+    specs: tuple[dict, ...]                 # [{"type": "function", "function": {...}}]
+    choice: str = "auto"                    # auto | required | none | function
+    forced_name: str | None = None          # tool_choice naming one function
+    parallel: bool = True
+
+    @property
+    def names(self) -> dict[str, dict]:
+        return {s["function"]["name"]: s["function"].get("parameters") or {} for s in self.specs}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.specs) and self.choice != "none"
+
+
+def make_toolset(functions: list[dict], choice: str = "auto", forced_name: str | None = None,
+                 parallel: bool = True) -> ToolSet:
+    """``functions``: [{"name", "description"?, "parameters"?}]. Raises ValueError."""
+    specs, seen = [], set()
+    for f in functions:
+        name = f["name"]
+        if name in seen:
+            raise ValueError(f"tool {name!r} is declared twice")
+        seen.add(name)
+        fn = {"name": name}
+        if f.get("description") is not None:
+            fn["description"] = f["description"]
+        fn["parameters"] = f.get("parameters") if f.get("parameters") is not None else \
+            {"type": "object", "properties": {}}
+        specs.append({"type": "function", "function": fn})
+    if choice in ("required", "function") and not specs:
+        raise ValueError(f"tool_choice {choice!r} needs at least one tool")
+    if forced_name is not None and forced_name not in seen:
+        raise ValueError(f"tool_choice names {forced_name!r}, which is not among the tools")
+    return ToolSet(tuple(specs), choice, forced_name, parallel)
+
+
+def _schema_types(schema) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    types = set(t) if isinstance(t, list) else ({t} if isinstance(t, str) else set())
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or []:
+            types |= _schema_types(sub)
+    enum = schema.get("enum")
+    if not types and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        types = {"string"}
+    return types
+
+
+def coerce_value(raw: str, schema) -> object:
+    """A parameter value from XML markup, typed by its JSON schema."""
+    types = _schema_types(schema)
+    if types == {"string"}:
+        return raw
+    text = raw.strip()
+    if "integer" in types and re.fullmatch(r"-?\d+", text):
+        return int(text)
+    if "number" in types:
+        try:
+            v = float(text)
+            return int(v) if v.is_integer() and "." not in text and "e" not in text.lower() else v
+        except ValueError:
+            pass
+    if "boolean" in types and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if "null" in types and text.lower() in ("null", "none"):
+        return None
+    if types & {"object", "array"} or not types:
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return raw
+
+
+def _strip_nl(v: str) -> str:
+    v = v[1:] if v.startswith("\n") else v
+    return v[:-1] if v.endswith("\n") else v
+
+
+def parse_tool_block(block: str, tools: dict[str, dict]) -> list[ToolCall] | None:
+    """``block``: the text between <tool_call> and </tool_call> (or a bare <function=...>
+    block). Returns the calls it holds, or None when it is not a valid tool call."""
+    text = block.strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return None
+        if not isinstance(args, dict) or obj["name"] not in tools:
+            return None
+        return [ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))]
+    calls = []
+    for m in _FUNC_RE.finditer(text):
+        name = m.group(1).strip()
+        if name not in tools:
+            return None
+        props = (tools[name] or {}).get("properties") or {}
+        args = {}
+        for p in _PARAM_RE.finditer(m.group(2)):
+            key = p.group(1).strip()
+            args[key] = coerce_value(_strip_nl(p.group(2)), props.get(key))
+        if _PARAM_RE.sub("", m.group(2)).strip():
+            return None  # text outside any parameter: not a well-formed call
+        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+    if not calls or _FUNC_RE.sub("", text).strip():
+        return None  # no function, or stray text around it
+    return calls
+
+
+def tool_format(template: str | None) -> str:
+    """Which markup a chat template teaches: "xml" (Qwen3.5), "json" (Hermes/Qwen3)."""
+    if template and "<function=" in template:
+        return "xml"
+    return "json"
+
+
+def forced_prefix(tools: ToolSet, fmt: str) -> str:
+    """Assistant text that commits the model to a tool call (tool_choice required/named)."""
+    if tools.choice not in ("required", "function"):
+        return ""
+    if tools.forced_name is None:
+        return "<tool_call>\n"
+    if fmt == "xml":
+        return f"<tool_call>\n<function={tools.forced_name}>\n"
+    return '<tool_call>\n{"name": ' + json.dumps(tools.forced_name) + ', "arguments": '

@@ -1,0 +1,130 @@
+"""Tool-call and reasoning parsing on scripted model output (no server, milliseconds)."""
+import json
+
+import pytest
+
+from dflash_server.server.output_parser import OutputParser
+from dflash_server.server.tools import coerce_value, forced_prefix, make_toolset, parse_tool_block
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "coords": {"type": "object"}, "note": {"type": "string"}}}}
+TOOLS = make_toolset([WEATHER, {"name": "noop"}])
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=coords>\n{\"lat\": 48.8}\n"
+            "</parameter>\n<parameter=note>\n 42 \n</parameter>\n</function>\n</tool_call>")
+XML_ARGS = {"city": "Paris", "days": 3, "metric": True, "coords": {"lat": 48.8}, "note": " 42 "}
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+
+
+def feed(text: str, step: int, **kw):
+    p = OutputParser(**kw)
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += p.push(text[i:i + step])
+    deltas += p.finish()
+    return p, deltas
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 10_000])
+def test_xml_call_with_reasoning_any_chunking(step):
+    text = "Need the weather.\n</think>\n\nLet me check." + XML_CALL
+    p, deltas = feed(text, step, think_open=True, tools=TOOLS)
+    assert p.reasoning_text == "Need the weather."
+    assert p.text == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("get_weather", XML_ARGS)]
+    # deltas carry exactly the parsed pieces, in order
+    assert "".join(d.text for d in deltas if d.kind == "content") == p.text
+    assert "".join(d.text for d in deltas if d.kind == "reasoning") == p.reasoning_text
+    assert [d.kind for d in deltas if d.kind == "tool_call"] == ["tool_call"]
+
+
+@pytest.mark.parametrize("step", [1, 5, 10_000])
+def test_json_calls_parallel_and_think_tag_at_start(step):
+    text = "<think>\nhmm\n</think>\n\n" + JSON_CALL + "\n" + JSON_CALL.replace("Paris", "Rome")
+    p, _ = feed(text, step, tools=TOOLS)
+    assert p.reasoning_text == "hmm" and p.text == ""
+    assert [json.loads(c.arguments)["city"] for c in p.calls] == ["Paris", "Rome"]
+    assert len({c.id for c in p.calls}) == 2 and all(c.id.startswith("call_") for c in p.calls)
+
+
+def test_parallel_false_keeps_first_call():
+    tools = make_toolset([WEATHER], parallel=False)
+    p, _ = feed(JSON_CALL + JSON_CALL.replace("Paris", "Rome"), 3, tools=tools)
+    assert [json.loads(c.arguments)["city"] for c in p.calls] == ["Paris"]
+
+
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',          # cut off
+    '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',     # undeclared tool
+    "<tool_call>\n<function=get_weather>\ngarbage\n</function>\n</tool_call>",  # text outside parameters
+    "<tool_call>not json at all</tool_call>",
+])
+def test_malformed_markup_is_kept_whole_as_content(bad):
+    for step in (1, 4, 10_000):
+        p, deltas = feed("Before. " + bad, step, tools=TOOLS)
+        assert p.calls == []
+        assert p.text == "Before. " + bad
+        assert "".join(d.text for d in deltas) == p.text
+
+
+def test_without_tools_markup_is_plain_text():
+    p, _ = feed("x " + JSON_CALL, 2)
+    assert p.calls == [] and p.text == "x " + JSON_CALL
+
+
+def test_partial_markers_are_held_back_then_released():
+    p = OutputParser(tools=TOOLS)
+    assert p.push("a <tool") == [] or p.text == "a "
+    assert p.text == "a "           # "<tool" may start a call: held back
+    p.push("box>")
+    assert p.text == "a <toolbox>"  # it did not
+
+
+@pytest.mark.parametrize("step", [1, 3, 10_000])
+def test_think_only_at_start(step):
+    p, _ = feed("answer <think> not reasoning", step)
+    assert p.reasoning_text == "" and p.text == "answer <think> not reasoning"
+    p, _ = feed("\n <think>\nreasoning</think>\n\n answer", step)
+    assert (p.reasoning_text, p.text) == ("reasoning", "answer")
+    p, _ = feed("  leading space kept", step)
+    assert p.text == "  leading space kept"
+
+
+def test_unterminated_reasoning_is_reasoning():
+    p, _ = feed("thinking until the budget ran out", 3, think_open=True)
+    assert p.reasoning_text == "thinking until the budget ran out" and p.text == ""
+
+
+def test_coerce_value_by_schema():
+    assert coerce_value("7", {"type": "integer"}) == 7
+    assert coerce_value("7", {"type": "string"}) == "7"
+    assert coerce_value("2.5", {"type": "number"}) == 2.5
+    assert coerce_value("false", {"type": ["boolean", "null"]}) is False
+    assert coerce_value("[1, 2]", {"type": "array"}) == [1, 2]
+    assert coerce_value("seven", {"type": "integer"}) == "seven"
+    assert coerce_value("red", {"enum": ["red", "blue"]}) == "red"
+
+
+def test_parse_block_shapes():
+    assert parse_tool_block('{"name": "noop", "arguments": "{}"}', TOOLS.names)[0].input == {}
+    assert parse_tool_block('{"name": "noop", "parameters": {"a": 1}}', TOOLS.names)[0].input == {"a": 1}
+    assert parse_tool_block("   ", TOOLS.names) is None
+
+
+def test_toolset_validation():
+    with pytest.raises(ValueError):
+        make_toolset([WEATHER, WEATHER])
+    with pytest.raises(ValueError):
+        make_toolset([WEATHER], "function", "nope")
+    with pytest.raises(ValueError):
+        make_toolset([], "required")
+
+
+def test_forced_prefix():
+    assert forced_prefix(make_toolset([WEATHER], "required"), "xml") == "<tool_call>\n"
+    named = make_toolset([WEATHER], "function", "get_weather")
+    assert forced_prefix(named, "xml") == "<tool_call>\n<function=get_weather>\n"
+    assert forced_prefix(named, "json").startswith('<tool_call>\n{"name": "get_weather"')
+    assert forced_prefix(make_toolset([WEATHER]), "xml") == ""
