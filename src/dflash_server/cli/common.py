@@ -37,6 +37,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    c = p.add_argument_group("prefix cache")
+    c.add_argument("--prefix-cache-slots", type=int, default=32,
+                   help="in-memory prefix snapshots (chat-turn boundaries); 0 disables")
+    c.add_argument("--prefix-cache-bytes", type=int, default=4 << 30,
+                   help="memory budget of the prefix snapshots in bytes (default 4 GiB)")
     d = p.add_argument_group("speculative decoding (DFlash)")
     d.add_argument("--draft", help="DFlash draft directory (z-lab format: config.json + model.safetensors); "
                                    "default: the shipped draft when serving the built-in model")
@@ -115,7 +120,11 @@ def load_engine(args, progress: bool = True):
     if args.compile:
         pipeline.compile_decode()
     proposer = load_proposer(args, pipeline, dtype, draft_path) if draft_path else None
-    return source, pipeline, Engine(pipeline, chunk=args.chunk, proposer=proposer)
+    if args.prefix_cache_slots < 0 or args.prefix_cache_bytes < 0:
+        raise UserError("--prefix-cache-slots and --prefix-cache-bytes must be >= 0")
+    engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
+                    prefix_bytes=args.prefix_cache_bytes)
+    return source, pipeline, engine
 
 
 def resolve_draft_path(args):
