@@ -120,9 +120,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(config)
     app = create_app(state, on_shutdown=lambda: state.close(cancel_running=True))
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           access_log=args.access_log, timeout_graceful_shutdown=config.shutdown_grace_s,
-                                           lifespan="on", server_header=False))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # first signal: the scheduler finishes what it can within the grace period and
+            # then cancels the rest, so every client gets a complete answer or an error
+            if not self.should_exit:
+                state.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                   access_log=args.access_log, timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+                                   lifespan="on", server_header=False))
     outcome = {"code": 0}
 
     def load():

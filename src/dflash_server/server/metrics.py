@@ -48,6 +48,8 @@ class Metrics:
         self.spec_drafted = Counter(p + "spec_draft_tokens", "draft tokens proposed", registry=r)
         self.spec_accepted = Counter(p + "spec_accepted_tokens", "draft tokens accepted", registry=r)
         self.spec_steps = Counter(p + "spec_verify_steps", "speculative verify passes", registry=r)
+        self.spec_tau = Gauge(p + "spec_last_acceptance_length", "tokens committed per verify pass (last request)",
+                              registry=r)
         self.cache_hits = Counter(p + "prefix_cache_hits", "requests that restored a cached prefix",
                                   registry=r)
 
@@ -85,8 +87,11 @@ class Metrics:
             self.prefill_tps.set(result.prompt_tokens / result.prefill_s)
         spec = (result.extra or {}).get("spec") if isinstance(result.extra, dict) else None
         if isinstance(spec, dict):
-            for key, counter in (("draft_tokens", self.spec_drafted), ("accepted_tokens", self.spec_accepted),
+            for key, counter in (("proposed", self.spec_drafted), ("accepted", self.spec_accepted),
                                  ("steps", self.spec_steps)):
                 v = spec.get(key)
                 if isinstance(v, (int, float)) and v > 0:
                     counter.inc(v)
+            tau = spec.get("acceptance_length")
+            if isinstance(tau, (int, float)):
+                self.spec_tau.set(tau)

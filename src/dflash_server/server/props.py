@@ -8,15 +8,28 @@ from .reasoning import EFFORT_BUDGETS
 PROPS_SCHEMA = 1
 
 
-def _engine_section(engine, name: str) -> dict:
-    """Engine-reported state (``engine.props()[name]``), read defensively."""
-    getter = getattr(engine, "props", None)
-    try:
-        data = getter() if callable(getter) else {}
-    except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
-        data = {}
-    section = data.get(name) if isinstance(data, dict) else None
-    return section if isinstance(section, dict) else {}
+def _speculative(engine) -> dict:
+    """What the engine exposes about its draft (attributes read defensively: the engine
+    evolves independently of this endpoint)."""
+    proposer = getattr(engine, "proposer", None)
+    if proposer is None:
+        return {"enabled": False}
+    out = {"enabled": True, "method": "dflash"}
+    for key in ("block_size", "taps"):
+        v = getattr(proposer, key, None)
+        if isinstance(v, (int, str)) or (isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v)):
+            out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _cache(engine) -> dict:
+    index = getattr(getattr(engine, "prefix_cache", None), "index", None)
+    prefix = {"enabled": bool(getattr(index, "enabled", False))}
+    for key in ("max_slots", "max_bytes", "total_bytes", "hits", "misses", "evictions", "tokens_saved"):
+        v = getattr(index, key, None)
+        if isinstance(v, int):
+            prefix[key] = v
+    return {"prefix": prefix, "disk": {"enabled": False}}
 
 
 def props(state) -> dict:
@@ -36,9 +49,10 @@ def props(state) -> dict:
     }
     if state.status != "ready":
         return out
-    spec = {"enabled": False, **info.get("speculative", {}), **_engine_section(state.engine, "speculative")}
-    cache = {"prefix": {"enabled": False}, "disk": {"enabled": False}, **info.get("cache", {}),
-             **_engine_section(state.engine, "cache")}
+    try:
+        spec, cache = _speculative(state.engine), _cache(state.engine)
+    except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
+        spec, cache = {"enabled": None}, {}
     prompts = state.prompts
     out.update({
         "speculative": spec,

@@ -98,6 +98,23 @@ class Scheduler:
         per_job = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0
         return max(1, min(60, math.ceil(per_job * (len(self._waiting) + 1))))
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new work now; let queued and running jobs finish for ``grace_s`` seconds,
+        then cancel whatever is left (its client gets a 503 / an error event)."""
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
+            self._cv.notify_all()
+
+        def expire():
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (self._waiting or self.running is not None):
+                time.sleep(0.05)
+            self.close(cancel_running=True, timeout=0)
+
+        threading.Thread(target=expire, name="dflash-shutdown", daemon=True).start()
+
     def close(self, cancel_running: bool = True, timeout: float = 30.0) -> None:
         """Stop taking work, fail queued jobs, optionally cancel the running one, join."""
         with self._cv:

@@ -50,6 +50,10 @@ class ServerState:
     def fail(self, message: str) -> None:
         self.status, self.error = "failed", message
 
+    def begin_shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.begin_shutdown(self.config.shutdown_grace_s)
+
     def close(self, cancel_running: bool = True) -> None:
         if self.scheduler is not None:
             self.scheduler.close(cancel_running=cancel_running)
