@@ -66,7 +66,7 @@ def test_turns_prefill_only_the_new_part(tiny_dir):
         if turn:
             # everything up to the end of the previous user turn came from the cache
             assert r.cached_tokens > 0 and sum(prefilled) < r.prompt_tokens
-    assert eng.prefix_cache.stats()["hits"] == len(QUESTIONS) - 1
+    assert eng.prefix_cache.stats()["memory"]["hits"] == len(QUESTIONS) - 1
 
 
 def test_cancelled_request_keeps_no_snapshot(tiny_dir):
@@ -74,10 +74,10 @@ def test_cancelled_request_keeps_no_snapshot(tiny_dir):
     eng = Engine(pipe, prefix_slots=4)
     ids = eng.tokenizer.encode_chat([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
     eng.generate(GenerationRequest(tuple(ids), max_tokens=5, ignore_eos=True), cancelled=lambda: True)
-    assert eng.prefix_cache.stats()["slots"] == 0
+    assert eng.prefix_cache.stats()["memory"]["slots"] == 0
     assert not pipe.stages[0]._snapshots
     eng.generate(GenerationRequest(tuple(ids), max_tokens=2, ignore_eos=True))
-    assert eng.prefix_cache.stats()["slots"] == 1
+    assert eng.prefix_cache.stats()["memory"]["slots"] == 1
 
 
 def test_eviction_frees_stage_snapshots(tiny_dir):
@@ -86,5 +86,5 @@ def test_eviction_frees_stage_snapshots(tiny_dir):
     for i in range(5):
         ids = eng.tokenizer.encode_chat([{"role": "system", "content": f"sys {i}"}, {"role": "user", "content": "q"}])
         eng.generate(GenerationRequest(tuple(ids), max_tokens=2, ignore_eos=True))
-    assert eng.prefix_cache.stats()["slots"] == 2
+    assert eng.prefix_cache.stats()["memory"]["slots"] == 2
     assert len(pipe.stages[0]._snapshots) == 2 and len(eng.prefix_cache.extras) == 2

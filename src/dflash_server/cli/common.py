@@ -5,6 +5,7 @@ import argparse
 
 import torch
 
+from ..cache.fingerprint import fingerprint, text_hash
 from ..errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -42,6 +43,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="in-memory prefix snapshots (chat-turn boundaries); 0 disables")
     c.add_argument("--prefix-cache-bytes", type=int, default=4 << 30,
                    help="memory budget of the prefix snapshots in bytes (default 4 GiB)")
+    c.add_argument("--kv-cache-dir", help="directory of the restart-persistent prefix cache (disk); off if unset")
+    c.add_argument("--kv-cache-budget", type=int, default=4096, help="disk cache budget in MB (default 4096)")
+    c.add_argument("--kv-cache-min-tokens", type=int, default=256,
+                   help="with --disk-prefix-cache auto: only prefixes of at least this many tokens go to disk")
+    c.add_argument("--disk-prefix-cache", default="auto",
+                   help="off | full (every snapshot) | auto (>= --kv-cache-min-tokens) | N (>= N tokens)")
     d = p.add_argument_group("speculative decoding (DFlash)")
     d.add_argument("--draft", help="DFlash draft directory (z-lab format: config.json + model.safetensors); "
                                    "default: the shipped draft when serving the built-in model")
@@ -122,9 +129,55 @@ def load_engine(args, progress: bool = True):
     proposer = load_proposer(args, pipeline, dtype, draft_path) if draft_path else None
     if args.prefix_cache_slots < 0 or args.prefix_cache_bytes < 0:
         raise UserError("--prefix-cache-slots and --prefix-cache-bytes must be >= 0")
+    fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
+                "family": cfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
+                "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
+                "draft": draft_identity(draft_path) if proposer else None}
+    disk = open_disk_cache(args, fingerprint(fp_parts))
     engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
-                    prefix_bytes=args.prefix_cache_bytes)
+                    prefix_bytes=args.prefix_cache_bytes, disk_cache=disk)
+    engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
+
+
+def draft_identity(path) -> list:
+    from pathlib import Path
+
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(p.iterdir())
+    return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files if f.is_file()]
+
+
+def disk_min_tokens(args) -> int | None:
+    """None = disk cache off; else the minimum prefix length written to disk."""
+    mode = str(args.disk_prefix_cache)
+    if args.kv_cache_dir is None or mode == "off":
+        return None
+    if mode == "full":
+        return 0
+    if mode == "auto":
+        return max(0, args.kv_cache_min_tokens)
+    try:
+        n = int(mode)
+    except ValueError:
+        raise UserError(f"--disk-prefix-cache must be off, full, auto or a token count, got {mode!r}") from None
+    if n < 0:
+        raise UserError("--disk-prefix-cache N needs N >= 0")
+    return n
+
+
+def open_disk_cache(args, fp: str):
+    from ..cache.disk import DiskCache
+
+    min_tokens = disk_min_tokens(args)
+    if min_tokens is None:
+        return None
+    if args.kv_cache_budget < 0:
+        raise UserError("--kv-cache-budget must be >= 0")
+    try:
+        return DiskCache(args.kv_cache_dir, fp, args.kv_cache_budget << 20, min_tokens)
+    except OSError as e:
+        raise UserError(f"--kv-cache-dir {args.kv_cache_dir}: {e}") from None
 
 
 def resolve_draft_path(args):

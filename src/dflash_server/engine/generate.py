@@ -35,6 +35,7 @@ class GenerationRequest:
     think_start_id: int | None = None
     think_end_id: int | None = None
     think_close_ids: tuple[int, ...] = ()
+    cache_scope: str | None = None      # prefix cache: "off" | "memory" | "full" | None (default)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -43,6 +44,8 @@ class GenerationRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.cache_scope not in (None, "off", "memory", "full"):
+            raise ValueError(f"cache scope must be off, memory or full, got {self.cache_scope!r}")
         if self.think_budget is not None and (self.think_budget < 0 or not self.think_close_ids):
             raise ValueError("think_budget needs a non-negative budget and think_close_ids")
 
@@ -78,10 +81,10 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
-                 prefix_bytes: int | None = None):
+                 prefix_bytes: int | None = None, disk_cache=None):
         """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).
         ``prefix_slots``: in-memory prefix-cache snapshots (0 disables), with an optional
-        byte budget."""
+        byte budget; ``disk_cache``: a cache.disk.DiskCache for restart-persistent snapshots."""
         from ..cache.prefix_index import PrefixIndex
         from .prefix import PrefixCache
 
@@ -89,7 +92,7 @@ class Engine:
         self.tokenizer = pipeline.tokenizer
         self.chunk = chunk
         self.proposer = proposer
-        self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer)
+        self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer, disk_cache)
 
     def generate(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
@@ -102,7 +105,7 @@ class Engine:
         sampler = Sampler(req.sampling, pipe.config.vocab_size, pipe.device, prompt)
         out = OutputBuilder(self.tokenizer, req, on_event)
         t0 = time.perf_counter()
-        pre = self.prefix_cache.prefill(prompt, self.chunk)
+        pre = self.prefix_cache.prefill(prompt, self.chunk, req.cache_scope)
         logits = pre.logits
         t1 = time.perf_counter()
         try:
@@ -111,11 +114,16 @@ class Engine:
             self.prefix_cache.discard(pre.pending)
             raise
         res.cached_tokens = pre.cached_tokens
+        res.extra["cache"] = pre.source
         if res.finish_reason in ("stop", "length"):
             self.prefix_cache.commit(pre.pending)
         else:
             self.prefix_cache.discard(pre.pending)
         return res
+
+    def close(self) -> None:
+        """Graceful shutdown: persist prefix snapshots to the disk cache."""
+        self.prefix_cache.close()
 
     def _decode(self, req, sampler, out, logits, cancelled, t0, t1) -> GenerationResult:
         pipe, spec = self.pipeline, self.proposer

@@ -1,9 +1,10 @@
-"""Prefill through the prefix cache.
+"""Prefill through the prefix cache (memory slots, then disk).
 
 Looks up the longest cached chat-turn boundary prefix of the prompt, restores its snapshot
 (target state, last logits, DFlash draft context) and prefills only the rest. The snapshot
 for the next turn is taken during this prefill, at the end of the last completed turn,
-and is entered into the cache only when the request succeeds (``commit``).
+and enters the cache only when the request succeeds (``commit``); committed snapshots are
+also written to the disk cache (in the background) when one is configured.
 """
 from __future__ import annotations
 
@@ -14,19 +15,26 @@ import torch
 from ..cache.boundaries import TurnBoundaries
 from ..cache.prefix_index import PrefixIndex
 
+SCOPES = ("off", "memory", "full")  # per request; None = the server's default
+
 
 @dataclass
 class Prefilled:
     logits: torch.Tensor            # last prompt position
     cached_tokens: int
-    pending: tuple | None = None    # (token_ids, slot) snapshot taken during this prefill
+    pending: tuple | None = None    # (token_ids, slot, scope) snapshot taken during this prefill
+    source: str | None = None       # "memory" | "disk" for a hit
 
 
 class PrefixCache:
-    def __init__(self, pipeline, index: PrefixIndex, proposer=None):
-        self.pipeline, self.index, self.proposer = pipeline, index, proposer
+    def __init__(self, pipeline, index: PrefixIndex, proposer=None, disk=None):
+        self.pipeline, self.index, self.proposer, self.disk = pipeline, index, proposer, disk
         self.boundaries = TurnBoundaries(pipeline.tokenizer)
         self.extras: dict[int, dict] = {}  # slot -> {"logits", "draft"}
+
+    @property
+    def enabled(self) -> bool:
+        return self.index.enabled or self.disk is not None
 
     def _run(self, ids: list[int], start: int, chunk: int) -> torch.Tensor:
         spec = self.proposer
@@ -35,49 +43,100 @@ class PrefixCache:
             spec.add_context(out.captures, start)
         return out.logits[-1]
 
-    def prefill(self, prompt: list[int], chunk: int) -> Prefilled:
+    def _restore(self, slot: int) -> bool:
+        extra = self.extras.get(slot, {})
+        if self.proposer is not None and extra.get("draft") is None:
+            return False  # taken without a draft: cannot serve a request that drafts
+        self.pipeline.snapshot_restore(slot)
+        if self.proposer is not None:
+            self.proposer.restore(extra["draft"])
+        return True
+
+    def _from_disk(self, prompt, bounds, longer_than: int):
+        got = self.disk.lookup(prompt, [b for b in bounds if b > longer_than])
+        if got is None:
+            return None
+        entry, tensors = got
+        slot = self.index.new_slot()
+        draft = {k[len("dflash."):]: v for k, v in tensors.items() if k.startswith("dflash.")}
+        try:
+            self.pipeline.snapshot_import(slot, {k: v for k, v in tensors.items() if k.startswith("ls")})
+            if self.proposer is not None:
+                if not draft:
+                    raise ValueError("snapshot has no draft context")
+                self.proposer.restore(draft)  # validates shapes now, restored again below
+        except (ValueError, KeyError) as e:
+            self.pipeline.snapshot_free(slot)
+            self.disk.invalidate(entry, f"does not fit this model: {e}")
+            return None
+        self.extras[slot] = {"logits": tensors.get("logits"), "draft": draft or None}
+        return entry.token_ids, slot
+
+    def prefill(self, prompt: list[int], chunk: int, scope: str | None = None) -> Prefilled:
         pipe, spec = self.pipeline, self.proposer
         pipe.reset()
         if spec:
             spec.reset()
-        bounds = [b for b in self.boundaries.find(prompt) if b < len(prompt)]
-        hit_len = 0
-        if self.index.enabled:
+        use = self.enabled and scope != "off"
+        bounds = [b for b in self.boundaries.find(prompt) if b < len(prompt)] if use else []
+        hit_len, source = 0, None
+        if use and self.index.enabled:
             hit = self.index.lookup(prompt, bounds)
-            extra = self.extras.get(hit.slot, {}) if hit else {}
-            # a snapshot taken without a draft cannot serve a request that drafts
-            if hit is not None and (spec is None or extra.get("draft") is not None):
-                pipe.snapshot_restore(hit.slot)
-                if spec:
-                    spec.restore(extra["draft"])
-                hit_len = hit.length
+            if hit is not None and self._restore(hit.slot):
+                hit_len, source = hit.length, "memory"
+        if use and self.disk is not None:
+            got = self._from_disk(prompt, bounds, hit_len)
+            if got is not None:
+                ids, slot = got
+                self._restore(slot)
+                hit_len, source = len(ids), "disk"
+                if self.index.enabled:
+                    for old in self.index.insert(ids, slot, self._nbytes(slot)):
+                        if old.slot != slot:
+                            self._free(old.slot)
+                else:
+                    self._free(slot)
         start = hit_len
         save_at = max((b for b in bounds if b > start), default=None)
         pending = None
-        if save_at is not None and self.index.enabled and not self.index.contains(prompt[:save_at]):
+        if save_at is not None and not self.index.contains(prompt[:save_at]):
             logits = self._run(prompt[start:save_at], start, chunk)
             slot = self.index.new_slot()
             pipe.snapshot_save(slot)
             self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if spec else None}
-            pending = (tuple(prompt[:save_at]), slot)
+            pending = (tuple(prompt[:save_at]), slot, scope)
             start = save_at
         try:
             logits = self._run(prompt[start:], start, chunk)
         except BaseException:
             self.discard(pending)
             raise
-        return Prefilled(logits, hit_len, pending)
+        return Prefilled(logits, hit_len, pending, source)
+
+    def _nbytes(self, slot: int) -> int:
+        return self.pipeline.snapshot_nbytes(slot) + sum(
+            t.numel() * t.element_size() for t in (self.extras[slot].get("draft") or {}).values())
+
+    def export(self, slot: int) -> dict[str, torch.Tensor]:
+        """Flat tensor dict of a snapshot (every shard, last logits, draft context)."""
+        out = dict(self.pipeline.snapshot_export(slot))
+        extra = self.extras[slot]
+        if extra.get("logits") is not None:
+            out["logits"] = extra["logits"].detach().cpu()
+        for k, v in (extra.get("draft") or {}).items():
+            out[f"dflash.{k}"] = v.detach().cpu()
+        return out
 
     def commit(self, pending) -> None:
         if pending is None:
             return
-        token_ids, slot = pending
-        nbytes = self.pipeline.snapshot_nbytes(slot) + sum(
-            t.numel() * t.element_size() for t in (self.extras[slot].get("draft") or {}).values())
-        if not self.index.fits(nbytes):
-            self.discard(pending)
+        token_ids, slot, scope = pending
+        if self.disk is not None and scope != "memory":
+            self.disk.save(token_ids, self.export(slot), force=scope == "full")
+        if not self.index.fits(self._nbytes(slot)):
+            self._free(slot)
             return
-        for old in self.index.insert(token_ids, slot, nbytes):
+        for old in self.index.insert(token_ids, slot, self._nbytes(slot)):
             self._free(old.slot)
 
     def discard(self, pending) -> None:
@@ -88,5 +147,17 @@ class PrefixCache:
         self.pipeline.snapshot_free(slot)
         self.extras.pop(slot, None)
 
+    def close(self) -> None:
+        """Graceful shutdown: write memory snapshots that are not on disk yet, then flush."""
+        if self.disk is None:
+            return
+        for e in list(self.index.entries.values()):
+            if not self.disk.contains(e.token_ids):
+                self.disk.save(e.token_ids, self.export(e.slot))
+        self.disk.close()
+
     def stats(self) -> dict:
-        return self.index.stats()
+        out = {"memory": self.index.stats()}
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out

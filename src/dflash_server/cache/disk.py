@@ -1,0 +1,149 @@
+"""Restart-persistent prefix cache: snapshot files under ``<dir>/<model fingerprint>/``.
+
+A cold start scans the directory (headers only), so the first request after a restart can
+hit. Writes happen on one background thread (snapshot tensors are immutable copies), so
+a response never waits for the disk. Anything wrong with a file (truncated, corrupt,
+foreign version or fingerprint, tensors that do not fit the model, a full disk) is a miss
+plus one warning line; the bad file is removed. File names are hashes of token ids, never
+request data.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from .disk_format import SUFFIX, SnapshotFormatError, read_header, read_tensors, write_snapshot
+from .disk_index import DiskEntry, DiskIndex
+from .prefix_index import prefix_key
+
+log = logging.getLogger("dflash_server.cache")
+
+
+def ensure_private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+class DiskCache:
+    def __init__(self, root: str | Path, fingerprint: str, budget_bytes: int, min_tokens: int = 0):
+        self.root = ensure_private_dir(Path(root))
+        self.fingerprint = fingerprint
+        self.dir = ensure_private_dir(self.root / fingerprint)
+        self.index = DiskIndex(budget_bytes)
+        self.min_tokens = min_tokens
+        self.counters = {"hits": 0, "misses": 0, "reads": 0, "writes": 0, "evictions": 0, "errors": 0}
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-cache-writer")
+        self._pending: list[Future] = []
+        self.scan()
+
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}{SUFFIX}"
+
+    def _bad(self, path: Path, why: str) -> None:
+        log.warning("kv cache: ignoring %s: %s", path.name, why)
+        self.counters["errors"] += 1
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def scan(self) -> None:
+        for tmp in self.dir.glob(".*.tmp"):  # left by a crash mid-write
+            tmp.unlink(missing_ok=True)
+        for path in sorted(self.dir.glob(f"*{SUFFIX}")):
+            try:
+                rec = read_header(path, self.fingerprint)
+            except SnapshotFormatError as e:
+                self._bad(path, str(e))
+                continue
+            key = prefix_key(rec["token_ids"])
+            if path.name != f"{key}{SUFFIX}":
+                self._bad(path, "file name does not match its token ids")
+                continue
+            st = path.stat()
+            self.index.add(DiskEntry(key, tuple(rec["token_ids"]), st.st_size, st.st_mtime))
+
+    def lookup(self, token_ids, boundaries) -> tuple[DiskEntry, dict] | None:
+        """Longest snapshot whose ids equal a boundary prefix: (entry, tensors) or None."""
+        with self._lock:
+            e = self.index.longest_match(token_ids, set(boundaries))
+        if e is None:
+            self.counters["misses"] += 1
+            return None
+        path = self._path(e.key)
+        try:
+            rec = read_header(path, self.fingerprint)
+            if tuple(rec["token_ids"]) != e.token_ids:
+                raise SnapshotFormatError("token ids changed on disk")
+            tensors = read_tensors(path, rec)
+        except (SnapshotFormatError, OSError) as err:
+            with self._lock:
+                self.index.remove(e.key)
+            self._bad(path, str(err))
+            self.counters["misses"] += 1
+            return None
+        with self._lock:
+            self.index.touch(e.key)
+        os.utime(path)
+        self.counters["hits"] += 1
+        self.counters["reads"] += 1
+        return e, tensors
+
+    def invalidate(self, entry: DiskEntry, why: str) -> None:
+        """A file that read fine but does not fit the model: remove it."""
+        with self._lock:
+            self.index.remove(entry.key)
+        self._bad(self._path(entry.key), why)
+
+    def contains(self, token_ids) -> bool:
+        return prefix_key(token_ids) in self.index.entries
+
+    def save(self, token_ids, tensors: dict, force: bool = False) -> Future | None:
+        """Queue a write (skipped if too short, already present or over budget)."""
+        token_ids = tuple(token_ids)
+        if (len(token_ids) < self.min_tokens and not force) or self.contains(token_ids):
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if nbytes > self.index.budget:
+            return None
+        fut = self._writer.submit(self._write, token_ids, tensors, nbytes)
+        self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return fut
+
+    def _write(self, token_ids, tensors, nbytes) -> None:
+        key = prefix_key(token_ids)
+        with self._lock:
+            victims = self.index.victims(nbytes, keep=key)
+            for v in victims:
+                self.index.remove(v.key)
+        for v in victims:
+            self._path(v.key).unlink(missing_ok=True)
+            self.counters["evictions"] += 1
+        try:
+            size = write_snapshot(self._path(key), tensors, token_ids, self.fingerprint)
+        except OSError as e:  # disk full, permissions, ...
+            log.warning("kv cache: cannot write snapshot (%s); continuing without it", e)
+            self.counters["errors"] += 1
+            return
+        with self._lock:
+            self.index.add(DiskEntry(key, token_ids, size, time.time()))
+        self.counters["writes"] += 1
+
+    def flush(self) -> None:
+        for f in list(self._pending):
+            f.result()
+        self._pending = []
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+
+    def stats(self) -> dict:
+        return {"dir": str(self.dir), "files": len(self.index.entries), "bytes": self.index.total_bytes,
+                "budget_bytes": self.index.budget, **self.counters}
