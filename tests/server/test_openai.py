@@ -61,9 +61,22 @@ def test_usage_matches_tokenizer(client, llama_server):
     tok = httpx.post(llama_server.url + "/tokenize", json={"messages": MSGS}).json()
     assert usage.prompt_tokens == tok["count"] == len(tok["tokens"])
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     detok = httpx.post(llama_server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
     assert detok["content"].endswith("<|im_start|>assistant\n") and "Count to five" in detok["content"]
+
+
+def test_prefix_cache_hit_equals_miss(client, llama_server):
+    if not httpx.get(llama_server.url + "/props").json()["cache"]["prefix"]["enabled"]:
+        pytest.skip("prefix cache disabled")
+    msgs = [{"role": "user", "content": "Tell me a story about a cat."},
+            {"role": "assistant", "content": "Once there was a cat."}, {"role": "user", "content": "And then?"}]
+    first = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body=NOEOS)
+    again = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body=NOEOS)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
 
 
 def test_max_tokens_gives_length_in_both_modes(client):

@@ -60,6 +60,7 @@ def test_parallel_false_keeps_first_call():
     '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',     # undeclared tool
     "<tool_call>\n<function=get_weather>\ngarbage\n</function>\n</tool_call>",  # text outside parameters
     "<tool_call>not json at all</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",                # cut mid-value
 ])
 def test_malformed_markup_is_kept_whole_as_content(bad):
     for step in (1, 4, 10_000):

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ..errors import UserError
@@ -134,10 +135,13 @@ def run(args: argparse.Namespace) -> int:
     outcome = {"code": 0}
 
     def load():
+        t0 = time.monotonic()
         try:
             source, pipeline, engine = load_engine(args, progress=False)
             state.attach(engine, _model_info(args, source, pipeline))
-            log.info("model %s ready (%s, context %d)", config.model_name, source.path, pipeline.max_ctx)
+            log.info("model %s ready in %.1f s (%s, context %d, speculative: %s)", config.model_name,
+                     time.monotonic() - t0, source.path, pipeline.max_ctx,
+                     "yes" if getattr(engine, "proposer", None) is not None else "no")
         except UserError as e:
             print(f"dflash-server: error: {e}", file=sys.stderr)
             state.fail(str(e))

@@ -14,7 +14,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
-_FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
+# a function must be closed (a call cut off by max_tokens is not a call); inside it a
+# parameter may end at the next <parameter= or </function> (models sometimes omit the tag)
+_FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 

@@ -1,0 +1,96 @@
+"""An engine that "generates" scripted text, and the real app served from a thread.
+
+A tiny random model cannot decide to call a tool; this engine emits exactly the text a
+real model would (tool-call markup, think blocks, odd Unicode), token by token through
+the real tokenizer and the engine's own detokenizer / stop-string logic, so the parser,
+emitters and official clients see realistic streams.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import uvicorn
+
+from dflash_server.engine.detok import IncrementalDetokenizer
+from dflash_server.engine.generate import GenerationResult, TokenEvent
+from dflash_server.engine.stops import StopStringMatcher
+from dflash_server.server.app import create_app
+from dflash_server.server.config import ServerConfig
+from dflash_server.server.state import ServerState
+
+from .serverproc import free_port
+
+
+class ScriptedEngine:
+    def __init__(self, tokenizer, scripts: dict[str, str], max_ctx: int = 4096):
+        self.tokenizer, self.scripts = tokenizer, scripts
+        self.pipeline = SimpleNamespace(max_ctx=max_ctx)
+        self.prompts: list[str] = []
+
+    def generate(self, req, on_event=None, cancelled=None):
+        prompt = self.tokenizer.decode(list(req.prompt_ids))
+        self.prompts.append(prompt)
+        names = re.findall(r"SCRIPT=(\w+)", prompt)
+        script = self.scripts[names[-1]] if names else "Hello."
+        if script == "FAIL_EARLY":
+            raise RuntimeError("scripted failure before the first token")
+        fail_at = None
+        if script.startswith("FAIL_MID:"):
+            script, fail_at = script.removeprefix("FAIL_MID:"), 3
+        eos = self.tokenizer.eos_token_ids[0]
+        ids = self.tokenizer.encode(script, add_bos=False) + [eos]
+        detok = IncrementalDetokenizer(self.tokenizer, skip_ids=(eos,))
+        stops = StopStringMatcher(req.stop)
+        tokens, pieces, finish, stop_reason = [], [], "length", None
+        emit = on_event or (lambda ev: None)
+        for i, t in enumerate(ids):
+            if i == fail_at:
+                raise RuntimeError("scripted failure mid-generation")
+            tokens.append(t)
+            if t == eos:
+                finish, stop_reason = "stop", t
+                emit(TokenEvent(t, ""))
+                break
+            text, stopped = stops.push(detok.push(t))
+            pieces.append(text)
+            emit(TokenEvent(t, text))
+            if stopped:
+                finish, stop_reason = "stop", stops.matched
+                break
+            if len(tokens) >= req.max_tokens:
+                break
+            if cancelled is not None and cancelled():
+                finish = "cancelled"
+                break
+        if stops.matched is None:
+            tail = stops.push(detok.flush())[0] + stops.flush()
+            if tail:
+                pieces.append(tail)
+                emit(TokenEvent(-1, tail))
+        return GenerationResult(tokens, "".join(pieces), finish, len(req.prompt_ids), stop_reason=stop_reason)
+
+
+class ThreadServer:
+    """The real ASGI app (routes, middleware, scheduler) on loopback, in this process."""
+
+    def __init__(self, engine, **config):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state = ServerState(ServerConfig(port=self.port, model_name="scripted", **config))
+        self.state.attach(engine, {"max_ctx": engine.pipeline.max_ctx})
+        app = create_app(self.state, on_shutdown=lambda: self.state.close())
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("in-process server did not start")
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -1,0 +1,220 @@
+"""Tool calls, reasoning, Unicode and engine failures through all three APIs, with the
+official clients, on scripted model output (Qwen3.5 tokenizer and chat template)."""
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from dflash_server.weights.tokenizer import Tokenizer
+from helpers.qwen_tokenizer import write_qwen_tokenizer
+
+from .scripted import ScriptedEngine, ThreadServer
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")
+SCRIPTS = {
+    "xml_tool": "The user wants the weather.\n</think>\n\n" + XML_CALL,
+    "json_tool": 'Let me look.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                 '"days": 3}}\n</tool_call>',
+    "two_tools": "Two cities.\n</think>\n\n" + XML_CALL + "\n" + XML_CALL.replace("Paris", "Rome"),
+    "malformed": "Checking.\n</think>\n\nSure <tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+    "unicode": "Préparation… 🧠\n</think>\n\nhéllo wörld 🌍 ∑ 日本語 — ok",
+    "forced": "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "answer": "Sunny, 21 degrees in Paris.",
+    "fail_early": "FAIL_EARLY",
+    "fail_mid": "FAIL_MID:Some text that will not finish",
+}
+ARGS = {"city": "Paris", "days": 3}
+TOOL = {"name": "get_weather", "description": "Weather forecast",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                       "required": ["city"]}}
+CHAT_TOOLS = [{"type": "function", "function": TOOL}]
+RESP_TOOLS = [{"type": "function", **TOOL}]
+ANTH_TOOLS = [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]
+THINK = {"type": "enabled", "budget_tokens": 50}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen35_tok")
+    write_qwen_tokenizer(d, "qwen3_5")
+    engine = ScriptedEngine(Tokenizer.from_hf_dir(d), SCRIPTS)
+    s = ThreadServer(engine)
+    s.engine = engine
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oa(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def an(srv):
+    return anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, _strict_response_validation=True)
+
+
+def ask(script):
+    return f"What is the weather in Paris? SCRIPT={script}"
+
+
+def chat(oa, script, stream=False, **kw):
+    args = dict(model="scripted", messages=[{"role": "user", "content": ask(script)}], max_tokens=200,
+                tools=CHAT_TOOLS) | kw
+    if not stream:
+        c = oa.chat.completions.create(**args).choices[0]
+        m = c.message
+        calls = [(t.id, t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls or []]
+        return m.content, getattr(m, "reasoning_content", None), calls, c.finish_reason
+    content, reasoning, calls, finish = [], [], {}, None
+    for ch in oa.chat.completions.create(stream=True, **args):
+        for c in ch.choices:
+            d = c.delta
+            content.append(d.content or "")
+            reasoning.append((d.model_extra or {}).get("reasoning_content") or "")
+            for t in d.tool_calls or []:
+                cur = calls.setdefault(t.index, {"id": "", "name": "", "args": ""})
+                cur["id"] += t.id or ""
+                cur["name"] += t.function.name or ""
+                cur["args"] += t.function.arguments or ""
+            finish = c.finish_reason or finish
+    calls = [(c["id"], c["name"], json.loads(c["args"])) for _, c in sorted(calls.items())]
+    return "".join(content) or None, "".join(reasoning) or None, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("script", ["xml_tool", "json_tool"])
+def test_chat_tool_calls(oa, script, stream):
+    content, reasoning, calls, finish = chat(oa, script, stream)
+    assert finish == "tool_calls" and content is None
+    assert reasoning == SCRIPTS[script].split("\n</think>")[0]
+    assert [(n, a) for _, n, a in calls] == [("get_weather", ARGS)] and calls[0][0].startswith("call_")
+
+
+def test_chat_parallel_calls(oa):
+    assert [a["city"] for _, _, a in chat(oa, "two_tools")[2]] == ["Paris", "Rome"]
+    assert [a["city"] for _, _, a in chat(oa, "two_tools", stream=True)[2]] == ["Paris", "Rome"]
+    assert [a["city"] for _, _, a in chat(oa, "two_tools", parallel_tool_calls=False)[2]] == ["Paris"]
+
+
+def test_malformed_call_is_not_leaked_half_parsed(oa):
+    expect = "Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    for stream in (False, True):
+        content, reasoning, calls, finish = chat(oa, "malformed", stream)
+        assert (content, reasoning, calls, finish) == (expect, "Checking.", [], "stop")
+
+
+def test_unicode_stream_equals_nonstream(oa, an):
+    a = chat(oa, "unicode", tools=None)
+    b = chat(oa, "unicode", stream=True, tools=None)
+    assert a == b and a[0] == "héllo wörld 🌍 ∑ 日本語 — ok" and a[1] == "Préparation… 🧠"
+    with an.messages.stream(model="scripted", max_tokens=100, thinking=THINK,
+                            messages=[{"role": "user", "content": ask("unicode")}]) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == a[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_tool_call(oa, stream):
+    kw = dict(model="scripted", input=ask("xml_tool"), tools=RESP_TOOLS, reasoning={"effort": "high"})
+    if stream:
+        with oa.responses.stream(**kw) as s:
+            types = [e.type for e in s]
+            r = s.get_final_response()
+        assert "response.function_call_arguments.done" in types and "response.reasoning_text.delta" in types
+    else:
+        r = oa.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert r.output[0].content[0].text == "The user wants the weather."
+    fc = r.output[1]
+    assert fc.name == "get_weather" and json.loads(fc.arguments) == ARGS and fc.call_id.startswith("call_")
+    assert r.status == "completed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_tool_use(an, stream):
+    kw = dict(model="scripted", max_tokens=200, tools=ANTH_TOOLS, thinking=THINK,
+              messages=[{"role": "user", "content": ask("xml_tool")}])
+    if stream:
+        with an.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = an.messages.create(**kw)
+    assert m.stop_reason == "tool_use"
+    assert [b.type for b in m.content] == ["thinking", "tool_use"]
+    assert m.content[0].thinking == "The user wants the weather."
+    use = m.content[1]
+    assert use.name == "get_weather" and use.input == ARGS and use.id.startswith("toolu_")
+
+
+def test_tool_results_fed_back_identically_in_all_apis(srv, oa, an):
+    """Second turn: the assistant's call and the tool's result, in each API's own shape,
+    must reach the model as the same template-rendered prompt."""
+    q, result = "What is the weather in Paris? SCRIPT=answer", "Sunny, 21 C"
+    oa.chat.completions.create(model="scripted", max_tokens=50, tools=CHAT_TOOLS, messages=[
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result}],
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    p_chat = srv.engine.prompts[-1]
+    oa.responses.create(model="scripted", max_output_tokens=50, tools=RESP_TOOLS, reasoning={"effort": "none"}, input=[
+        {"role": "user", "content": q},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(ARGS)},
+        {"type": "function_call_output", "call_id": "call_1", "output": result}])
+    p_resp = srv.engine.prompts[-1]
+    m = an.messages.create(model="scripted", max_tokens=50, tools=ANTH_TOOLS, messages=[
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": ARGS}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}])
+    p_anth = srv.engine.prompts[-1]
+    assert p_chat == p_resp == p_anth
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>" in p_chat
+    assert f"<tool_response>\n{result}\n</tool_response>" in p_chat and '"name": "get_weather"' in p_chat
+    assert m.content[0].text == SCRIPTS["answer"] and m.stop_reason == "end_turn"
+
+
+def test_forced_tool_choice(srv, oa):
+    for choice in ({"type": "function", "function": {"name": "get_weather"}},):
+        content, reasoning, calls, finish = chat(oa, "forced", tool_choice=choice)
+        assert srv.engine.prompts[-1].endswith("</think>\n\n<tool_call>\n<function=get_weather>\n")
+        assert finish == "tool_calls" and [(n, a) for _, n, a in calls] == [("get_weather", ARGS)]
+    chat(oa, "forced", tool_choice="required")
+    assert srv.engine.prompts[-1].endswith("<tool_call>\n")
+    content, _, calls, _ = chat(oa, "json_tool", tool_choice="none")
+    assert calls == [] and "<tool_call>" in content and "get_weather" not in srv.engine.prompts[-1]
+
+
+def test_thinking_switches_reach_the_template(srv, oa, an):
+    chat(oa, "answer", tools=None, reasoning_effort="none")
+    assert srv.engine.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    chat(oa, "answer", tools=None)  # the template's default: thinking on
+    assert srv.engine.prompts[-1].endswith("<think>\n")
+    an.messages.create(model="scripted", max_tokens=20, messages=[{"role": "user", "content": ask("answer")}])
+    assert srv.engine.prompts[-1].endswith("</think>\n\n")  # Anthropic: off unless asked
+    an.messages.create(model="scripted", max_tokens=200, thinking=THINK,
+                       messages=[{"role": "user", "content": ask("answer")}])
+    assert srv.engine.prompts[-1].endswith("<think>\n")
+
+
+def test_engine_failures_are_errors_never_partial_200(srv, oa, an):
+    for script in ("fail_early", "fail_mid"):
+        with pytest.raises(openai.InternalServerError):
+            chat(oa, script)
+        r = httpx.post(srv.url + "/v1/messages", json={"model": "scripted", "max_tokens": 50,
+                                                       "messages": [{"role": "user", "content": ask(script)}]})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+    with pytest.raises(openai.InternalServerError):  # failed before streaming began: a real 500
+        chat(oa, "fail_early", stream=True)
+    with pytest.raises(openai.APIError):  # failed mid-stream: an error event the SDK raises
+        chat(oa, "fail_mid", stream=True)
+    with pytest.raises(anthropic.APIStatusError):
+        with an.messages.stream(model="scripted", max_tokens=50,
+                                messages=[{"role": "user", "content": ask("fail_mid")}]) as s:
+            s.get_final_message()
+    events = [e.type for e in oa.responses.create(model="scripted", input=ask("fail_mid"), stream=True)]
+    assert events[-2:] == ["error", "response.failed"]
+    assert chat(oa, "answer", tools=None, reasoning_effort="none")[0] == SCRIPTS["answer"]  # it carries on
