@@ -1,0 +1,205 @@
+"""``dflash-server train-draft``: make a DFlash draft for any supported target by
+self-distillation (sample the target, capture its features, train, export z-lab format).
+
+The draft borrows the target's embedding and LM head, so its hidden size is the target's
+(``--hidden-size`` is checked, not free). The held-out acceptance shown while training is
+real speculative decoding (engine + DFlashProposer, greedy) on held-out prompts, which is
+why it lives here and not in ``spec/`` (spec must not import the engine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from .common import DTYPES, positive_int, quantize_plan, resolve_device
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-draft", help="train a DFlash draft for a target by self-distillation")
+    p.add_argument("--model", help="target: HF model directory or .gguf (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output directory (draft, checkpoint, log; data under OUT/data)")
+    p.add_argument("--data", help="dataset directory (default OUT/data); reused and extended if present")
+    p.add_argument("--prompts", help="JSONL prompt file (default: the shipped train_prompts.jsonl)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (target and draft)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target compute dtype (default bf16)")
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="target weights for sampling and evaluation (as in generate)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for torch")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.add_argument_group("draft architecture")
+    a.add_argument("--layers", type=positive_int, default=1, help="draft decoder layers (default 1)")
+    a.add_argument("--hidden-size", type=positive_int,
+                   help="must equal the target's (the draft uses the target's embedding and LM head)")
+    a.add_argument("--intermediate-size", type=positive_int, help="MLP size (default: the target's)")
+    a.add_argument("--heads", type=positive_int, help="attention heads (default: the target's)")
+    a.add_argument("--kv-heads", type=positive_int, help="KV heads (default: the target's when it divides --heads)")
+    a.add_argument("--head-dim", type=positive_int, help="default hidden/heads")
+    a.add_argument("--block-size", type=positive_int, default=16)
+    a.add_argument("--target-layers", help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
+    a.add_argument("--mask-token-id", type=int, help="MASK id (default: an id the target never generates)")
+    d = p.add_argument_group("data (sampled from the target)")
+    d.add_argument("--samples", "--data-size", dest="samples", type=positive_int, default=1024,
+                   help="training sequences to sample")
+    d.add_argument("--max-new-tokens", type=positive_int, default=256, help="response length cap")
+    d.add_argument("--gen-batch", type=positive_int, default=8,
+                   help="continuations per prompt, sampled in lockstep (the first one greedy)")
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--top-p", type=float, default=0.95)
+    d.add_argument("--data-only", action="store_true", help="sample the dataset and stop")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=positive_int, default=1000)
+    t.add_argument("--batch", type=positive_int, default=4, help="sequences per optimizer step")
+    t.add_argument("--anchors", type=positive_int, default=32, help="blocks per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    t.add_argument("--gamma", type=float, help="loss decay exp(-(k-1)/gamma) (default 7/5/4 for B=16/10/8)")
+    t.add_argument("--head-vocab", default="auto", choices=["auto", "full", "data"],
+                   help="softmax over the full vocabulary, or over the dataset's tokens plus --negatives random "
+                        "ones per step (several times faster on CPU; auto: data on CPU, full elsewhere)")
+    t.add_argument("--negatives", type=positive_int, default=4096, help="random extra tokens per step (data vocab)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--ckpt-every", type=positive_int, default=100, help="checkpoint interval in steps")
+    t.add_argument("--eval-every", type=int, default=0, help="held-out acceptance interval (default steps/10; 0 too)")
+    t.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation (0: none)")
+    t.add_argument("--eval-tokens", type=positive_int, default=128, help="tokens generated per held-out prompt")
+    p.set_defaults(func=run)
+
+
+def _pipeline(source, device, dtype, quantize, max_ctx, batch):
+    from ..runtime.pipeline import build_pipeline
+    from ..runtime.placement import plan_placement
+
+    plan = quantize_plan(source, quantize, device == "cpu" and dtype == torch.bfloat16)
+    return build_pipeline(source, plan_placement(source.config.num_layers, [device]), dtype=dtype,
+                          max_ctx=max_ctx, quantize=plan, progress=False, batch=batch)
+
+
+def draft_config(args, mc, tokenizer):
+    from ..spec.config import DraftConfig, default_target_layer_ids
+    from ..spec.train_data import pick_mask_token
+
+    H = mc.hidden_size
+    if args.hidden_size is not None and args.hidden_size != H:
+        raise UserError(f"--hidden-size {args.hidden_size}: a DFlash draft must use the target's hidden size ({H}); "
+                        "it feeds the target's embeddings in and its LM head reads the draft's output")
+    heads = args.heads or mc.num_heads
+    kv = args.kv_heads or (mc.num_kv_heads if heads % mc.num_kv_heads == 0 else heads)
+    if heads % kv:
+        raise UserError(f"--heads {heads} is not a multiple of --kv-heads {kv}")
+    try:
+        taps = tuple(int(x) for x in args.target_layers.split(",")) if args.target_layers else \
+            default_target_layer_ids(mc.num_layers, min(5, mc.num_layers))
+    except ValueError:
+        raise UserError(f"--target-layers: expected comma-separated integers, got {args.target_layers!r}") from None
+    bad = [t for t in taps if not 0 <= t < mc.num_layers]
+    if bad:
+        raise UserError(f"--target-layers {bad} outside the target's {mc.num_layers} layers")
+    mask = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(tokenizer, mc.vocab_size)
+    if not 0 <= mask < mc.vocab_size:
+        raise UserError(f"--mask-token-id {mask} outside the vocabulary ({mc.vocab_size})")
+    try:
+        return DraftConfig(hidden_size=H, intermediate_size=args.intermediate_size or mc.intermediate_size,
+                           num_layers=args.layers, num_heads=heads, num_kv_heads=kv,
+                           head_dim=args.head_dim or (mc.head_dim if heads == mc.num_heads else H // heads),
+                           block_size=args.block_size, mask_token_id=mask, target_layer_ids=taps,
+                           rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta, rope_scaling=mc.rope_scaling,
+                           num_target_layers=mc.num_layers)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def acceptance(pipe, draft, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy speculative decoding on ``prompts``: mean acceptance length (tau) over all steps."""
+    from ..engine.generate import Engine, GenerationRequest
+    from ..spec.proposer import DFlashProposer
+
+    engine = Engine(pipe, proposer=DFlashProposer(draft, pipe))
+    committed = steps = 0
+    for ids in prompts:
+        spec = engine.generate(GenerationRequest(tuple(ids), max_tokens=max_tokens)).extra.get("spec", {})
+        committed += spec.get("acceptance_length", 0) * spec.get("steps", 0)
+        steps += spec.get("steps", 0)
+    return {"tau": committed / steps if steps else 0.0}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..spec.train import DraftTrainer, TrainConfig, default_gamma
+    from ..spec.train_data import generate_dataset, load_dataset, load_prompts, read_manifest, render
+    from ..weights.default_model import default_model_path
+    from ..weights.loader import open_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    data_dir = Path(args.data) if args.data else out / "data"
+    source = open_model(args.model or default_model_path())
+    mc = source.config
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "auto" else DTYPES[args.dtype]
+    cfg = draft_config(args, mc, source.tokenizer)
+    try:
+        prompts = load_prompts(args.prompts)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"--prompts: {e}") from None
+    train_prompts = [p for p in prompts if p.get("split", "train") == "train"]
+    held = [p for p in prompts if p.get("split") == "heldout"][:max(0, args.eval_prompts)]
+    max_ctx = min(mc.max_position_embeddings, 4096)
+    man = read_manifest(data_dir)
+    t0 = time.time()
+    if man is None or man["samples"] < args.samples:
+        pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
+        try:
+            generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
+                             max_new=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, fingerprint=source.fingerprint())
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        del pipe
+    t_data = time.time() - t0
+    man, samples = load_dataset(data_dir, limit=args.samples)
+    if tuple(man["target_layer_ids"]) != cfg.target_layer_ids:
+        raise UserError(f"{data_dir} was sampled with target layers {man['target_layer_ids']}; "
+                        f"pass --target-layers to match or use another --data dir")
+    print(f"dataset: {len(samples)} sequences, {sum(len(s.ids) for s in samples)} tokens "
+          f"({t_data:.0f} s sampling)")
+    if args.data_only:
+        return 0
+    pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, 1)
+    tc = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
+                     gamma=args.gamma or default_gamma(cfg.block_size), seed=args.seed,
+                     head_vocab=args.head_vocab if args.head_vocab != "auto" else "data" if device == "cpu" else "full",
+                     negatives=args.negatives, amp=dtype != torch.float32)
+    head = pipe.stages[-1].lm_head
+    if head.mode != "dense":  # quantized for serving: train against the dense matrix
+        tied = mc.tie_word_embeddings or not source.has("lm_head.weight")
+        head_w = source.get("model.embed_tokens.weight" if tied else "lm_head.weight").float()
+    else:
+        head_w = head.weight
+    try:
+        trainer = DraftTrainer(cfg, samples, pipe.stages[0].embed, head_w, tc, device=device,
+                               ckpt_dir=out / "checkpoint", resume=args.resume,
+                               head_dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16,
+                               norm_weight=pipe.stages[-1].final_norm.weight)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    held_ids = [render(source.tokenizer, p) for p in held]
+
+    def evaluate(tr):
+        return acceptance(pipe, tr.inference_draft(device, dtype, max_ctx), held_ids, args.eval_tokens)
+
+    t1 = time.time()
+    ev = trainer.train(ckpt_every=args.ckpt_every, eval_every=args.eval_every or max(1, args.steps // 10),
+                       eval_fn=evaluate if held_ids else None, log_path=out / "train_log.jsonl")
+    trainer.export(out)
+    summary = {"draft": str(out), "samples": len(samples), "tokens": sum(len(s.ids) for s in samples),
+               "sampling_s": round(t_data), "training_s": round(time.time() - t1), "steps": trainer.step,
+               "heldout_prompts": len(held_ids), **{f"heldout_{k}": round(v, 3) for k, v in ev.items()}}
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,215 @@
+"""Self-distillation data for a DFlash draft: the target's own responses and features.
+
+The target is sampled on a prompt set (``assets/train_prompts.jsonl``, written for this
+project and disjoint from the evaluation sets), rendered with its chat template. A batched
+lockstep pipeline (``build_pipeline(..., batch=B)``) draws B continuations of the same
+prompt at once (the rows share positions, so no padding); the tapped layers' outputs are
+captured during generation, so no second teacher-forced pass is needed (a position's
+feature is the layer output when that token went through the target, as in a prefill).
+Each continuation is cut after its first EOS. Samples go to safetensors shards (never
+pickle) with a ``dataset.json`` manifest; generation resumes where a previous run stopped.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "assets" / "train_prompts.jsonl"
+MANIFEST = "dataset.json"
+
+
+@dataclass
+class Sample:
+    ids: torch.Tensor        # (L,) int64: prompt + response (EOS included when reached)
+    prompt_len: int
+    features: torch.Tensor   # (L-1, taps*H): tapped outputs at positions [0, L-1)
+
+
+def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[dict]:
+    """Prompts as ``{"id", "kind", "messages", "split"}``; ``split`` filters ("train"/"heldout")."""
+    rows = [json.loads(line) for line in Path(path or PROMPTS_FILE).read_text().splitlines() if line.strip()]
+    return [r for r in rows if split is None or r.get("split", "train") == split]
+
+
+def render(tokenizer, prompt: dict) -> list[int]:
+    """Chat-template the prompt; models without a template get the raw text."""
+    try:
+        return tokenizer.encode_chat(prompt["messages"])
+    except ValueError:
+        return tokenizer.encode("\n\n".join(m["content"] for m in prompt["messages"]))
+
+
+def pick_mask_token(tokenizer, vocab_size: int) -> int:
+    """A token id the target never generates, for the MASK embedding: the first unused row
+    past the tokenizer's vocabulary (z-lab's choice for Qwen3), else the last added (special)
+    token that is neither BOS/EOS nor used by the chat template (SmolLM2: 16,
+    ``<empty_output>``, a pretraining-only notebook marker), else the last id."""
+    n = tokenizer.vocab_size
+    if n < vocab_size:
+        return n
+    try:
+        used = set(tokenizer.encode_chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                         add_generation_prompt=False))
+    except ValueError:
+        used = set()
+    used |= set(tokenizer.eos_token_ids) | {tokenizer.bos_token_id}
+    special = [i for i in tokenizer.tok.get_added_tokens_decoder() if i not in used and i < vocab_size]
+    return max(special) if special else vocab_size - 1
+
+
+def _last_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) logits of the last position for either output layout of the pipeline."""
+    rows = logits[:, -1] if logits.dim() == 3 else logits[-1:]
+    return rows[..., :vocab].float()
+
+
+TOP_K = 256  # sampling looks at the 256 most likely tokens (a full-vocabulary sort per step is slow)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy_rows: int, gen) -> torch.Tensor:
+    vals, idx = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1)     # sorted, descending
+    probs = torch.softmax(vals / max(temperature, 1e-5), dim=-1)
+    if top_p < 1.0:
+        probs[(probs.cumsum(-1) - probs) > top_p] = 0.0
+    tok = idx.cpu().gather(-1, torch.multinomial(probs.cpu(), 1, generator=gen)).squeeze(-1)
+    if greedy_rows:
+        tok[:greedy_rows] = logits[:greedy_rows].argmax(-1).cpu()
+    return tok
+
+
+def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
+                  top_p: float = 0.95, greedy_rows: int = 1, gen: torch.Generator | None = None) -> list[Sample]:
+    """B (the pipeline's batch) continuations of one prompt with their features. The first
+    ``greedy_rows`` rows decode greedily (what greedy serving sees), the rest sample."""
+    vocab, eos = pipe.config.vocab_size, set(pipe.tokenizer.eos_token_ids)
+    max_new = min(max_new, pipe.max_ctx - len(ids))
+    with torch.inference_mode():
+        pipe.reset()
+        out = pipe.prefill(ids, capture=taps)
+        prompt_feats = torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu()    # rows are identical
+        logits = _last_logits(out.logits, vocab)
+        B = logits.shape[0]
+        toks, feats, length = [], [], [0] * B
+        for j in range(max_new):
+            tok = _sample(logits, temperature, top_p, greedy_rows, gen)
+            toks.append(tok)
+            for b in range(B):
+                if not length[b] and int(tok[b]) in eos:
+                    length[b] = j + 1
+            if all(length) or j == max_new - 1:
+                break
+            step = pipe.forward(tok[:, None], len(ids) + j, logits="last", capture=taps)
+            feats.append(torch.cat([step.captures[t][:, -1] for t in taps], dim=-1).cpu())
+            logits = _last_logits(step.logits, vocab)
+        toks_t = torch.stack(toks, dim=1)                                       # (B, n)
+        feats_t = torch.stack(feats, dim=1) if feats else prompt_feats.new_zeros(B, 0, prompt_feats.shape[-1])
+    samples = []  # built outside inference mode: training differentiates through these
+    for b in range(B):
+        n = length[b] or toks_t.shape[1]
+        if n < 2:
+            continue
+        full = torch.tensor(list(ids) + toks_t[b, :n].tolist(), dtype=torch.long)
+        f = torch.cat([prompt_feats, feats_t[b, :n - 1]])[:len(full) - 1].clone()
+        samples.append(Sample(full, len(ids), f))
+    return samples
+
+
+def _save_shard(path: Path, samples: list[Sample], dtype=torch.bfloat16) -> int:
+    from safetensors.torch import save_file
+
+    lens = torch.tensor([len(s.ids) for s in samples])
+    tensors = {"tokens": torch.cat([s.ids for s in samples]).to(torch.int32),
+               "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+               "prompt_len": torch.tensor([s.prompt_len for s in samples]),
+               "features": torch.cat([s.features for s in samples]).to(dtype).contiguous()}
+    save_file(tensors, str(path))
+    return int(lens.sum())
+
+
+def read_manifest(data_dir: str | Path) -> dict | None:
+    f = Path(data_dir) / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tuple[int, ...], samples: int, *,
+                     max_new: int = 256, temperature: float = 0.8, top_p: float = 0.95, greedy_rows: int = 1,
+                     seed: int = 0, fingerprint: str = "", shard_prompts: int = 8, progress: bool = True) -> dict:
+    """Sample until the dataset in ``data_dir`` holds at least ``samples`` sequences
+    (continuing an existing one made with the same taps/model). Returns the manifest."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cfg = pipe.config
+    man = read_manifest(data_dir) or {"version": 1, "model": fingerprint, "target_layer_ids": list(taps),
+                                      "hidden_size": cfg.hidden_size, "num_target_layers": cfg.num_layers,
+                                      "vocab_size": cfg.vocab_size, "prompts_done": 0, "samples": 0,
+                                      "tokens": 0, "shards": []}
+    if man["target_layer_ids"] != list(taps) or man["hidden_size"] != cfg.hidden_size or \
+            (fingerprint and man.get("model") and man["model"] != fingerprint):
+        raise ValueError(f"{data_dir} holds data for another target or other tapped layers; use a new --data dir")
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    gen = torch.Generator().manual_seed(seed + 1000003 * man["prompts_done"])
+    bar = tqdm(total=samples, initial=min(man["samples"], samples), desc="sampling target", unit="seq",
+               disable=None if progress else True)
+    pending: list[Sample] = []
+    pending_prompts = 0
+
+    def flush():
+        nonlocal pending, pending_prompts
+        if not pending_prompts:
+            return
+        name = f"data-{len(man['shards']):05d}.safetensors"
+        ntok = _save_shard(data_dir / name, pending) if pending else 0
+        if pending:
+            man["shards"].append({"file": name, "samples": len(pending), "tokens": ntok})
+        man["samples"] += len(pending)
+        man["tokens"] += ntok
+        man["prompts_done"] += pending_prompts
+        (data_dir / (MANIFEST + ".tmp")).write_text(json.dumps(man, indent=1))
+        (data_dir / (MANIFEST + ".tmp")).replace(data_dir / MANIFEST)
+        pending, pending_prompts = [], 0
+
+    try:
+        k = man["prompts_done"]
+        while man["samples"] + len(pending) < samples:
+            prompt = prompts[order[k % len(order)]]
+            got = sample_prompt(pipe, render(pipe.tokenizer, prompt), taps, max_new, temperature=temperature,
+                                top_p=top_p, greedy_rows=greedy_rows if k < len(order) else 0, gen=gen)
+            pending += got
+            pending_prompts += 1
+            k += 1
+            bar.update(len(got))
+            bar.set_postfix(tokens=man["tokens"] + sum(len(s.ids) for s in pending))
+            if pending_prompts >= shard_prompts:
+                flush()
+        flush()
+    finally:
+        bar.close()
+    return man
+
+
+def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, list[Sample]]:
+    """The manifest and its samples (features kept in their stored dtype)."""
+    from safetensors.torch import load_file
+
+    man = read_manifest(data_dir)
+    if man is None:
+        raise ValueError(f"{data_dir}: no {MANIFEST} (not a train-draft dataset)")
+    out: list[Sample] = []
+    for shard in man["shards"]:
+        t = load_file(str(Path(data_dir) / shard["file"]))
+        off, pl = t["offsets"].tolist(), t["prompt_len"].tolist()
+        feat_off = 0
+        for i in range(len(pl)):
+            ids = t["tokens"][off[i]:off[i + 1]].long()
+            n = len(ids) - 1
+            out.append(Sample(ids, pl[i], t["features"][feat_off:feat_off + n]))
+            feat_off += n
+        if limit is not None and len(out) >= limit:
+            return man, out[:limit]
+    return man, out
