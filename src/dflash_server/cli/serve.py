@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
     g.add_argument("--default-temperature", type=float, default=C.default_temperature,
                    help=f"temperature when a request sets none (default {C.default_temperature})")
     g.add_argument("--max-queue", type=_non_negative_int, default=C.max_queue,
-                   help=f"requests that may wait behind the running one; beyond: 503 + Retry-After (default {C.max_queue})")
+                   help="requests that may wait behind the running one; beyond: 503 + Retry-After "
+                        f"(default {C.max_queue})")
     g.add_argument("--max-body-mb", type=positive_int, default=C.max_body_bytes >> 20,
                    help=f"largest request body in MiB (default {C.max_body_bytes >> 20})")
     g.add_argument("--shutdown-grace", type=float, default=C.shutdown_grace_s,

@@ -117,8 +117,19 @@ def create_app(state, on_shutdown=None):
                 "context_length": state.info.get("max_ctx"), "max_model_len": state.info.get("max_ctx")}
 
     @api.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+    async def models(request: Request):
+        out = {"object": "list", "data": [model_card()]}
+        if "client_version" in request.query_params:  # Codex asks for its own model catalogue
+            out["models"] = [codex_card()]
+        return out
+
+    def codex_card():
+        levels = [{"effort": e, "description": f"{e} reasoning"} for e in ("low", "medium", "high")]
+        return {"slug": state.config.model_name, "display_name": state.config.model_name,
+                "description": "served by dflash-server", "default_reasoning_level": "medium",
+                "supported_reasoning_levels": levels, "shell_type": "shell_command", "visibility": "list",
+                "supported_in_api": True, "priority": 1, "context_window": state.info.get("max_ctx"),
+                "supports_reasoning_summaries": False, "supports_parallel_tool_calls": True}
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

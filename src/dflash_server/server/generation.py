@@ -70,24 +70,42 @@ class Run:
             raise engine_error(item)
         self._pending = item
 
-    def _step(self, ev: TokenEvent) -> Step:
-        lps = [ev] if ev.token_id >= 0 and ev.token_id not in self.stop_ids and ev.logprob is not None else []
-        if ev.token_id >= 0 and self.parser is not None and self.parser.mode == "reasoning":
-            self.reasoning_tokens += 1
-        if not ev.text:
-            return Step([], lps)
-        self.text_parts.append(ev.text)
-        if self.parser is None:
-            return Step([Delta("content", ev.text)], lps)
-        return Step(self.parser.push(ev.text), lps)
+    def _step(self, events: list[TokenEvent]) -> Step:
+        lps, texts = [], []
+        for ev in events:
+            if ev.token_id >= 0 and ev.token_id not in self.stop_ids and ev.logprob is not None:
+                lps.append(ev)
+            if ev.token_id >= 0 and self.parser is not None and self.parser.mode == "reasoning":
+                self.reasoning_tokens += 1
+            if ev.text:
+                self.text_parts.append(ev.text)
+                if self.parser is None:
+                    texts.append(Delta("content", ev.text))
+                else:
+                    texts.extend(self.parser.push(ev.text))
+        deltas: list[Delta] = []
+        for d in texts:  # merge neighbours of one kind (a burst becomes one chunk)
+            if deltas and d.kind == deltas[-1].kind and d.kind != "tool_call":
+                deltas[-1] = Delta(d.kind, deltas[-1].text + d.text)
+            else:
+                deltas.append(d)
+        return Step(deltas, lps)
 
     def __aiter__(self):
         return self._iterate()
 
     async def _iterate(self):
         while self.result is None:
-            item = self._pending if self._pending is not None else await self.job.next()
-            self._pending = None
+            if self._pending is not None:
+                items, self._pending = [self._pending], None
+            else:
+                items = await self.job.next_batch()
+            events = [x for x in items if isinstance(x, TokenEvent)]
+            if events:
+                step = self._step(events)
+                if step.deltas or step.logprobs:
+                    yield step
+            item = items[-1]
             if isinstance(item, BaseException):
                 raise engine_error(item)
             if isinstance(item, GenerationResult):
@@ -101,9 +119,6 @@ class Run:
                     if tail:
                         yield Step(tail, [])
                 return
-            step = self._step(item)
-            if step.deltas or step.logprobs:
-                yield step
 
     async def collect(self) -> list[TokenEvent]:
         """Run to the end (non-streaming); returns the logprob events."""

@@ -1,6 +1,7 @@
 """Token log-probabilities in the Chat Completions, Completions and Responses shapes."""
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from ..engine.generate import TokenEvent
@@ -49,12 +50,18 @@ class TokenTexts:
         return self.lookup(token_id)[1]
 
 
+def _finite(x: float) -> float:
+    # JSON has no -inf: an impossible token reports the most negative finite value instead
+    return x if math.isfinite(x) else -9999.0
+
+
 def chat_entries(events: list[TokenEvent], texts: TokenTexts) -> list[dict]:
     out = []
     for ev in events:
-        top = [{"token": texts.text(i), "logprob": lp, "bytes": texts.bytes(i)} for i, lp in ev.top_logprobs or []]
-        out.append({"token": texts.text(ev.token_id), "logprob": ev.logprob, "bytes": texts.bytes(ev.token_id),
-                    "top_logprobs": top})
+        top = [{"token": texts.text(i), "logprob": _finite(lp), "bytes": texts.bytes(i)}
+               for i, lp in ev.top_logprobs or []]
+        out.append({"token": texts.text(ev.token_id), "logprob": _finite(ev.logprob),
+                    "bytes": texts.bytes(ev.token_id), "top_logprobs": top})
     return out
 
 
@@ -64,8 +71,8 @@ def completion_logprobs(events: list[TokenEvent], texts: TokenTexts, offset: int
     for ev in events:
         t = texts.text(ev.token_id)
         tokens.append(t)
-        lps.append(ev.logprob)
-        tops.append({texts.text(i): lp for i, lp in ev.top_logprobs or []})
+        lps.append(_finite(ev.logprob))
+        tops.append({texts.text(i): _finite(lp) for i, lp in ev.top_logprobs or []})
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

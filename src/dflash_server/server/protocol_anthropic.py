@@ -54,7 +54,7 @@ async def handle(app, request: Request):
     run, mid = runs[0], "msg_" + secrets.token_hex(12)
     model = body.model or app.config.model_name
     if body.stream:
-        return await sse.start_stream(runs, _stream(run, mid, model, len(prompt.ids)))
+        return await sse.start_stream(request, runs, _stream(run, mid, model, len(prompt.ids)))
     await sse.collect(request, runs)
     content = []
     if run.reasoning:
@@ -110,7 +110,8 @@ async def _stream(run: Run, mid: str, model: str, prompt_tokens: int):
         reason, seq = stop_reason(run)
         yield sse.event("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                          "usage": {"output_tokens": run.result.completion_tokens}})
+                                          "usage": _usage(run, run.result.prompt_tokens,
+                                                          run.result.completion_tokens)})
         yield sse.event("message_stop", {"type": "message_stop"})
     except APIError as e:
         yield sse.event("error", error_body(e, anthropic=True))

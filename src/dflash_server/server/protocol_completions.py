@@ -49,7 +49,8 @@ async def handle(app, request: Request):
     model = body.model or app.config.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await sse.start_stream(runs, _stream(app, groups, runs, echo, cid, created, model, include_usage))
+        body_iter = _stream(app, groups, runs, echo, cid, created, model, include_usage)
+        return await sse.start_stream(request, runs, body_iter)
     lps = await sse.collect(request, runs)
     choices = []
     for i, (run, events) in enumerate(zip(runs, lps)):

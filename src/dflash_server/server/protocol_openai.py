@@ -63,7 +63,7 @@ async def handle(app, request: Request):
     model = body.model or app.config.model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await sse.start_stream(runs, _stream(app, runs, cid, created, model, include_usage))
+        return await sse.start_stream(request, runs, _stream(app, runs, cid, created, model, include_usage))
     lps = await sse.collect(request, runs)
     choices = []
     for i, (run, events) in enumerate(zip(runs, lps)):

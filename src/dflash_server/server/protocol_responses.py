@@ -82,7 +82,7 @@ async def handle(app, request: Request):
     runs = app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:
-        return await sse.start_stream(runs, _stream(app, runs[0], resp))
+        return await sse.start_stream(request, runs, _stream(app, runs[0], resp))
     lps = (await sse.collect(request, runs))[0]
     run = runs[0]
     if run.reasoning:

@@ -58,6 +58,14 @@ class Job:
     async def next(self):
         return await self._items.get()
 
+    async def next_batch(self) -> list:
+        """Everything that has arrived (at least one item): bursts, e.g. the tokens one
+        speculative step commits, go out to the client as one chunk."""
+        items = [await self._items.get()]
+        while not self._items.empty() and isinstance(items[-1], TokenEvent):
+            items.append(self._items.get_nowait())
+        return items
+
     def _put(self, item) -> None:  # worker thread
         try:
             self._loop.call_soon_threadsafe(self._items.put_nowait, item)

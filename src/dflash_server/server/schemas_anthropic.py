@@ -76,7 +76,8 @@ class CountTokensRequest(Model):
         for t in self.tools:
             if t.type not in (None, "custom"):
                 raise bad_request(f"tool {t.name!r}: server tool type {t.type!r} is not supported", "tools")
-        kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[choice.type if choice else "auto"]
+        kinds = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+        kind = kinds[choice.type if choice else "auto"]
         if kind == "function" and not (choice and choice.name):
             raise bad_request("tool_choice type 'tool' needs a name", "tool_choice.name")
         try:

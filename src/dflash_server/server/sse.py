@@ -34,11 +34,29 @@ class ClientGone(Exception):
     """The client disconnected before a non-streaming response was ready."""
 
 
-async def start_stream(runs, body: AsyncIterator[bytes]) -> StreamingResponse:
-    """Wait until the first run produced output (errors raise here, before any byte is
-    sent), then hand ``body`` to a streaming response that cancels ``runs`` on exit."""
+async def _until_disconnect(request: Request, awaitable):
+    """Await ``awaitable`` unless the client goes away first (then ClientGone)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
     try:
-        await runs[0].start()
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        watch.cancel()
+        raise
+    if work in done:
+        watch.cancel()
+        return work.result()
+    work.cancel()
+    raise ClientGone()
+
+
+async def start_stream(request: Request, runs, body: AsyncIterator[bytes]) -> StreamingResponse:
+    """Wait until the first run produced output (errors raise here, before any byte is
+    sent; a client that leaves while queued cancels its job), then hand ``body`` to a
+    streaming response that cancels ``runs`` when it ends for any reason."""
+    try:
+        await _until_disconnect(request, runs[0].start())
     except BaseException:
         for r in runs:
             r.cancel()
@@ -68,20 +86,9 @@ async def collect(request: Request, runs) -> list[list]:
     async def all_runs():
         return [await r.collect() for r in runs]
 
-    work = asyncio.ensure_future(all_runs())
-    watch = asyncio.ensure_future(_disconnected(request))
     try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await _until_disconnect(request, all_runs())
     except BaseException:
-        work.cancel()
-        watch.cancel()
         for r in runs:
             r.cancel()
         raise
-    if work in done:
-        watch.cancel()
-        return work.result()
-    for r in runs:
-        r.cancel()
-    work.cancel()
-    raise ClientGone()
