@@ -186,6 +186,24 @@ def test_disconnect_while_waiting_non_stream_cancels(srv):
     healthy(srv)
 
 
+def test_disconnect_while_queued_never_runs(srv):
+    import threading
+
+    before, tokens = _cancelled(srv), metric(srv, "dflash_generated_tokens_total")
+    long = {}
+    t = threading.Thread(target=lambda: long.update(r=post(srv, "/v1/chat/completions", {
+        **CHAT, "max_tokens": 450, "ignore_eos": True})))
+    t.start()
+    time.sleep(0.3)  # the long request holds the engine; the next one waits in the queue
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH,
+                   timeout=httpx.Timeout(60, read=0.2))
+    t.join()
+    assert long["r"].json()["choices"][0]["finish_reason"] == "length"
+    assert _wait_for(lambda: _cancelled(srv) > before)
+    assert metric(srv, "dflash_generated_tokens_total") - tokens == 450  # the abandoned one never ran
+
+
 def test_sigterm_finishes_or_cancels_and_exits_0(tiny_dir):
     s = start_tiny(tiny_dir, "llama", "--shutdown-grace", "0.5")
     body = {**CHAT, "max_tokens": 480, "stream": True, "ignore_eos": True}

@@ -68,6 +68,9 @@ class Metrics:
         elif job.t_last is not None:
             self.itl.observe(now - job.t_last)
 
+    def skipped(self, job) -> None:
+        self.generations.labels("cancelled").inc()
+
     def failed(self, job) -> None:
         self.generations.labels("error").inc()
 

@@ -145,8 +145,10 @@ class Scheduler:
                 if not self._waiting:
                     return  # closing and drained
                 job = self._waiting.popleft()
-                if job.cancelled:
+                if job.cancelled:  # its client left while it waited: never run it
                     job._put(GenerationResult([], "", "cancelled", len(job.req.prompt_ids)))
+                    if self.hooks:
+                        self.hooks.skipped(job)
                     continue
                 self.running = job
             if self.hooks:
