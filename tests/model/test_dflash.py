@@ -214,3 +214,15 @@ def test_save_load_round_trip(tiny_dir, tmp_path):
     a = run(pipe, ids, DFlashProposer(draft, pipe), max_tokens=12)
     b = run(pipe, ids, DFlashProposer(again, pipe), max_tokens=12)
     assert a.extra["spec"] == b.extra["spec"]
+
+
+def test_fast_int4_draft_head_is_lossless(tiny_dir):
+    """The draft's own int4 LM head (CPU, bf16) only changes proposals, never the output."""
+    pipe = pipeline(tiny_dir("llama"), dtype=torch.bfloat16)
+    ids = prompt_ids(pipe, 20)
+    ref = run(pipe, ids, max_tokens=24).token_ids
+    draft = random_draft(pipe)
+    prop = DFlashProposer(draft, pipe, block_size=4)
+    assert prop.head is not None and prop.head.mode == "int4"
+    assert run(pipe, ids, prop, max_tokens=24).token_ids == ref
+    assert DFlashProposer(draft, pipe, fast_head=False).head is None

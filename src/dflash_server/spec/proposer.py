@@ -12,7 +12,11 @@ from .draft import DFlashDraft
 
 
 class DFlashProposer:
-    def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None):
+    def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None):
+        """``fast_head``: give the draft its own int4 copy of the LM head (CPU only). Draft
+        logits only pick proposals, so rounding there cannot change the output, and the
+        weight-only head costs about half the int8 one per row (the draft projects B-1 rows
+        every step). Default: on when the target runs on CPU."""
         cfg = pipeline.config
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
         trained = draft.cfg.block_size
@@ -22,6 +26,25 @@ class DFlashProposer:
         self.draft, self.pipeline = draft, pipeline
         self.taps = draft.cfg.target_layer_ids
         self.mask_id = draft.cfg.mask_token_id
+        self.head = None
+        if fast_head is None:
+            fast_head = pipeline.device.type == "cpu" and pipeline.stages[-1].dtype == torch.bfloat16
+        if fast_head:
+            self.head = self._int4_head(pipeline)
+
+    @staticmethod
+    def _int4_head(pipeline):
+        from ..layers.linear import Linear, int4_supported
+
+        src, cfg = pipeline.source, pipeline.config
+        tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
+        last = pipeline.stages[-1]
+        w = src.get("model.embed_tokens.weight" if tied else "lm_head.weight").to(last.device, last.dtype)
+        if not int4_supported(w):
+            return None
+        head = Linear(w)
+        head.quantize_("int4")
+        return head
 
     def reset(self) -> None:
         self.draft.reset()
@@ -51,5 +74,8 @@ class DFlashProposer:
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
         emb = self.pipeline.embed(ids)
         hidden = self.draft.draft_hidden(emb, start)
-        logits = self.pipeline.project(hidden[:, 1:])
+        if self.head is not None:
+            logits = self.head(hidden[:, 1:].to(self.pipeline.stages[-1].device, self.pipeline.stages[-1].dtype))
+        else:
+            logits = self.pipeline.project(hidden[:, 1:])
         return logits[0, :, :self.pipeline.config.vocab_size].argmax(-1).tolist()
