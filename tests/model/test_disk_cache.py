@@ -181,3 +181,28 @@ def test_unwritable_disk_is_a_warning_not_a_crash(tiny_dir, tmp_path, caplog, mo
     assert any("No space" in r.getMessage() for r in caplog.records)
     assert eng.prefix_cache.disk.stats()["errors"] >= 1
     assert r1.completion_tokens == 6
+
+
+def test_cache_command_ls_stats_clear(tiny_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    eng = make_engine(tiny_dir("llama"), tmp_path / "c")
+    run(eng, chat_ids(eng, [("a", "b"), ("c", None)]))
+    eng.close()
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "dflash_server", "cache", *args, "--kv-cache-dir",
+                               str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
+    ls = json.loads(cli("ls", "--json").stdout)
+    assert len(ls) >= 1 and all(r["valid"] and r["tokens"] > 0 for r in ls)
+    stats = json.loads(cli("stats", "--json").stdout)
+    assert stats["files"] == len(ls) and stats["models"]["fp"]["files"] == len(ls)
+    assert "removed" in cli("clear").stdout
+    assert json.loads(cli("ls", "--json").stdout) == []
+    bad = cli("ls")
+    assert bad.returncode == 0
+    missing = subprocess.run([sys.executable, "-m", "dflash_server", "cache", "ls", "--kv-cache-dir",
+                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "no such directory" in missing.stderr

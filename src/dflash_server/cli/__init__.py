@@ -15,13 +15,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import generate, serve, train_draft
+    from . import cache, generate, serve, train_draft
 
     p = _Parser(prog="dflash-server", description="LLM inference server with DFlash speculative decoding")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate.add_parser(sub)
     serve.add_parser(sub)
     train_draft.add_parser(sub)
+    cache.add_parser(sub)
     return p
 
 
