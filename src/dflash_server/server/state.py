@@ -57,6 +57,8 @@ class ServerState:
     def close(self, cancel_running: bool = True) -> None:
         if self.scheduler is not None:
             self.scheduler.close(cancel_running=cancel_running)
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()  # after the worker stopped: persist prefix snapshots to disk
 
     # --- helpers for the routes ------------------------------------------------------------
     def require_ready(self) -> None:
