@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -131,6 +132,7 @@ def main():
     a = p.parse_args()
     # measure real prefill: without this the warm-up would leave the prompt in the prefix cache
     a.flags = ["--prefix-cache-slots", "0", *a.flags]
+    load_before = os.getloadavg()[0]
     prompt_tokens, inproc, http = measure(a.flags, a.tokens, a.runs)
     rows = []
     for conc in ("c1", "c4"):
@@ -141,7 +143,8 @@ def main():
                      "ttft_delta_ms": 1000 * (h["ttft_s"] - i["ttft_s"])})
     out = {"benchmark": "serve", "tokens": a.tokens, "runs": a.runs, "flags": a.flags,
            "prompt_tokens": prompt_tokens, "machine": platform.processor() or platform.machine(),
-           "python": platform.python_version(), "rows": rows}
+           "python": platform.python_version(), "cpus": os.cpu_count(),
+           "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print("| concurrency | path | TTFT ms (median) | decode tok/s per stream | aggregate tok/s |")

@@ -43,3 +43,24 @@ def test_config_validation():
                 {"default_temperature": 5}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
+
+
+def _serve(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dflash_server", "serve", *args], capture_output=True, text=True,
+                           timeout=120)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    for args, needle in ((["--model", str(tmp_path / "nope")], "no such file"),
+                         (["--chat-template-file", str(tmp_path / "missing.jinja")], "chat-template-file"),
+                         (["--port", "99999"], "port"), (["--max-queue", "-1"], "max-queue")):
+        r = _serve(*args)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr.lower(), r.stderr
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    r = _serve("--chat-template-file", str(bad))
+    assert r.returncode == 2 and "does not compile" in r.stderr and len(r.stderr.strip().splitlines()) == 1

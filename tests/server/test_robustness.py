@@ -148,7 +148,7 @@ def test_100_concurrent_requests_with_small_queue(srv):
             assert retry is not None and int(retry) >= 1 and "queue" in text
         elif '"stream": true' not in text:
             assert "[DONE]" in text or '"choices"' in text
-    assert metric(srv, "dflash_rejected_requests_total") >= 0
+    assert metric(srv, "dflash_rejected_requests_total") >= codes.count(503)
     healthy(srv)
 
 

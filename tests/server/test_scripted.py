@@ -218,3 +218,16 @@ def test_engine_failures_are_errors_never_partial_200(srv, oa, an):
     events = [e.type for e in oa.responses.create(model="scripted", input=ask("fail_mid"), stream=True)]
     assert events[-2:] == ["error", "response.failed"]
     assert chat(oa, "answer", tools=None, reasoning_effort="none")[0] == SCRIPTS["answer"]  # it carries on
+
+
+def test_chat_template_file_overrides_the_model_template(srv):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    other = ThreadServer(srv.engine, chat_template=template)
+    try:
+        r = httpx.post(other.url + "/v1/chat/completions", json={"messages": [
+            {"role": "developer", "content": "Be brief."}, {"role": "user", "content": ask("answer")}]})
+        assert r.status_code == 200
+        assert srv.engine.prompts[-1] == f"[system] Be brief.\n[user] {ask('answer')}\n[assistant] "
+        assert r.json()["choices"][0]["message"]["content"] == SCRIPTS["answer"]
+    finally:
+        other.stop()

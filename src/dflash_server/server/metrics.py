@@ -22,7 +22,7 @@ class Metrics:
                                 registry=r)
         self.generations = Counter(p + "generations", "finished generations by finish reason",
                                    ["finish_reason"], registry=r)
-        self.rejected = Counter(p + "rejected_requests", "requests refused because the queue was full",
+        self.rejected_requests = Counter(p + "rejected_requests", "requests refused because the queue was full",
                                 registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge(p + "requests_running", "requests being generated", registry=r)
@@ -67,6 +67,9 @@ class Metrics:
             self.queue_wait.observe((job.t_start or now) - job.t_submit)
         elif job.t_last is not None:
             self.itl.observe(now - job.t_last)
+
+    def rejected(self) -> None:
+        self.rejected_requests.inc()
 
     def skipped(self, job) -> None:
         self.generations.labels("cancelled").inc()

@@ -91,6 +91,8 @@ class Scheduler:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue and self.running is not None:
+                if self.hooks:
+                    self.hooks.rejected()
                 raise QueueFull(self._retry_after_locked())
             self._waiting.append(job)
             self._cv.notify()
