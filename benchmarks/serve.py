@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -123,6 +124,37 @@ def measure(flags: list[str], tokens: int, runs: int) -> tuple[int, dict, dict]:
     return inproc.prompt_tokens, ins, http
 
 
+def stack_cost(tokens: int = 1500) -> dict:
+    """CPU time the HTTP path adds per streamed token, measured with an engine that costs
+    nothing (scripted text through the real tokenizer, app, scheduler, SSE and an HTTP
+    client, all in this process): robust to background load, unlike wall-clock rates."""
+    from dflash_server.weights.default_model import default_model_path
+    from dflash_server.weights.loader import open_model
+    from server.scripted import ScriptedEngine, ThreadServer
+
+    tok = open_model(default_model_path()).tokenizer
+    text = "The quick brown fox jumps over the lazy dog. " * (tokens // 9)
+    engine = ScriptedEngine(tok, {"long": text}, delay_s=0.002)  # paced: every token its own SSE chunk
+    n = len(tok.encode(text, add_bos=False))
+    c0 = time.process_time()
+    engine.generate(SimpleNamespace(prompt_ids=(1,), stop=(), max_tokens=10**9), on_event=lambda ev: None)
+    engine_s = time.process_time() - c0
+    srv = ThreadServer(engine)
+    body = {"messages": [{"role": "user", "content": "SCRIPT=long"}], "max_tokens": n + 8, "stream": True}
+    try:
+        samples = []
+        for _ in range(3):
+            c0 = time.process_time()
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=600) as r:
+                for _line in r.iter_lines():
+                    pass
+            samples.append(time.process_time() - c0)
+    finally:
+        srv.stop()
+    per_token = (median(samples) - engine_s) / n
+    return {"tokens": n, "stack_cpu_us_per_token": round(per_token * 1e6, 1)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
@@ -133,6 +165,7 @@ def main():
     # measure real prefill: without this the warm-up would leave the prompt in the prefix cache
     a.flags = ["--prefix-cache-slots", "0", *a.flags]
     load_before = os.getloadavg()[0]
+    stack = stack_cost()
     prompt_tokens, inproc, http = measure(a.flags, a.tokens, a.runs)
     rows = []
     for conc in ("c1", "c4"):
@@ -144,7 +177,9 @@ def main():
     out = {"benchmark": "serve", "tokens": a.tokens, "runs": a.runs, "flags": a.flags,
            "prompt_tokens": prompt_tokens, "machine": platform.processor() or platform.machine(),
            "python": platform.python_version(), "cpus": os.cpu_count(),
-           "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
+           "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows,
+           "stack": {**stack, "overhead_pct_at_inprocess_c1_rate": round(
+               stack["stack_cpu_us_per_token"] * 1e-6 * inproc["c1"]["decode_tok_s"] * 100, 2)}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print("| concurrency | path | TTFT ms (median) | decode tok/s per stream | aggregate tok/s |")
@@ -156,6 +191,9 @@ def main():
                   f"{1000 * x['ttft_s']:.0f} | {x['decode_tok_s']:.1f} | {x['aggregate_tok_s']:.1f} |")
         print(f"| {r['concurrency']} | overhead | {r['ttft_delta_ms']:+.0f} ms | {r['decode_overhead_pct']:+.1f}% | "
               f"{r['aggregate_overhead_pct']:+.1f}% |")
+    st = out["stack"]
+    print(f"\nHTTP stack (app + SSE + client) CPU per streamed token: {st['stack_cpu_us_per_token']} us "
+          f"= {st['overhead_pct_at_inprocess_c1_rate']}% of a token at the in-process decode rate")
 
 
 if __name__ == "__main__":

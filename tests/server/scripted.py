@@ -25,8 +25,8 @@ from .serverproc import free_port
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, scripts: dict[str, str], max_ctx: int = 4096):
-        self.tokenizer, self.scripts = tokenizer, scripts
+    def __init__(self, tokenizer, scripts: dict[str, str], max_ctx: int = 4096, delay_s: float = 0.0):
+        self.tokenizer, self.scripts, self.delay_s = tokenizer, scripts, delay_s
         self.pipeline = SimpleNamespace(max_ctx=max_ctx)
         self.prompts: list[str] = []
 
@@ -49,6 +49,8 @@ class ScriptedEngine:
         for i, t in enumerate(ids):
             if i == fail_at:
                 raise RuntimeError("scripted failure mid-generation")
+            if self.delay_s:
+                time.sleep(self.delay_s)  # pace like a real decode: one token per chunk
             tokens.append(t)
             if t == eos:
                 finish, stop_reason = "stop", t
