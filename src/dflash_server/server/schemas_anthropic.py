@@ -69,20 +69,20 @@ class CountTokensRequest(Model):
 
     def toolset(self) -> ToolSet | None:
         choice = self.tool_choice
-        if not self.tools:
+        # server-side tools (web_search_*, code_execution_*, ...) run at Anthropic, not in a
+        # model: like hosted tools on /v1/responses they are left out of the prompt
+        tools = [t for t in self.tools or [] if t.type in (None, "custom")]
+        if not tools:
             if choice is not None and choice.type in ("any", "tool"):
                 raise bad_request("tool_choice requires tools", "tool_choice")
             return None
-        for t in self.tools:
-            if t.type not in (None, "custom"):
-                raise bad_request(f"tool {t.name!r}: server tool type {t.type!r} is not supported", "tools")
         kinds = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
         kind = kinds[choice.type if choice else "auto"]
         if kind == "function" and not (choice and choice.name):
             raise bad_request("tool_choice type 'tool' needs a name", "tool_choice.name")
         try:
             return make_toolset([{"name": t.name, "description": t.description, "parameters": t.input_schema}
-                                 for t in self.tools], kind, choice.name if kind == "function" else None,
+                                 for t in tools], kind, choice.name if kind == "function" else None,
                                 not (choice and choice.disable_parallel_tool_use))
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
