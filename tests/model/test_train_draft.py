@@ -168,3 +168,18 @@ def test_hidden_size_must_match_target(tiny_dir, tmp_path, capsys):
     assert rc == 2 and "target's hidden size (64)" in capsys.readouterr().err
     rc = main(["train-draft", "--model", str(tiny_dir("llama")), "--out", str(tmp_path), "--target-layers", "1,7"])
     assert rc == 2 and "outside the target's 4 layers" in capsys.readouterr().err
+
+
+def test_shipped_draft_loads_and_is_lossless_on_the_default_model():
+    from dflash_server.weights.default_model import default_draft_path, default_model_path
+
+    path = default_draft_path()
+    assert path is not None and (path / "model.safetensors").stat().st_size < 40 * 2**20
+    draft = DFlashDraft.load(path, dtype=torch.float32, max_ctx=512)
+    assert draft.cfg.hidden_size == 576 and draft.cfg.mask_token_id == 16 and draft.cfg.block_size == 8
+    pipe = pipeline(default_model_path())                     # fp32 dense: exact comparison
+    ids = render(pipe.tokenizer, load_prompts(split="heldout")[0])
+    req = GenerationRequest(tuple(ids), max_tokens=40, ignore_eos=True)
+    res = Engine(pipe, proposer=DFlashProposer(draft, pipe)).generate(req)
+    assert res.token_ids == Engine(pipe).generate(req).token_ids
+    assert res.extra["spec"]["acceptance_length"] > 1.0

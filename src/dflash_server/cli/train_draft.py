@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
           f"({t_data:.0f} s sampling)")
     if args.data_only:
         return 0
+    out.mkdir(parents=True, exist_ok=True)
     pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, 1)
     tc = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
                      gamma=args.gamma or default_gamma(cfg.block_size), seed=args.seed,
