@@ -45,5 +45,7 @@ def test_multi_turn_cached_tokens_and_restart_from_disk(tiny_dir, tmp_path):
         out = chat(srv2.url, last_prompt)
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert out["choices"][0]["message"]["content"] == warm_answers[-1]
+        disk = httpx.get(srv2.url + "/props", timeout=30).json()["cache"]["disk"]
+        assert disk["enabled"] and disk["files"] >= 4 and disk["hits"] >= 1 and disk["reads"] >= 1
     finally:
         assert srv2.stop() == 0, srv2.output()

@@ -29,7 +29,11 @@ def _cache(engine) -> dict:
         v = getattr(index, key, None)
         if isinstance(v, int):
             prefix[key] = v
-    return {"prefix": prefix, "disk": {"enabled": False}}
+    disk = getattr(getattr(engine, "prefix_cache", None), "disk", None)
+    disk_stats = {"enabled": disk is not None}
+    if disk is not None:
+        disk_stats.update({k: v for k, v in disk.stats().items() if isinstance(v, (int, str))})
+    return {"prefix": prefix, "disk": disk_stats}
 
 
 def props(state) -> dict:
