@@ -101,6 +101,10 @@ class Scheduler:
         return job
 
     @property
+    def worker_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def queue_depth(self) -> int:
         return len(self._waiting)
 

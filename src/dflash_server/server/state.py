@@ -30,6 +30,7 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.service: Service | None = None
+        self._closed = False
 
     # --- lifecycle ---------------------------------------------------------------------
     def attach(self, engine, info: dict) -> None:
@@ -55,8 +56,15 @@ class ServerState:
             self.scheduler.begin_shutdown(self.config.shutdown_grace_s)
 
     def close(self, cancel_running: bool = True) -> None:
+        """Stop the worker, then let the engine persist what it keeps (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.scheduler is not None:
             self.scheduler.close(cancel_running=cancel_running)
+            if self.scheduler.worker_alive:
+                log.warning("the engine did not stop in time; skipping its shutdown work")
+                return
         if self.engine is not None and hasattr(self.engine, "close"):
             self.engine.close()  # after the worker stopped: persist prefix snapshots to disk
 
