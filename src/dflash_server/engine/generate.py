@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 
 from .output import OutputBuilder, ThinkBudget, TokenEvent
 from .sampling import Sampler, SamplingParams
