@@ -9,3 +9,8 @@ class UserError(Exception):
 
 class ModelLoadError(UserError):
     """A model directory or file is missing, corrupt, truncated or of an unknown architecture."""
+
+
+class ShardError(RuntimeError):
+    """A shard worker crashed, hung, or broke the protocol. The request fails (5xx); the
+    worker is restarted and later requests can succeed."""

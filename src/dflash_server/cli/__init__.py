@@ -15,7 +15,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import cache, generate, serve, train_draft
+    from . import cache, generate, serve, shard_worker, train_draft
 
     p = _Parser(prog="dflash-server", description="LLM inference server with DFlash speculative decoding")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     train_draft.add_parser(sub)
     cache.add_parser(sub)
+    shard_worker.add_parser(sub)
     return p
 
 

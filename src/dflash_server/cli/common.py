@@ -6,7 +6,7 @@ import argparse
 import torch
 
 from ..cache.fingerprint import fingerprint, text_hash
-from ..errors import UserError
+from ..errors import ShardError, UserError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -33,6 +33,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "4-bit types -> int4, other quantized types -> int8)")
     g.add_argument("--target-devices", help="comma-separated devices, one per shard (e.g. cpu,cpu or cuda:0,cuda:1)")
     g.add_argument("--target-layer-split", help="comma-separated relative layer counts per shard (e.g. 1,2)")
+    g.add_argument("--target-shard-python", help="interpreter of the environment that runs the shard worker "
+                   "for remote: devices (default: this one)")
+    g.add_argument("--target-shard-connect", help="attach to a shard worker started by hand "
+                   "(tcp://host:port or ipc:///path) instead of spawning one")
+    g.add_argument("--shard-secret-file", help="shared secret for --target-shard-connect (else $DFLASH_SHARD_SECRET)")
+    g.add_argument("--shard-timeout", type=float, default=60.0,
+                   help="seconds a shard worker may take for one operation before it is restarted (default 60)")
+    g.add_argument("--shard-transport", default="auto", choices=["auto", "shm", "inline"],
+                   help="tensors to the worker through shared memory (one host) or inline frames "
+                        "(auto: shared memory for ipc:// addresses)")
     g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
     g.add_argument("--compile", action="store_true",
@@ -122,9 +132,13 @@ def load_engine(args, progress: bool = True):
     # with rows while bf16 GEMM's grows slowly, but measured on the 2-core dev CPU int4 still
     # wins up to ~8-16 rows (gate_up at 8 rows: int4 174 us vs bf16 219 us; LM head 2.7 ms
     # vs 4.5 ms), so `auto` quantizes with a draft too.
-    quantize = quantize_plan(source, args.quantize, all(s.device == "cpu" for s in shards) and
+    quantize = quantize_plan(source, args.quantize, all(s.device.removeprefix("remote:") == "cpu" for s in shards) and
                              dtype == torch.bfloat16)
-    pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=progress)
+    try:
+        pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
+                                  progress=progress, remote=remote_options(args, shards), threads=args.threads)
+    except ShardError as e:
+        raise UserError(str(e)) from None
     if args.compile:
         pipeline.compile_decode()
     proposer = load_proposer(args, pipeline, dtype, draft_path) if draft_path else None
@@ -139,6 +153,32 @@ def load_engine(args, progress: bool = True):
                     prefix_bytes=args.prefix_cache_bytes, disk_cache=disk)
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
+
+
+def remote_options(args, shards):
+    """RemoteOptions for ``remote:`` shards (None when every shard is local)."""
+    from ..runtime.placement import is_remote
+    from ..runtime.remote import RemoteOptions
+
+    if not any(is_remote(s.device) for s in shards):
+        if args.target_shard_connect or args.target_shard_python:
+            raise UserError("--target-shard-connect / --target-shard-python need remote: devices in "
+                            "--target-devices (e.g. cpu,remote:cpu)")
+        return None
+    if args.shard_timeout <= 0:
+        raise UserError("--shard-timeout must be > 0")
+    if args.draft_device and args.draft_device.startswith("remote:"):
+        raise UserError("--draft-device remote:... is not supported yet: the draft runs in this process")
+    secret = None
+    if args.target_shard_connect:
+        if args.target_shard_python:
+            raise UserError("--target-shard-connect attaches to a running worker: --target-shard-python "
+                            "does not apply")
+        from .shard_worker import read_secret
+
+        secret = read_secret(args.shard_secret_file)
+    return RemoteOptions(python=args.target_shard_python, connect=args.target_shard_connect, secret=secret,
+                         timeout_s=args.shard_timeout, transport=args.shard_transport)
 
 
 def draft_identity(path) -> list:

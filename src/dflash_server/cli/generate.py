@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         res = engine.generate(req, on_event=None if args.json else stream)
     except ValueError as e:
         raise UserError(str(e)) from None
+    finally:
+        engine.close()
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
                           "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,

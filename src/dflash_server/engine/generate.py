@@ -121,8 +121,15 @@ class Engine:
         return res
 
     def close(self) -> None:
-        """Graceful shutdown: persist prefix snapshots to the disk cache."""
-        self.prefix_cache.close()
+        """Graceful shutdown: persist prefix snapshots to the disk cache, stop shard workers."""
+        try:
+            self.prefix_cache.close()
+        finally:
+            self.pipeline.close()
+
+    def health(self) -> dict:
+        """{"status": "ok"} or {"status": "degraded", "error": ...} while a shard worker restarts."""
+        return self.pipeline.health()
 
     def _decode(self, req, sampler, out, logits, cancelled, t0, t1) -> GenerationResult:
         pipe, spec = self.pipeline, self.proposer

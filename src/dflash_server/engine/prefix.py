@@ -31,6 +31,7 @@ class PrefixCache:
         self.pipeline, self.index, self.proposer, self.disk = pipeline, index, proposer, disk
         self.boundaries = TurnBoundaries(pipeline.tokenizer)
         self.extras: dict[int, dict] = {}  # slot -> {"logits", "draft"}
+        self.epoch = pipeline.epoch
 
     @property
     def enabled(self) -> bool:
@@ -74,6 +75,8 @@ class PrefixCache:
 
     def prefill(self, prompt: list[int], chunk: int, scope: str | None = None) -> Prefilled:
         pipe, spec = self.pipeline, self.proposer
+        if pipe.epoch != self.epoch:
+            self.drop_memory()
         pipe.reset()
         if spec:
             spec.reset()
@@ -142,6 +145,13 @@ class PrefixCache:
     def discard(self, pending) -> None:
         if pending is not None:
             self._free(pending[1])
+
+    def drop_memory(self) -> None:
+        """Forget every in-memory snapshot: a shard worker restarted and lost its part."""
+        for e in list(self.index.entries.values()):
+            self.index.remove(e.key)
+            self._free(e.slot)
+        self.epoch = self.pipeline.epoch
 
     def _free(self, slot: int) -> None:
         self.pipeline.snapshot_free(slot)

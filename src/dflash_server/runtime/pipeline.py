@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .placement import ShardSpec
+from .placement import ShardSpec, split_local_remote
 from .stage import LocalStage
 
 
@@ -31,6 +31,26 @@ class TargetPipeline:
     @property
     def device(self) -> torch.device:
         return self.stages[-1].device
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a stage lost its state (a shard worker restarted): snapshots
+        taken before are gone."""
+        return sum(getattr(st, "epoch", 0) for st in self.stages)
+
+    def health(self) -> dict:
+        """{"status": "ok"} or "degraded" with the failing stage's error."""
+        for st in self.stages:
+            h = st.health() if hasattr(st, "health") else {"status": "ok"}
+            if h["status"] != "ok":
+                return {"status": "degraded", "error": h.get("error"), "stage": getattr(st, "label", "")}
+        return {"status": "ok"}
+
+    def close(self) -> None:
+        """Stop shard workers (idempotent)."""
+        for st in self.stages:
+            if hasattr(st, "close"):
+                st.close()
 
     def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = ()) -> PipelineOutput:
         """Run ids (list or (1, T) tensor) at positions [start, start+T) through every stage."""
@@ -117,16 +137,28 @@ class TargetPipeline:
 
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
                    quantize: str | tuple[str, str] = "dense", progress: bool = True,
-                   batch: int = 1) -> TargetPipeline:
-    """Build one LocalStage per shard; each reads only its own layers' weights."""
-    bar = tqdm(total=source.config.num_layers, desc="loading weights", unit="layer", disable=None if progress else True,  # None: only on a terminal
-               leave=False)
+                   batch: int = 1, remote=None, threads: int | None = None) -> TargetPipeline:
+    """One LocalStage per local shard (each reads only its own layers' weights), then one
+    RemoteStage for the ``remote:`` shards, served by a shard worker (``remote``: RemoteOptions)."""
+    local, far = split_local_remote(shards)
+    bar = tqdm(total=sum(s.num_layers for s in local), desc="loading weights", unit="layer",
+               disable=None if progress else True, leave=False)  # None: only on a terminal
     stages = []
     try:
-        for k, sh in enumerate(shards):
+        for k, sh in enumerate(local):
             stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx,
-                                     is_first=k == 0, is_last=k == len(shards) - 1, quantize=quantize,
+                                     is_first=k == 0, is_last=not far and k == len(local) - 1, quantize=quantize,
                                      on_layer=bar.update, batch=batch))
     finally:
         bar.close()
+    if far:
+        from .remote import RemoteOptions, RemoteStage
+
+        if batch != 1:
+            raise ValueError("a remote shard runs batch 1")
+        q = (quantize, quantize) if isinstance(quantize, str) else quantize
+        stages.append(RemoteStage(source.path, [(s.device, s.begin, s.end) for s in far], dtype=dtype,
+                                  max_ctx=max_ctx, quantize=q, home=local[-1].device,
+                                  options=remote or RemoteOptions(), fingerprint=source.fingerprint(mtime=False),
+                                  threads=threads))
     return TargetPipeline(stages, source)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+REMOTE = "remote:"
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
 
 
@@ -23,12 +24,28 @@ def parse_devices(text: str) -> list[str]:
     for d in devices:
         if not d:
             raise ValueError(f"--target-devices {text!r}: empty device name")
-        if d.startswith("remote:"):
-            raise ValueError(f"--target-devices: remote device {d!r} needs a shard worker, which this build "
-                             "does not support yet")
-        if not _DEVICE_RE.match(d):
-            raise ValueError(f"--target-devices: unknown device {d!r} (use cpu, cuda:N, mps or xpu)")
+        if not _DEVICE_RE.match(d.removeprefix(REMOTE)):
+            raise ValueError(f"--target-devices: unknown device {d!r} (use cpu, cuda:N, mps or xpu, or "
+                             "remote:<device> for a layer group in a shard-worker process)")
+    remote = [d.startswith(REMOTE) for d in devices]
+    if remote[0]:
+        raise ValueError("--target-devices: the first device must be local (it embeds the tokens); "
+                         "put remote: devices after the local ones")
+    if any(remote[i] and not remote[i + 1] for i in range(len(devices) - 1)):
+        raise ValueError("--target-devices: one local group followed by one remote group "
+                         "(e.g. cpu,remote:cpu,remote:cpu); a local device after a remote one is not supported")
     return devices
+
+
+def is_remote(device: str) -> bool:
+    return device.startswith(REMOTE)
+
+
+def split_local_remote(shards: list[ShardSpec]) -> tuple[list[ShardSpec], list[ShardSpec]]:
+    """(local shards, remote shards with the remote: prefix removed from the device)."""
+    local = [s for s in shards if not is_remote(s.device)]
+    remote = [ShardSpec(s.device.removeprefix(REMOTE), s.begin, s.end) for s in shards if is_remote(s.device)]
+    return local, remote
 
 
 def parse_split(text: str) -> list[float]:

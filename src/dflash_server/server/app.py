@@ -143,6 +143,10 @@ def create_app(state, on_shutdown=None):
         body = {"status": "ok" if code == 200 else state.status}
         if state.error:
             body["error"] = state.error
+        if code == 200 and hasattr(state.engine, "health"):
+            h = state.engine.health()
+            if h.get("status") != "ok":  # a shard worker is restarting: requests fail meanwhile
+                code, body = 503, {"status": "degraded", "error": h.get("error")}
         return JSONResponse(body, status_code=code)
 
     @api.get("/props")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
 from ..engine.sampling import SamplingParams
+from ..errors import ShardError
 from .errors import APIError, bad_request
 from .output_parser import Delta, OutputParser
 from .prompt import Prompt
@@ -40,6 +41,8 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), headers={"Retry-After": "5"})
+    if isinstance(e, ShardError):
         return APIError(503, str(e), headers={"Retry-After": "5"})
     if isinstance(e, ValueError):
         return bad_request(str(e))

@@ -50,14 +50,15 @@ class ModelSource:
             return None
         return self._backend.tensor_type(self.family.gguf_tensor(name, self.config)[0])
 
-    def fingerprint(self) -> str:
-        """Identity of the weights: file names, sizes and mtimes (cheap; no hashing of GBs)."""
+    def fingerprint(self, mtime: bool = True) -> str:
+        """Identity of the weights: file names, sizes and mtimes (cheap; no hashing of GBs).
+        Without ``mtime``: names and sizes only (copies on another host compare equal)."""
         h = hashlib.sha256()
         files = [self.path] if self.path.is_file() else sorted(self.path.iterdir())
         for f in files:
             if f.is_file():
                 st = f.stat()
-                h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+                h.update(f"{f.name}:{st.st_size}".encode() + (f":{int(st.st_mtime)}".encode() if mtime else b""))
         return h.hexdigest()[:16]
 
 

@@ -1,0 +1,241 @@
+"""The shard worker: serves a group of target layers to a server over the IPC channel.
+
+It starts empty; the server's ``load`` names the model, the layer ranges and devices, so a
+worker started by hand on another host needs only an address and the shared secret (and
+``--model`` when the weights live at another path there; their fingerprint must match).
+Operations mirror ``LocalStage`` (see RemoteStage); errors go back as replies and the
+loop keeps serving. One client at a time: a new authenticated client replaces the old.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+
+import torch
+import zmq
+
+from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
+from .ipc_codec import PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
+from .ipc_shm import SharedArea
+
+log = logging.getLogger("dflash_server.shard_worker")
+
+
+class _Client:
+    def __init__(self):
+        self.nonces: tuple[bytes, bytes] | None = None
+        self.authed = False
+        self.req_area = self.rep_area = None
+
+    def close(self):
+        for a in (self.req_area, self.rep_area):
+            if a is not None:
+                a.close()
+        self.req_area = self.rep_area = None
+
+
+def _layer_of(name: str) -> int | None:
+    tail = name.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+class ShardWorker:
+    def __init__(self, secret: bytes, model_override: str | None = None, max_message: int = DEFAULT_MAX_MESSAGE):
+        self.secret, self.model_override, self.max_message = secret, model_override, max_message
+        self.stages: list = []
+        self.load_key = None
+        self.clients: dict[bytes, _Client] = {}
+        self.stopping = False
+
+    # --- operations -----------------------------------------------------------------
+    def op_load(self, a, t):
+        from ..weights.loader import open_model
+        from .stage import LocalStage
+
+        key = (a["model"], tuple(map(tuple, a["shards"])), a["dtype"], a["max_ctx"], tuple(a["quantize"]))
+        if key != self.load_key:
+            self.stages, self.load_key = [], None
+            if a.get("threads"):
+                torch.set_num_threads(int(a["threads"]))
+            source = open_model(self.model_override or a["model"])
+            if a.get("fingerprint") and source.fingerprint(mtime=False) != a["fingerprint"]:
+                raise ValueError("the worker's weights differ from the server's (fingerprint mismatch)")
+            dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a["dtype"]]
+            n = source.config.num_layers
+            shards = [(str(d), int(b), int(e)) for d, b, e in a["shards"]]
+            stages = []
+            for k, (dev, b, e) in enumerate(shards):
+                if not 0 <= b < e <= n or (k and b != shards[k - 1][2]):
+                    raise ValueError(f"bad layer ranges {shards} for a model of {n} layers")
+                stages.append(LocalStage(source, b, e, dev, dtype, int(a["max_ctx"]), is_first=False,
+                                         is_last=e == n, quantize=tuple(a["quantize"])))
+            self.stages, self.load_key = stages, key
+        self._each("reset")
+        return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid()}, {}
+
+    def _need(self):
+        if not self.stages:
+            raise ValueError("no layers loaded (send load first)")
+        return self.stages
+
+    def _each(self, name, *args):
+        for st in self.stages:
+            getattr(st, name)(*args)
+        return {"length": self.stages[-1].length if self.stages else 0}, {}
+
+    def op_forward(self, a, t):
+        x, start, mode, capture = t["x"], int(a["start"]), a.get("logits", "last"), tuple(a.get("capture", ()))
+        out_t = {}
+        for st in self._need():
+            out = st.forward(x, start, logits=mode, capture=capture)
+            out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
+            x = out.hidden
+        if out.logits is not None:
+            out_t["logits"] = out.logits
+        if out.hidden is not None:
+            out_t["hidden"] = out.hidden
+        return {"length": self.stages[-1].length}, out_t
+
+    def op_project(self, a, t):
+        return {}, {"logits": self._need()[-1].project(t["hidden"])}
+
+    def op_compile(self, a, t):
+        return self._each("compile_decode")
+
+    def op_reset(self, a, t):
+        return self._each("reset")
+
+    def op_checkpoint(self, a, t):
+        return self._each("checkpoint")
+
+    def op_rollback(self, a, t):
+        return self._each("rollback", int(a["length"]))
+
+    def op_commit(self, a, t):
+        return self._each("commit")
+
+    def op_snapshot_save(self, a, t):
+        return self._each("snapshot_save", int(a["slot"]))
+
+    def op_snapshot_restore(self, a, t):
+        return self._each("snapshot_restore", int(a["slot"]))
+
+    def op_snapshot_free(self, a, t):
+        return self._each("snapshot_free", int(a["slot"]))
+
+    def op_snapshot_nbytes(self, a, t):
+        return {"nbytes": sum(st.snapshot_nbytes(int(a["slot"])) for st in self._need())}, {}
+
+    def op_snapshot_export(self, a, t):
+        out = {}
+        for st in self._need():
+            out.update(st.snapshot_export(int(a["slot"])))
+        return {}, out
+
+    def op_snapshot_import(self, a, t):
+        slot = int(a["slot"])
+        if "length" not in t:
+            raise ValueError("snapshot has no length")
+        owned = set()
+        for st in self._need():
+            part = {k: v for k, v in t.items() if (i := _layer_of(k)) is not None and st.begin <= i < st.end}
+            owned |= part.keys()
+            st.snapshot_import(slot, dict(part, length=t["length"]))
+        stray = set(t) - owned - {"length"}
+        if stray:
+            self._each("snapshot_free", slot)
+            raise ValueError(f"snapshot tensors for layers this worker does not hold: {sorted(stray)[:3]}")
+        return {}, {}
+
+    def op_health(self, a, t):
+        return {"loaded": bool(self.stages), "length": self.stages[-1].length if self.stages else 0}, {}
+
+    def op_shutdown(self, a, t):
+        self.stopping = True
+        return {}, {}
+
+    # --- transport --------------------------------------------------------------------
+    def _handshake(self, client: _Client, op: str, args: dict):
+        if op == "hello":
+            nonce_c = args.get("nonce")
+            if not isinstance(nonce_c, bytes) or len(nonce_c) != 16:
+                raise ProtocolError("hello without a 16-byte nonce")
+            nonce_w = secrets.token_bytes(16)
+            client.nonces, client.authed = (nonce_c, nonce_w), False
+            return {"nonce": nonce_w, "proof": proof(self.secret, b"worker", nonce_c, nonce_w),
+                    "protocol": PROTOCOL_VERSION}
+        if client.nonces is None or not hmac.compare_digest(
+                proof(self.secret, b"client", *client.nonces), args.get("proof") or b""):
+            client.nonces = None
+            raise PermissionError("authentication failed (wrong shared secret)")
+        for other in list(self.clients.values()):  # one client at a time
+            if other is not client:
+                other.close()
+                other.authed = False
+        client.authed, shm = True, args.get("shm")
+        client.close()
+        if isinstance(shm, dict):
+            try:
+                client.req_area = SharedArea.attach(shm.get("req"), shm.get("size"))
+                client.rep_area = SharedArea.attach(shm.get("rep"), shm.get("size"))
+            except (OSError, ProtocolError) as e:
+                log.warning("shared memory not usable (%s): tensors travel inline", e)
+                client.close()
+        return {"shm": client.rep_area is not None}
+
+    def handle(self, ident: bytes, frames: list) -> list:
+        client = self.clients.setdefault(ident, _Client())
+        if len(self.clients) > 64:  # drop half-open handshakes from many identities
+            for k in [k for k, c in self.clients.items() if not c.authed and k != ident][:32]:
+                del self.clients[k]
+        rid = None
+        try:
+            header, tensors = decode(frames, client.req_area if client.authed else None, self.max_message)
+            rid, op, args = header.get("id"), header.get("op"), header.get("args")
+            if not isinstance(op, str) or not isinstance(args, dict):
+                raise ProtocolError("request without op or args")
+            if op in ("hello", "auth"):
+                return encode({"id": rid, "ok": True, "result": self._handshake(client, op, args)}, {})
+            if not client.authed:
+                raise PermissionError("not authenticated")
+            fn = getattr(self, f"op_{op}", None)
+            if fn is None:
+                raise ProtocolError(f"unknown operation {op!r}")
+            result, out = fn(args, tensors)
+            return encode({"id": rid, "ok": True, "result": result}, out, client.rep_area)
+        except Exception as e:  # noqa: BLE001 - every failure is answered, the loop lives on
+            kind = "value" if isinstance(e, (ValueError, KeyError)) else \
+                "auth" if isinstance(e, PermissionError) else \
+                "protocol" if isinstance(e, ProtocolError) else "internal"
+            if kind == "internal":
+                log.exception("operation failed")
+            msg = f"{type(e).__name__}: {e}" if kind in ("value", "internal") else str(e)
+            # the error reply is plain msgpack: it must be readable even when the request was not
+            return [pack_header({"v": PROTOCOL_VERSION, "id": rid, "ok": False,
+                                 "error": {"kind": kind, "message": msg[:2000]}, "tensors": []})]
+
+    def serve(self, address: str, parent_pid: int | None = None) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
+        sock.bind(address)
+        print(f"shard worker ready on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
+        try:
+            while not self.stopping:
+                if not sock.poll(1000):
+                    if parent_pid is not None and os.getppid() != parent_pid:
+                        log.warning("parent process %d is gone: exiting", parent_pid)
+                        return
+                    continue
+                msg = sock.recv_multipart(copy=False)
+                if len(msg) < 2:
+                    continue
+                reply = self.handle(msg[0].bytes, msg[1:])
+                sock.send_multipart([msg[0], *reply], copy=False)
+        finally:
+            for c in self.clients.values():
+                c.close()
+            sock.close(0)
