@@ -9,10 +9,13 @@ from dflash_server.runtime.placement import plan_placement
 from dflash_server.weights.loader import open_model
 
 
-def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: int = 512, quantize="dense"):
+def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: int = 512, quantize="dense",
+             devices=None, remote=None):
+    """``devices`` (e.g. ["cpu", "remote:cpu"]) overrides ``stages``; ``remote``: RemoteOptions."""
     src = open_model(path)
-    shards = plan_placement(src.config.num_layers, ["cpu"] * stages, split)
-    return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False)
+    shards = plan_placement(src.config.num_layers, devices or ["cpu"] * stages, split)
+    return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False,
+                          remote=remote)
 
 
 def greedy(pipe, prompt_ids, max_tokens=16, chunk=512, **kw) -> list[int]:

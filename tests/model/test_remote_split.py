@@ -1,0 +1,117 @@
+"""Local + remote split (a spawned shard-worker process) == unsplit == local-only split:
+greedy tokens, DFlash, prefix-cache hits and disk restore after restarting both sides."""
+import pytest
+import torch
+
+from dflash_server.cache.disk import DiskCache
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.spec.proposer import DFlashProposer
+from helpers.build import greedy, pipeline, prompt_ids
+
+from .test_dflash import random_draft
+from .test_disk_cache import chat_ids
+
+PLACEMENTS = [["cpu", "remote:cpu"], ["cpu", "cpu", "remote:cpu"], ["cpu", "remote:cpu", "remote:cpu"]]
+
+
+@pytest.fixture
+def closing():
+    pipes = []
+    yield pipes.append
+    for p in pipes:
+        p.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_remote_split_equals_unsplit_with_and_without_dflash(tiny_dir, family, closing):
+    path = tiny_dir(family)
+    ref_pipe = pipeline(path)
+    ids = prompt_ids(ref_pipe, 40)
+    ref = greedy(ref_pipe, ids, max_tokens=24, chunk=16)  # several prefill chunks cross the boundary
+    n = ref_pipe.config.num_layers
+    taps = (1, n - 2)  # one tap in the local group, one in the worker
+    for devices in PLACEMENTS:
+        pipe = pipeline(path, devices=devices)
+        closing(pipe)
+        assert type(pipe.stages[-1]).__name__ == "RemoteStage"
+        assert greedy(pipe, ids, max_tokens=24, chunk=16) == ref, devices
+        local = pipeline(path, stages=len(devices))
+        assert greedy(local, ids, max_tokens=24, chunk=16) == ref
+        for fast_head in (False, True):  # False: draft tokens projected by the worker's LM head
+            prop = DFlashProposer(random_draft(pipe, block_size=4, taps=taps), pipe, fast_head=fast_head)
+            eng = Engine(pipe, proposer=prop, chunk=16)
+            res = eng.generate(GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True))
+            assert res.token_ids == ref, (devices, fast_head)
+            local_prop = DFlashProposer(random_draft(local, block_size=4, taps=taps), local, fast_head=fast_head)
+            local_res = Engine(local, proposer=local_prop, chunk=16).generate(
+                GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True))
+            assert res.extra["spec"] == local_res.extra["spec"]  # same captures reach the draft
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_snapshots_stay_in_the_worker_and_round_trip(tiny_dir, family, closing):
+    path = tiny_dir(family)
+    pipe = pipeline(path, devices=["cpu", "remote:cpu"])
+    closing(pipe)
+    ids = prompt_ids(pipe, 30)
+    pipe.prefill(ids[:20])
+    pipe.snapshot_save(7)
+    assert pipe.snapshot_nbytes(7) > 0
+    exported = pipe.snapshot_export(7)
+    assert any(k.startswith("ls1.") for k in exported) and any(k.startswith("ls0.") for k in exported)
+    after = pipe.prefill(ids[20:], start=20).logits
+    pipe.reset()
+    pipe.snapshot_restore(7)
+    assert pipe.length == 20
+    assert (pipe.prefill(ids[20:], start=20).logits == after).all()
+    pipe.snapshot_import(8, exported)  # as after a restart: export -> import -> restore
+    pipe.reset()
+    pipe.snapshot_restore(8)
+    assert (pipe.prefill(ids[20:], start=20).logits == after).all()
+    bad = dict(exported)
+    bad.pop(next(k for k in bad if k.startswith("ls1.") and k != "ls1.length"))
+    with pytest.raises(ValueError):
+        pipe.snapshot_import(9, bad)
+    # rollback across the split: verify-style forward, then keep only part of it
+    pipe.reset()
+    pipe.prefill(ids[:20])
+    pipe.checkpoint()
+    pipe.forward(ids[20:28], 20, logits="all")
+    pipe.rollback(23)
+    assert pipe.length == 23
+    cont = pipe.prefill(ids[23:], start=23).logits
+    pipe.reset()
+    torch.testing.assert_close(pipe.prefill(ids).logits, cont, rtol=1e-4, atol=1e-4)  # other chunking
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_prefix_hit_and_disk_restart_through_remote_split(tiny_dir, tmp_path, draft):
+    path = tiny_dir("qwen3_5")
+
+    def engine(slots, disk=True):
+        pipe = pipeline(path, devices=["cpu", "remote:cpu"])
+        prop = DFlashProposer(random_draft(pipe, block_size=4, seed=2, taps=(1, 4)), pipe) if draft else None
+        return Engine(pipe, proposer=prop, prefix_slots=slots,
+                      disk_cache=DiskCache(tmp_path, "fp", 1 << 30, 0) if disk else None)
+
+    def run(eng, ids):
+        return eng.generate(GenerationRequest(ids, max_tokens=6, ignore_eos=True))
+
+    a = engine(4)
+    first = run(a, chat_ids(a, [("Hi there", None)]))
+    turn2 = chat_ids(a, [("Hi there", first.text), ("And then?", None)])
+    warm = run(a, turn2)
+    assert warm.extra["cache"] == "memory" and warm.cached_tokens > 0
+    miss_engine = engine(0, disk=False)
+    miss = run(miss_engine, turn2)
+    miss_engine.close()
+    assert miss.cached_tokens == 0 and miss.token_ids == warm.token_ids
+    a.close()  # server and worker stop; snapshots (remote parts included) go to disk
+    assert a.pipeline.stages[-1].health()["status"] == "stopped"
+    b = engine(4)  # both restarted
+    cold = run(b, turn2)
+    assert cold.extra["cache"] == "disk" and cold.cached_tokens >= warm.cached_tokens
+    assert cold.token_ids == warm.token_ids
+    if draft:
+        assert cold.extra["spec"] == warm.extra["spec"]
+    b.close()
