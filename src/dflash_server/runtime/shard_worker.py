@@ -36,6 +36,19 @@ class _Client:
         self.req_area = self.rep_area = None
 
 
+def _int(a: dict, key: str) -> int:
+    v = a.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"argument {key!r} must be an integer, got {v!r}")
+    return v
+
+
+def _tensor(t: dict, key: str):
+    if key not in t:
+        raise ValueError(f"missing tensor {key!r}")
+    return t[key]
+
+
 def _layer_of(name: str) -> int | None:
     tail = name.rsplit(".", 1)[-1]
     return int(tail) if tail.isdigit() else None
@@ -86,9 +99,13 @@ class ShardWorker:
         return {"length": self.stages[-1].length if self.stages else 0}, {}
 
     def op_forward(self, a, t):
-        x, start, mode, capture = t["x"], int(a["start"]), a.get("logits", "last"), tuple(a.get("capture", ()))
-        out_t = {}
-        for st in self._need():
+        stages = self._need()
+        x, start, mode, capture = _tensor(t, "x"), _int(a, "start"), a.get("logits", "last"), a.get("capture", [])
+        if mode not in ("last", "all", "none") or not isinstance(capture, list) or \
+                not all(isinstance(c, int) for c in capture):
+            raise ValueError("forward: logits must be last|all|none and capture a list of layer ids")
+        capture, out_t = tuple(capture), {}
+        for st in stages:
             out = st.forward(x, start, logits=mode, capture=capture)
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
             x = out.hidden
@@ -99,7 +116,7 @@ class ShardWorker:
         return {"length": self.stages[-1].length}, out_t
 
     def op_project(self, a, t):
-        return {}, {"logits": self._need()[-1].project(t["hidden"])}
+        return {}, {"logits": self._need()[-1].project(_tensor(t, "hidden"))}
 
     def op_compile(self, a, t):
         return self._each("compile_decode")
@@ -111,35 +128,35 @@ class ShardWorker:
         return self._each("checkpoint")
 
     def op_rollback(self, a, t):
-        return self._each("rollback", int(a["length"]))
+        return self._each("rollback", _int(a, "length"))
 
     def op_commit(self, a, t):
         return self._each("commit")
 
     def op_snapshot_save(self, a, t):
-        return self._each("snapshot_save", int(a["slot"]))
+        return self._each("snapshot_save", _int(a, "slot"))
 
     def op_snapshot_restore(self, a, t):
-        return self._each("snapshot_restore", int(a["slot"]))
+        return self._each("snapshot_restore", _int(a, "slot"))
 
     def op_snapshot_free(self, a, t):
-        return self._each("snapshot_free", int(a["slot"]))
+        return self._each("snapshot_free", _int(a, "slot"))
 
     def op_snapshot_nbytes(self, a, t):
-        return {"nbytes": sum(st.snapshot_nbytes(int(a["slot"])) for st in self._need())}, {}
+        return {"nbytes": sum(st.snapshot_nbytes(_int(a, "slot")) for st in self._need())}, {}
 
     def op_snapshot_export(self, a, t):
         out = {}
         for st in self._need():
-            out.update(st.snapshot_export(int(a["slot"])))
+            out.update(st.snapshot_export(_int(a, "slot")))
         return {}, out
 
     def op_snapshot_import(self, a, t):
-        slot = int(a["slot"])
+        slot, stages = _int(a, "slot"), self._need()
         if "length" not in t:
             raise ValueError("snapshot has no length")
         owned = set()
-        for st in self._need():
+        for st in stages:
             part = {k: v for k, v in t.items() if (i := _layer_of(k)) is not None and st.begin <= i < st.end}
             owned |= part.keys()
             st.snapshot_import(slot, dict(part, length=t["length"]))
