@@ -82,10 +82,64 @@ def test_truncated_safetensors(tiny_dir, tmp_path):
 @pytest.mark.parametrize("devices,split,needle", [
     ("cpu,cpu", "0,1", "> 0"), ("cpu,cpu", "-1,2", "error"), ("cpu,cpu", "1,2,3", "weights"),
     ("cpu,cpu,cpu,cpu,cpu", None, "layer"), ("gpu0", None, "unknown device"),
+    ("remote:cpu,cpu", None, "must be local"),
 ])
 def test_bad_placement(tiny_dir, devices, split, needle):
     args = ["--target-devices", devices] + (["--target-layer-split", split] if split else [])
     assert_clean_error(gen(tiny_dir("llama"), *args), needle)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--target-shard-connect", "tcp://127.0.0.1:9"], "need remote: devices"),
+    (["--target-devices", "cpu,remote:cpu", "--target-shard-connect", "tcp://127.0.0.1:9"], "shared secret"),
+    (["--target-devices", "cpu,remote:cpu", "--shard-timeout", "0"], "shard-timeout"),
+    (["--target-devices", "cpu,remote:cpu", "--draft-device", "remote:cpu"], "not supported"),
+])
+def test_bad_shard_flags(tiny_dir, extra, needle, monkeypatch):
+    monkeypatch.delenv("DFLASH_SHARD_SECRET", raising=False)
+    assert_clean_error(gen(tiny_dir("llama"), *extra), needle)
+
+
+def test_shard_worker_flags():
+    assert_clean_error(run_cli("shard-worker", "--bind", "tcp://0.0.0.0:5701"), "loopback")
+    res = subprocess.run([sys.executable, "-m", "dflash_server", "shard-worker"], capture_output=True, text=True,
+                         timeout=60, env={k: v for k, v in __import__("os").environ.items()
+                                          if k != "DFLASH_SHARD_SECRET"})
+    assert_clean_error(res, "shared secret")
+
+
+def test_connect_to_a_hand_started_worker_over_tcp(tiny_dir, tmp_path):
+    """--target-shard-connect: a worker started by hand (tcp, inline frames) == unsplit;
+    a wrong secret is refused with one clear line."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secret = tmp_path / "secret"
+    secret.write_text("correct horse battery staple\n")
+    worker = subprocess.Popen([sys.executable, "-m", "dflash_server", "shard-worker", "--bind",
+                               f"tcp://127.0.0.1:{port}", "--secret-file", str(secret)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "ready" in worker.stdout.readline()
+        base = ["--json", "--dtype", "fp32"]
+        ref = json.loads(gen(tiny_dir("llama"), *base).stdout)["token_ids"]
+        remote = ["--target-devices", "cpu,remote:cpu", "--target-shard-connect", f"tcp://127.0.0.1:{port}",
+                  "--shard-secret-file", str(secret)]
+        res = gen(tiny_dir("llama"), *base, *remote)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["token_ids"] == ref
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not the right secret at all")
+        res = gen(tiny_dir("llama"), *base, *remote[:-1], str(wrong), "--shard-timeout", "5")
+        assert_clean_error(res, "authentication")
+        assert worker.poll() is None  # a refused client does not hurt the worker
+    finally:
+        worker.terminate()
+        worker.wait(10)
+    assert not os.path.exists(f"/proc/{worker.pid}") or worker.returncode is not None
 
 
 def test_bad_sampling_flag(tiny_dir):

@@ -37,11 +37,25 @@ def test_wrong_count_and_too_many_shards():
         plan_placement(2, ["cpu"] * 3)
 
 
-@pytest.mark.parametrize("text", ["gpu", "cuda:x", "cpu,,cpu", "remote:cpu", ""])
-def test_bad_devices(text):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("text,why", [("gpu", "unknown"), ("cuda:x", "unknown"), ("cpu,,cpu", "empty"),
+                                      ("remote:cpu", "first device must be local"),
+                                      ("remote:cpu,cpu", "first device must be local"),
+                                      ("cpu,remote:cpu,cpu", "one local group followed by one remote group"),
+                                      ("cpu,remote:gpu", "unknown"), ("cpu,remote:", "unknown"), ("", "empty")])
+def test_bad_devices(text, why):
+    with pytest.raises(ValueError, match=why):
         parse_devices(text)
 
 
 def test_good_devices():
     assert parse_devices("cpu,cuda:0,cuda:1") == ["cpu", "cuda:0", "cuda:1"]
+    assert parse_devices("cuda:0,remote:cpu,remote:cuda:1") == ["cuda:0", "remote:cpu", "remote:cuda:1"]
+
+
+def test_split_local_remote():
+    from dflash_server.runtime.placement import split_local_remote
+
+    shards = plan_placement(6, parse_devices("cpu,cpu,remote:cuda:0"))
+    local, remote = split_local_remote(shards)
+    assert [(s.device, s.begin, s.end) for s in local] == [("cpu", 0, 2), ("cpu", 2, 4)]
+    assert [(s.device, s.begin, s.end) for s in remote] == [("cuda:0", 4, 6)]

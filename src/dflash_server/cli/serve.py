@@ -105,7 +105,8 @@ def _model_info(args, source, pipeline) -> dict:
         "runtime": {"backend": "torch", "torch": torch.__version__, "dtype": str(pipeline.stages[0].dtype),
                     "quantize": args.quantize, "compile": bool(args.compile), "chunk": args.chunk,
                     "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
-        "placement": [{"device": str(st.device), "layers": [st.begin, st.end]} for st in pipeline.stages],
+        "placement": [{"device": getattr(st, "label", str(st.device)), "layers": [st.begin, st.end],
+                       "remote": hasattr(st, "health")} for st in pipeline.stages],
     }
 
 

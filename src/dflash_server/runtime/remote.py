@@ -83,7 +83,7 @@ class RemoteStage:
         self.begin, self.end = shards[0][1], shards[-1][2]
         self.device, self.dtype, self.max_ctx = torch.device(home), dtype, max_ctx
         self.options = options
-        self.label = f"layers {self.begin}-{self.end - 1} on {','.join(s[0] for s in shards)}"
+        self.label = f"remote:{','.join(s[0] for s in shards)}"
         self._load = {"model": str(model), "shards": [list(s) for s in shards], "max_ctx": max_ctx,
                       "dtype": {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype],
                       "quantize": list(quantize), "fingerprint": fingerprint, "threads": threads}
@@ -114,7 +114,9 @@ class RemoteStage:
             self.client = ShardClient(address, secret, timeout_s=opts.timeout_s,
                                       shm_bytes=opts.shm_bytes if use_shm else 0,
                                       alive=self.proc.alive if self.proc else None)
-            res = self.client.handshake(opts.start_timeout_s)
+            # a spawned worker needs interpreter start-up time (and fails fast if it dies);
+            # a running one must answer like any operation
+            res = self.client.handshake(opts.start_timeout_s if self.proc is not None else opts.timeout_s)
             if opts.transport == "shm" and not res.get("shm"):
                 raise ShardError(f"shard worker at {address} could not map shared memory (--shard-transport shm)")
             res, _ = self.client.call("load", self._load, timeout_s=opts.start_timeout_s)
@@ -123,7 +125,7 @@ class RemoteStage:
                 self.client.call("compile")
         except RemoteOpError as e:
             self._shutdown_worker()
-            raise ShardError(f"shard worker ({self.label}) could not load: {e}") from None
+            raise ShardError(f"shard worker ({self.label}, layers {self.begin}-{self.end - 1}) could not load: {e}") from None
         except ShardError:
             self._shutdown_worker()
             raise
@@ -146,7 +148,7 @@ class RemoteStage:
             self.restarts += 1
             self._restart_thread = threading.Thread(target=self._restart, name="dflash-shard-restart", daemon=True)
             self._restart_thread.start()
-        return ShardError(f"shard worker ({self.label}) failed: {reason}; restarting it")
+        return ShardError(f"shard worker ({self.label}, layers {self.begin}-{self.end - 1}) failed: {reason}; restarting it")
 
     def _restart(self) -> None:
         try:
@@ -166,18 +168,20 @@ class RemoteStage:
                 self._status, self._error = "failed", str(e)
                 raise
         if self.client is None or self._status != "ok":
-            raise ShardError(f"shard worker ({self.label}) is not available: {self._error}")
+            raise ShardError(f"shard worker ({self.label}, layers {self.begin}-{self.end - 1}) is not available: {self._error}")
         return self.client
 
     def health(self) -> dict:
-        return {"status": self._status, "error": self._error, "restarts": self.restarts, "epoch": self.epoch}
+        pid = self.proc.proc.pid if self.proc is not None and self.proc.proc is not None else None
+        return {"status": self._status, "error": self._error, "restarts": self.restarts, "epoch": self.epoch,
+                "pid": pid}
 
     def close(self) -> None:
         t = self._restart_thread
         if t is not None:
             t.join(self.options.start_timeout_s)
-        if self.client is not None and self._status == "ok":
-            try:
+        if self.client is not None and self._status == "ok" and self.proc is not None:
+            try:  # a worker we spawned; one started by hand keeps serving
                 self.client.call("shutdown", timeout_s=2.0)
             except (ShardError, RemoteOpError):
                 pass

@@ -36,6 +36,17 @@ def _cache(engine) -> dict:
     return {"prefix": prefix, "disk": disk_stats}
 
 
+def _shards(engine) -> list[dict]:
+    """Live status of shard workers (remote stages): status, pid, restarts."""
+    out = []
+    for st in getattr(getattr(engine, "pipeline", None), "stages", []):
+        if hasattr(st, "health"):
+            h = st.health()
+            out.append({k: h.get(k) for k in ("status", "error", "restarts", "pid")} |
+                       {"layers": [st.begin, st.end]})
+    return out
+
+
 def props(state) -> dict:
     cfg, info = state.config, state.info
     out = {
@@ -72,6 +83,7 @@ def props(state) -> dict:
             "logprobs": True, "max_top_logprobs": 20, "max_n": 8, "max_stop": 4, "streaming": True,
         },
         "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running is not None},
+        "shards": _shards(state.engine),
     })
     return out
 
