@@ -49,6 +49,7 @@ class WorkerProcess:
         self.dir = tempfile.mkdtemp(prefix="dflash-shard-")
         address = f"ipc://{self.dir}/worker.sock"
         env = dict(os.environ, **{SECRET_ENV: secret.decode()})
+        env.setdefault("GOMP_SPINCOUNT", "3000")  # see cli/__init__.py: OPENMP_SPIN
         self.proc = subprocess.Popen([self.python, "-m", "dflash_server", "shard-worker", "--bind", address,
                                       "--parent-pid", str(os.getpid())], env=env, stdin=subprocess.DEVNULL,
                                      stdout=2)  # our stdout may be machine-readable output

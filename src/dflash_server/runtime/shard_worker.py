@@ -12,6 +12,7 @@ import hmac
 import logging
 import os
 import secrets
+import time
 
 import torch
 import zmq
@@ -105,6 +106,7 @@ class ShardWorker:
                 not all(isinstance(c, int) for c in capture):
             raise ValueError("forward: logits must be last|all|none and capture a list of layer ids")
         capture, out_t = tuple(capture), {}
+        t0 = time.perf_counter()
         for st in stages:
             out = st.forward(x, start, logits=mode, capture=capture)
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
@@ -113,7 +115,8 @@ class ShardWorker:
             out_t["logits"] = out.logits
         if out.hidden is not None:
             out_t["hidden"] = out.hidden
-        return {"length": self.stages[-1].length}, out_t
+        # compute time lets the client tell IPC overhead from work (benchmarks/split.py)
+        return {"length": self.stages[-1].length, "compute_s": time.perf_counter() - t0}, out_t
 
     def op_project(self, a, t):
         return {}, {"logits": self._need()[-1].project(_tensor(t, "hidden"))}
