@@ -41,7 +41,8 @@ def test_models_health_props(client, llama_server):
     assert httpx.get(llama_server.url + "/health").json() == {"status": "ok"}
     props = httpx.get(llama_server.url + "/props").json()
     assert props["model"]["id"] == "tiny" and props["model"]["num_layers"] == 4
-    assert props["placement"] == [{"device": "cpu", "layers": [0, 4]}]
+    assert props["placement"] == [{"device": "cpu", "layers": [0, 4], "remote": False}]
+    assert props["shards"] == [] and props["kvflash"] == {"enabled": False, "stages": []}
     assert props["limits"]["max_ctx"] == 512 and props["capabilities"]["tools"] is True
     assert props["speculative"]["enabled"] in (False, True) and "prefix" in props["cache"]
 

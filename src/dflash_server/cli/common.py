@@ -43,6 +43,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard-transport", default="auto", choices=["auto", "shm", "inline"],
                    help="tensors to the worker through shared memory (one host) or inline frames "
                         "(auto: shared memory for ipc:// addresses)")
+    g.add_argument("--kvflash", help="KV Flash: keep attention KV in a pool of this many tokens per layer "
+                   "(or 'auto': half the context, >= 512) and page the rest to host memory")
+    g.add_argument("--kvflash-policy", default="lru", choices=["lru", "score"],
+                   help="which chunk leaves the pool: least recently written (lru) or least attended (score)")
+    g.add_argument("--kvflash-chunk", type=positive_int, default=64, help="KV Flash chunk in tokens (default 64)")
     g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
     g.add_argument("--compile", action="store_true",
@@ -134,10 +139,12 @@ def load_engine(args, progress: bool = True):
     # vs 4.5 ms), so `auto` quantizes with a draft too.
     quantize = quantize_plan(source, args.quantize, all(s.device.removeprefix("remote:") == "cpu" for s in shards) and
                              dtype == torch.bfloat16)
+    kvflash = kvflash_config(args)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
-                                  progress=progress, remote=remote_options(args, shards), threads=args.threads)
-    except ShardError as e:
+                                  progress=progress, remote=remote_options(args, shards), threads=args.threads,
+                                  kvflash=kvflash)
+    except (ShardError, ValueError) as e:
         raise UserError(str(e)) from None
     if args.compile:
         pipeline.compile_decode()
@@ -147,12 +154,30 @@ def load_engine(args, progress: bool = True):
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
                 "family": cfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
-                "draft": draft_identity(draft_path) if proposer else None}
+                "draft": draft_identity(draft_path) if proposer else None,
+                "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
     disk = open_disk_cache(args, fingerprint(fp_parts))
     engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
                     prefix_bytes=args.prefix_cache_bytes, disk_cache=disk)
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
+
+
+def kvflash_config(args):
+    from ..runtime.kv_pager import KvFlashConfig
+
+    if not args.kvflash:
+        return None
+    pool = args.kvflash
+    if pool != "auto":
+        try:
+            pool = int(pool)
+        except ValueError:
+            raise UserError(f"--kvflash must be a token count or 'auto', got {pool!r}") from None
+    try:
+        return KvFlashConfig(pool, chunk=args.kvflash_chunk, policy=args.kvflash_policy)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def remote_options(args, shards):

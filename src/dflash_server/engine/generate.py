@@ -114,6 +114,9 @@ class Engine:
             raise
         res.cached_tokens = pre.cached_tokens
         res.extra["cache"] = pre.source
+        kv = pipe.kvflash_stats()
+        if kv:  # summed over stages (each runs its own pool of the same size)
+            res.extra["kvflash"] = {k: sum(s[k] for s in kv) for k in kv[0] if isinstance(kv[0][k], int)}
         if res.finish_reason in ("stop", "length"):
             self.prefix_cache.commit(pre.pending)
         else:

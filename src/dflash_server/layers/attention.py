@@ -79,12 +79,23 @@ class Attention(nn.Module):
             qk = apply_rope(qk, ctx.cos[:, None], ctx.sin[:, None])
             q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
         v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
-        state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
-        state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
-        keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
-        mask = ctx.causal_mask(x.device, self.window)
+        if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)
+            state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))
+            state.v.index_copy_(2, ctx.slots, v.transpose(1, 2).to(state.v.dtype))
+            keys, values = state.k, state.v
+            mask = ctx.pool_mask(x.device, self.window)
+        else:
+            state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
+            state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
+            keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
+            mask = ctx.causal_mask(x.device, self.window)
         out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.nh != self.nkv)
+        if ctx.attn_mass is not None:  # KV Flash score policy: how much each slot was attended
+            qh = q.transpose(1, 2).to(keys.dtype)  # (B, nh, T, hd)
+            kh = keys.repeat_interleave(self.nh // self.nkv, dim=1)  # (B, nh, P, hd)
+            w = (qh @ kh.transpose(-1, -2) * self.scale).masked_fill(~mask, float("-inf")).softmax(-1)
+            ctx.attn_mass += w.float().sum(dim=(0, 1, 2))
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype)
         if gate is not None:
             out = out * torch.sigmoid(gate)

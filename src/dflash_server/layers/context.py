@@ -20,11 +20,30 @@ class ForwardContext:
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     record: bool = False
+    # KV Flash: physical pool slot of each written position (T,), and the logical position
+    # held by each pool slot (P,), -1 = free or paged out; None = plain position-addressed KV
+    slots: torch.Tensor | None = None
+    slot_pos: torch.Tensor | None = None
+    attn_mass: torch.Tensor | None = None  # (P,) float32: attention each slot received (score policy)
     _masks: dict = field(default_factory=dict)
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def pool_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """Bool (T, P) mask over the KV pool: a slot may be attended when it holds a
+        position <= the query's (and inside the window); free / paged-out slots never."""
+        key = ("pool", str(device), window)
+        m = self._masks.get(key)
+        if m is None:
+            q_pos = torch.arange(self.start, self.end, device=device)[:, None]
+            k_pos = self.slot_pos.to(device)[None, :]
+            m = (k_pos >= 0) & (k_pos <= q_pos)
+            if window is not None:
+                m = m & (k_pos > q_pos - window)
+            self._masks[key] = m
+        return m
 
     def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:
         """Bool (T, end) mask, True = may attend; None when plain full attention over the

@@ -33,6 +33,22 @@ class TargetPipeline:
         return self.stages[-1].device
 
     @property
+    def max_forward(self) -> int:
+        """Most positions one forward may write (a KV Flash pool bounds it)."""
+        out = self.max_ctx
+        for st in self.stages:
+            p = getattr(st, "pager", None)
+            if p is not None:
+                out = min(out, p.chunk * max(1, p.num_physical - p.sink - p.tail - 1))
+        return out
+
+    def kvflash_stats(self) -> list[dict]:
+        return [s for st in self.stages if (s := getattr(st, "kvflash_stats", lambda: None)()) is not None]
+
+    def kv_bytes(self) -> int:
+        return sum(st.kv_bytes() for st in self.stages if hasattr(st, "kv_bytes"))
+
+    @property
     def epoch(self) -> int:
         """Changes whenever a stage lost its state (a shard worker restarted): snapshots
         taken before are gone."""
@@ -70,7 +86,7 @@ class TargetPipeline:
         """Chunked prefill; returns the last position's logits and all captured rows."""
         if not ids:
             raise ValueError("prefill needs at least one token")
-        chunk = max(1, chunk)
+        chunk = max(1, min(chunk, self.max_forward))
         caps: dict[int, list[torch.Tensor]] = {}
         out = None
         for off in range(0, len(ids), chunk):
@@ -137,7 +153,7 @@ class TargetPipeline:
 
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
                    quantize: str | tuple[str, str] = "dense", progress: bool = True,
-                   batch: int = 1, remote=None, threads: int | None = None) -> TargetPipeline:
+                   batch: int = 1, remote=None, threads: int | None = None, kvflash=None) -> TargetPipeline:
     """One LocalStage per local shard (each reads only its own layers' weights), then one
     RemoteStage for the ``remote:`` shards, served by a shard worker (``remote``: RemoteOptions)."""
     local, far = split_local_remote(shards)
@@ -148,7 +164,7 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
         for k, sh in enumerate(local):
             stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx,
                                      is_first=k == 0, is_last=not far and k == len(local) - 1, quantize=quantize,
-                                     on_layer=bar.update, batch=batch))
+                                     on_layer=bar.update, batch=batch, kvflash=kvflash))
     finally:
         bar.close()
     if far:
@@ -156,6 +172,8 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
 
         if batch != 1:
             raise ValueError("a remote shard runs batch 1")
+        if kvflash is not None:
+            raise ValueError("KV Flash on a remote stage is not supported yet")
         q = (quantize, quantize) if isinstance(quantize, str) else quantize
         stages.append(RemoteStage(source.path, [(s.device, s.begin, s.end) for s in far], dtype=dtype,
                                   max_ctx=max_ctx, quantize=q, home=local[-1].device,

@@ -16,6 +16,13 @@ from ..layers.linear import Linear
 from ..layers.rope import RotaryTable
 
 
+SCORE_MAX_ROWS = 16  # the score policy observes decode and verify forwards, not prefill chunks
+
+
+class SnapshotUnavailable(ValueError):
+    """This state cannot be snapshotted now (KV Flash paged some of it out)."""
+
+
 @dataclass
 class StageOutput:
     hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
@@ -47,10 +54,11 @@ class _Weights:
 class LocalStage:
     def __init__(self, source, begin: int, end: int, device: str, dtype: torch.dtype, max_ctx: int,
                  *, is_first: bool, is_last: bool, quantize: str | tuple[str, str] = "dense", on_layer=None,
-                 batch: int = 1):
+                 batch: int = 1, kvflash=None):
         """``quantize``: mode for all linears, or (layers mode, LM head mode); modes are
         "dense", "int8", "int4". ``batch`` > 1 runs that many sequences in lockstep (same
-        positions; used to sample training data); snapshots and rollback need batch 1."""
+        positions; used to sample training data); snapshots and rollback need batch 1.
+        ``kvflash``: a KvFlashConfig to keep attention KV in a bounded pool (KV Flash)."""
         cfg = source.config
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
@@ -70,7 +78,11 @@ class LocalStage:
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
         self.batch = batch
-        self.states = [layer.new_state(max_ctx, self.device, dtype, batch) for layer in self.layers]
+        self.pager = kvflash.new_pager(max_ctx) if kvflash is not None else None
+        kv_rows = self.pager.pool_tokens if self.pager is not None else max_ctx
+        self.states = [layer.new_state(kv_rows, self.device, dtype, batch) for layer in self.layers]
+        self.host_pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # paged-out chunks
+        self._slot_pos: tuple[int, torch.Tensor] | None = None  # (pager epoch, slot positions)
         self.length = 0
         self._ckpt_length: int | None = None
         self._decode_fn = None
@@ -109,8 +121,10 @@ class LocalStage:
         h = self.embed(x) if self.is_first else x.to(self.dtype)
         cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
+        if self.pager is not None:
+            self._page(start, start + T, ctx)
         caps = {}
-        if self._decode_fn is not None and T == 1 and not capture and not ctx.record:
+        if self._decode_fn is not None and T == 1 and not capture and not ctx.record and ctx.slots is None:
             h = self._decode_fn(h, ctx)
         else:
             for layer, state in zip(self.layers, self.states):
@@ -118,6 +132,8 @@ class LocalStage:
                 if layer.index in capture:
                     caps[layer.index] = h
         self.length = start + T
+        if ctx.attn_mass is not None:
+            self._observe(ctx)
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
@@ -125,6 +141,52 @@ class LocalStage:
             out.logits = logits[0] if self.batch == 1 else logits  # (T, V) or (batch, T, V)
             out.hidden = None
         return out
+
+    # --- KV Flash ---------------------------------------------------------------------------
+    def _kv_states(self):
+        return [s for s in self.states if s.kind == "kv"]
+
+    def _page(self, start: int, end: int, ctx: ForwardContext) -> None:
+        """Make positions [start, end) resident (paging chunks out / in, bit-exact) and give
+        the layers their write slots and the pool's slot -> position map."""
+        pager, C = self.pager, self.pager.chunk
+        for m in pager.plan_write(start, end):
+            rows = slice(m.physical * C, (m.physical + 1) * C)
+            if m.kind == "out":
+                self.host_pages[m.logical] = [(s.k[:, :, rows].to("cpu", copy=True), s.v[:, :, rows].to("cpu", copy=True))
+                                              for s in self._kv_states()]
+            else:
+                for s, (k, v) in zip(self._kv_states(), self.host_pages.pop(m.logical)):
+                    s.k[:, :, rows] = k.to(self.device)
+                    s.v[:, :, rows] = v.to(self.device)
+        ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
+        if self._slot_pos is None or self._slot_pos[0] != pager.epoch:
+            self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device))
+        ctx.slot_pos = self._slot_pos[1]
+        if pager.policy.name == "score" and end - start <= SCORE_MAX_ROWS:  # decode and verify steps
+            ctx.attn_mass = torch.zeros(pager.pool_tokens, device=self.device)
+
+    def _observe(self, ctx: ForwardContext) -> None:
+        """Feed the attention mass of this forward to the score policy, per logical chunk."""
+        C, pager = self.pager.chunk, self.pager
+        per_phys = ctx.attn_mass.view(-1, C).sum(-1).tolist()
+        pager.policy.observe({c: per_phys[p] for c, p in pager.resident.items()})
+
+    def kv_bytes(self) -> int:
+        """Bytes of attention KV held on the device (the pool, or the full preallocation)."""
+        return sum(s.k.numel() * s.k.element_size() * 2 for s in self._kv_states())
+
+    def kvflash_stats(self) -> dict | None:
+        if self.pager is None:
+            return None
+        host = sum(k.numel() * k.element_size() * 2 for page in self.host_pages.values() for k, _ in page)
+        return dict(self.pager.stats(), host_bytes=host, device_kv_bytes=self.kv_bytes())
+
+    def _pager_truncate(self, length: int) -> None:
+        if self.pager is not None:
+            self.pager.truncate(length)
+            for c in [c for c in self.host_pages if c not in self.pager.paged]:
+                del self.host_pages[c]
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,6 +198,9 @@ class LocalStage:
     def reset(self) -> None:
         self.length = 0
         self._ckpt_length = None
+        if self.pager is not None:
+            self.pager.reset()
+            self.host_pages.clear()
         for s in self.states:
             if s.kind == "recurrent":
                 s.conv.zero_()
@@ -165,6 +230,7 @@ class LocalStage:
                 s.rollback_to(length - self._ckpt_length)
         self.length = length
         self._ckpt_length = None
+        self._pager_truncate(length)
 
     def commit(self) -> None:
         """Accept everything since the checkpoint."""
@@ -172,7 +238,11 @@ class LocalStage:
             self.rollback(self.length)
 
     # --- snapshots ------------------------------------------------------------------------
-    def _state_tensors(self, length: int) -> dict[str, torch.Tensor]:
+    def _state_tensors(self, length: int, check: bool = True) -> dict[str, torch.Tensor]:
+        if self.pager is not None and length > self.pager.pool_tokens:
+            raise SnapshotUnavailable(f"{length} positions do not fit the KV Flash pool")
+        if check and self.pager is not None and not self.pager.is_identity():
+            raise SnapshotUnavailable("KV Flash pool is not identity-mapped: no snapshot")
         out = {}
         for layer, s in zip(self.layers, self.states):
             i = layer.index
@@ -212,7 +282,7 @@ class LocalStage:
         length = int(tensors["length"])
         if not 0 <= length <= self.max_ctx:
             raise ValueError(f"snapshot length {length} outside context {self.max_ctx}")
-        expect = self._state_tensors(length)
+        expect = self._state_tensors(length, check=False)  # shapes only
         if set(expect) != set(tensors) - {"length"}:
             raise ValueError("snapshot tensor names do not match this stage")
         conv = {}
@@ -225,6 +295,9 @@ class LocalStage:
         self._snapshots[slot] = (length, conv)
 
     def _load_state(self, length: int, tensors: dict[str, torch.Tensor]) -> None:
+        if self.pager is not None:
+            self.pager.assume_identity(length)
+            self.host_pages.clear()
         for layer, s in zip(self.layers, self.states):
             i = layer.index
             if s.kind == "kv":

@@ -53,6 +53,15 @@ class Metrics:
         self.cache_hits = Counter(p + "prefix_cache_hits", "requests that restored a cached prefix",
                                   registry=r)
 
+        self.kvflash = {k: Gauge(p + "kvflash_" + k, help_, registry=r) for k, help_ in (
+            ("pool_tokens", "KV Flash pool slots per attention layer, summed over stages"),
+            ("resident_chunks", "KV chunks resident in the pools (after the last request)"),
+            ("paged_chunks", "KV chunks paged out to host memory (after the last request)"),
+            ("page_ins", "KV chunks paged back in since start"),
+            ("page_outs", "KV chunks paged out since start"),
+            ("host_bytes", "bytes of paged-out KV in host memory"),
+            ("device_kv_bytes", "bytes of attention KV on the devices"))}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -91,6 +100,11 @@ class Metrics:
             self.last_decode_tps.set(tps)
         if result.prefill_s > 0:
             self.prefill_tps.set(result.prompt_tokens / result.prefill_s)
+        kv = (result.extra or {}).get("kvflash") if isinstance(result.extra, dict) else None
+        if isinstance(kv, dict):
+            for key, gauge in self.kvflash.items():
+                if isinstance(kv.get(key), int):
+                    gauge.set(kv[key])
         spec = (result.extra or {}).get("spec") if isinstance(result.extra, dict) else None
         if isinstance(spec, dict):
             for key, counter in (("proposed", self.spec_drafted), ("accepted", self.spec_accepted),

@@ -36,6 +36,13 @@ def _cache(engine) -> dict:
     return {"prefix": prefix, "disk": disk_stats}
 
 
+def _kvflash(engine) -> dict:
+    """Pool size, residency and paging counters per stage (empty list: KV Flash off)."""
+    pipe = getattr(engine, "pipeline", None)
+    stats = pipe.kvflash_stats() if hasattr(pipe, "kvflash_stats") else []
+    return {"enabled": bool(stats), "stages": stats}
+
+
 def _shards(engine) -> list[dict]:
     """Live status of shard workers (remote stages): status, pid, restarts."""
     out = []
@@ -84,6 +91,7 @@ def props(state) -> dict:
         },
         "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running is not None},
         "shards": _shards(state.engine),
+        "kvflash": _kvflash(state.engine),
     })
     return out
 

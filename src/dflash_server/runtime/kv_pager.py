@@ -1,0 +1,233 @@
+"""KV Flash page table: logical KV chunks -> chunks of a bounded pool (plain Python).
+
+Positions are grouped in chunks of ``chunk`` tokens. A logical chunk is *resident* (it
+occupies a physical pool chunk), *paged* (its rows live in host memory) or absent (not
+written yet). When a write needs a chunk and the pool is full, the policy picks the
+least valuable unprotected resident chunk to page out. Protected: the first
+``sink_chunks`` (attention sink), the ``tail_chunks`` most recent, and the chunks being
+written. The pager only plans; the pool (kv_pool.py) moves the bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_AUTO_POOL = 512
+
+
+@dataclass(frozen=True)
+class KvFlashConfig:
+    """``pool``: tokens per attention layer, or "auto" (half the context, at least 512)."""
+
+    pool: int | str
+    chunk: int = 64
+    policy: str = "lru"
+    sink_chunks: int = 1
+    tail_chunks: int = 4
+
+    def __post_init__(self):
+        if self.pool != "auto" and (not isinstance(self.pool, int) or self.pool < 1):
+            raise ValueError(f"kvflash pool must be a token count or 'auto', got {self.pool!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"kvflash chunk must be >= 1, got {self.chunk!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown KV Flash policy {self.policy!r} (use {', '.join(POLICIES)})")
+
+    def pool_tokens(self, max_ctx: int) -> int:
+        """Rounded up to whole chunks (256 tokens for auto), at least the minimum pool, at
+        most the context rounded up to a chunk."""
+        least = (self.sink_chunks + self.tail_chunks + 2) * self.chunk
+        cap = -(-max_ctx // self.chunk) * self.chunk
+        if self.pool == "auto":
+            n = max(MIN_AUTO_POOL, -(-(max_ctx // 2) // 256) * 256)
+        else:
+            n = self.pool
+        n = -(-n // self.chunk) * self.chunk
+        return max(least, min(n, cap))
+
+    def new_pager(self, max_ctx: int) -> "KvPager":
+        return KvPager(self.pool_tokens(max_ctx), self.chunk, sink_chunks=self.sink_chunks,
+                       tail_chunks=self.tail_chunks, policy=self.policy)
+
+
+@dataclass(frozen=True)
+class Move:
+    kind: str        # "out": save physical chunk to host and free it | "in": host -> physical chunk
+    logical: int
+    physical: int
+
+
+class LruPolicy:
+    """Evict the chunk written or paged in longest ago."""
+
+    name = "lru"
+
+    def __init__(self):
+        self.last_use: dict[int, int] = {}
+        self.clock = 0
+
+    def touch(self, logical: int) -> None:
+        self.clock += 1
+        self.last_use[logical] = self.clock
+
+    def forget(self, logical: int) -> None:
+        self.last_use.pop(logical, None)
+
+    def value(self, logical: int) -> float:
+        return self.last_use.get(logical, 0)
+
+
+class ScorePolicy(LruPolicy):
+    """Evict the chunk recent queries attended to least (decayed attention mass; ties by
+    recency). ``observe`` takes per-chunk mass from any scorer (attention during decode
+    here; a drafter-based scorer can feed the same method)."""
+
+    name = "score"
+
+    def __init__(self, decay: float = 0.9):
+        super().__init__()
+        self.decay = decay
+        self.score: dict[int, float] = {}
+
+    def observe(self, mass: dict[int, float]) -> None:
+        for c in self.score:
+            self.score[c] *= self.decay
+        for c, m in mass.items():
+            self.score[c] = self.score.get(c, 0.0) + m
+
+    def forget(self, logical: int) -> None:
+        super().forget(logical)
+        self.score.pop(logical, None)
+
+    def value(self, logical: int) -> float:
+        return self.score.get(logical, 0.0) + 1e-9 * self.last_use.get(logical, 0)
+
+
+POLICIES = {"lru": LruPolicy, "score": ScorePolicy}
+
+
+class KvPager:
+    def __init__(self, pool_tokens: int, chunk: int = 64, *, sink_chunks: int = 1, tail_chunks: int = 4,
+                 policy: str = "lru"):
+        if chunk < 1 or pool_tokens % chunk:
+            raise ValueError(f"KV Flash pool of {pool_tokens} tokens is not a multiple of the chunk ({chunk})")
+        self.chunk, self.num_physical = chunk, pool_tokens // chunk
+        self.sink, self.tail = sink_chunks, tail_chunks
+        if self.num_physical < sink_chunks + tail_chunks + 2:
+            raise ValueError(f"KV Flash pool of {pool_tokens} tokens is too small: at least "
+                             f"{(sink_chunks + tail_chunks + 2) * chunk} (sink + tail + 2 chunks of {chunk})")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown KV Flash policy {policy!r} (use {', '.join(POLICIES)})")
+        self.policy = POLICIES[policy]()
+        self.reset()
+        self.page_ins = self.page_outs = 0
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_physical * self.chunk
+
+    def reset(self) -> None:
+        self.resident: dict[int, int] = {}   # logical -> physical
+        self.paged: set[int] = set()
+        self.free = list(range(self.num_physical - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self.num_chunks = 0                  # logical chunks that hold written positions
+        self.epoch = getattr(self, "epoch", 0) + 1
+        self.policy = type(self.policy)()
+
+    # --- planning -------------------------------------------------------------------------
+    def plan_write(self, start: int, end: int) -> list[Move]:
+        """Make every chunk holding positions [start, end) resident. Returns the moves to
+        perform in order (page-outs before the page-ins / fresh uses of their slots)."""
+        first, last = start // self.chunk, (end - 1) // self.chunk
+        need = list(range(first, last + 1))
+        if len(need) > self.num_physical - self.sink - 1:
+            raise ValueError(f"a forward of {end - start} tokens does not fit a KV Flash pool of "
+                             f"{self.pool_tokens} (use a smaller prefill chunk)")
+        top = max(self.num_chunks, last + 1)
+        protected = set(range(self.sink)) | set(range(top - self.tail, top)) | set(need)
+        moves, changed = [], False
+        for c in need:
+            if c in self.resident:
+                self.policy.touch(c)
+                continue
+            changed = True
+            if not self.free:
+                moves.append(self._evict(protected))
+            phys = self.free.pop()
+            self.resident[c] = phys
+            if c in self.paged:
+                self.paged.discard(c)
+                moves.append(Move("in", c, phys))
+                self.page_ins += 1
+            self.policy.touch(c)
+        self.num_chunks = top
+        if changed:
+            self.epoch += 1  # the slot -> position map changed: masks must be rebuilt
+        return moves
+
+    def _evict(self, protected: set[int]) -> Move:
+        candidates = [c for c in self.resident if c not in protected]
+        if not candidates:
+            raise ValueError("KV Flash pool exhausted: every resident chunk is protected")
+        victim = min(candidates, key=lambda c: (self.policy.value(c), c))
+        phys = self.resident.pop(victim)
+        self.paged.add(victim)
+        self.free.append(phys)
+        self.page_outs += 1
+        return Move("out", victim, phys)
+
+    def assume_identity(self, length: int) -> None:
+        """Reset to positions [0, length) resident in their own slots (snapshot restore)."""
+        n = -(-length // self.chunk)
+        if n > self.num_physical:
+            raise ValueError(f"a snapshot of {length} tokens does not fit the KV Flash pool of {self.pool_tokens}")
+        self.reset()
+        self.resident = {c: c for c in range(n)}
+        self.free = list(range(self.num_physical - 1, n - 1, -1))
+        self.num_chunks = n
+        for c in range(n):
+            self.policy.touch(c)
+
+    def truncate(self, length: int) -> None:
+        """Forget chunks that hold no position below ``length`` (rollback, reset)."""
+        keep = -(-length // self.chunk)
+        for c in [c for c in self.resident if c >= keep]:
+            self.free.append(self.resident.pop(c))
+            self.policy.forget(c)
+        for c in [c for c in self.paged if c >= keep]:
+            self.paged.discard(c)
+            self.policy.forget(c)
+        if keep < self.num_chunks:
+            self.num_chunks = keep
+            self.epoch += 1
+
+    # --- views ------------------------------------------------------------------------------
+    def slots(self, start: int, end: int) -> list[int]:
+        """Physical slot of each position in [start, end) (all resident)."""
+        C = self.chunk
+        return [self.resident[p // C] * C + p % C for p in range(start, end)]
+
+    def slot_positions(self) -> list[int]:
+        """Logical position held by each pool slot, -1 for a free slot."""
+        C = self.chunk
+        out = [-1] * self.pool_tokens
+        for c, phys in self.resident.items():
+            out[phys * C:(phys + 1) * C] = range(c * C, (c + 1) * C)
+        return out
+
+    def is_identity(self) -> bool:
+        return not self.paged and all(c == p for c, p in self.resident.items())
+
+    def stats(self) -> dict:
+        return {"pool_tokens": self.pool_tokens, "chunk": self.chunk, "resident_chunks": len(self.resident),
+                "paged_chunks": len(self.paged), "free_chunks": len(self.free), "page_ins": self.page_ins,
+                "page_outs": self.page_outs, "policy": self.policy.name}
+
+    def check_integrity(self) -> None:
+        """resident + free == pool chunks, no physical chunk twice, nothing both resident and
+        paged, every written chunk accounted for."""
+        phys = list(self.resident.values()) + self.free
+        assert sorted(phys) == list(range(self.num_physical)), ("physical chunks", self.resident, self.free)
+        assert not (self.paged & self.resident.keys()), "chunk both resident and paged"
+        held = self.paged | self.resident.keys()
+        assert held == set(range(self.num_chunks)) or held <= set(range(self.num_chunks)), "unknown chunk"
+        assert all(0 <= c < self.num_chunks for c in held), "chunk beyond the written length"

@@ -1,0 +1,152 @@
+"""KV Flash: slot-space attention over a bounded pool. While the context fits, output ==
+full KV (greedy, with and without DFlash, split and unsplit); any physical layout gives the
+same result; page-out / page-in is bit-exact; device KV stays at the pool size."""
+import random
+
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.runtime.kv_pager import KvFlashConfig
+from dflash_server.runtime.pipeline import build_pipeline
+from dflash_server.runtime.placement import plan_placement
+from dflash_server.spec.proposer import DFlashProposer
+from dflash_server.weights.loader import open_model
+from helpers.build import pipeline, prompt_ids
+
+from .test_dflash import random_draft
+
+
+def kv_pipeline(path, pool, stages=1, chunk=16, policy="lru", max_ctx=512):
+    src = open_model(path)
+    shards = plan_placement(src.config.num_layers, ["cpu"] * stages)
+    return build_pipeline(src, shards, dtype=torch.float32, max_ctx=max_ctx, progress=False,
+                          kvflash=KvFlashConfig(pool, chunk=chunk, policy=policy))
+
+
+def gen(pipe, ids, n=40, proposer=None):
+    return Engine(pipe, proposer=proposer, chunk=64).generate(
+        GenerationRequest(tuple(ids), max_tokens=n, ignore_eos=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_fits_in_pool_equals_full_kv(tiny_dir, family, stages):
+    path = tiny_dir(family)
+    ref_pipe = pipeline(path, stages=stages)
+    ids = prompt_ids(ref_pipe, 70)
+    ref = gen(ref_pipe, ids).token_ids
+    pipe = kv_pipeline(path, 256, stages)
+    assert gen(pipe, ids).token_ids == ref
+    for st in pipe.stages:
+        st.pager.check_integrity()
+        assert st.pager.page_outs == 0
+    prop = DFlashProposer(random_draft(pipe, block_size=4), pipe)
+    assert gen(pipe, ids, proposer=prop).token_ids == ref
+
+
+def test_shuffled_physical_layout_equals_identity(tiny_dir):
+    path = tiny_dir("llama")
+    ids = prompt_ids(pipeline(path), 90)
+    a = kv_pipeline(path, 256)
+    b = kv_pipeline(path, 256)
+    rnd = random.Random(0)
+
+    def shuffled_reset(pager=b.stages[0].pager, orig=b.stages[0].pager.reset):
+        orig()
+        rnd.shuffle(pager.free)
+    b.stages[0].pager.reset = shuffled_reset
+    ra, rb = gen(a, ids), gen(b, ids)
+    assert not b.stages[0].pager.is_identity()
+    assert ra.token_ids == rb.token_ids
+    a.reset(), b.reset()
+    la, lb = a.prefill(ids, chunk=32).logits, b.prefill(ids, chunk=32).logits
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+
+
+def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
+    path = tiny_dir("qwen3_5")
+    pipe = kv_pipeline(path, 112, chunk=16)  # 7 chunks: sink 1 + tail 4 + 2
+    st = pipe.stages[0]
+    device_bytes = st.kv_bytes()
+    ids = prompt_ids(pipe, 96)
+    pipe.prefill(ids, chunk=16)
+    C, phys = 16, st.pager.resident[1]
+    before = [(s.k[:, :, phys * C:(phys + 1) * C].clone(), s.v[:, :, phys * C:(phys + 1) * C].clone())
+              for s in st._kv_states()]
+    res = gen(pipe, ids, n=120)  # context 216 > pool 112: chunks get paged out
+    assert len(res.token_ids) == 120
+    st.pager.check_integrity()
+    stats = st.kvflash_stats()
+    assert stats["page_outs"] > 0 and stats["paged_chunks"] > 0 and stats["host_bytes"] > 0
+    assert st.kv_bytes() == device_bytes  # device KV does not grow with the context
+    # same prompt again, then write into chunk 1 after it was paged out: it comes back bit-exact
+    pipe.reset()
+    pipe.prefill(ids, chunk=16)
+    pipe.forward(prompt_ids(pipe, 40, seed=1), 96)
+    assert 1 in st.pager.paged
+    st._page(24, 25, type("Ctx", (), {})())  # a write into chunk 1 pages it back in
+    p = st.pager.resident[1]
+    after = [(s.k[:, :, p * C:(p + 1) * C], s.v[:, :, p * C:(p + 1) * C]) for s in st._kv_states()]
+    for (k0, v0), (k1, v1) in zip(before, after):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    st.pager.check_integrity()
+
+
+def test_snapshots_while_identity_and_refused_after_paging(tiny_dir):
+    path = tiny_dir("llama")
+    pipe = kv_pipeline(path, 112, chunk=16)
+    ids = prompt_ids(pipe, 60)
+    pipe.prefill(ids[:40], chunk=16)
+    pipe.snapshot_save(1)
+    tail = pipe.prefill(ids[40:], start=40, chunk=16).logits
+    pipe.reset()
+    pipe.snapshot_restore(1)
+    assert torch.equal(pipe.prefill(ids[40:], start=40, chunk=16).logits, tail)
+    more = prompt_ids(pipe, 80, seed=2)
+    for k in range(0, 80, 16):  # 140 positions > the pool of 112: chunks are paged out
+        pipe.forward(more[k:k + 16], 60 + k)
+    assert pipe.stages[0].pager.paged
+    from dflash_server.runtime.stage import SnapshotUnavailable
+    with pytest.raises(SnapshotUnavailable):
+        pipe.snapshot_save(2)
+
+
+def test_config_validation_and_auto_size():
+    with pytest.raises(ValueError):
+        KvFlashConfig(0)
+    with pytest.raises(ValueError):
+        KvFlashConfig(512, policy="random")
+    assert KvFlashConfig("auto").pool_tokens(8192) == 4096
+    assert KvFlashConfig("auto").pool_tokens(600) == 512
+    assert KvFlashConfig(100).pool_tokens(8192) == 448  # at least sink + tail + 2 chunks
+    assert KvFlashConfig(1000).pool_tokens(8192) == 1024
+    assert KvFlashConfig(9000).pool_tokens(8192) == 8192
+
+
+def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir):
+    path = tiny_dir("llama")
+    ids = prompt_ids(pipeline(path), 70)
+    ref = gen(pipeline(path), ids).token_ids
+    pipe = kv_pipeline(path, 256, policy="score")
+    assert gen(pipe, ids).token_ids == ref
+    score = pipe.stages[0].pager.policy.score
+    assert score and all(v >= 0 for v in score.values()) and max(score.values()) > 0
+    long_pipe = kv_pipeline(path, 112, chunk=16, policy="score")
+    res = gen(long_pipe, ids, n=80)  # 150 positions: the least attended chunks leave the pool
+    pager = long_pipe.stages[0].pager
+    pager.check_integrity()
+    assert len(res.token_ids) == 80 and pager.page_outs > 0 and 0 in pager.resident
+
+
+def test_prefix_cache_with_kvflash_skips_snapshots_it_cannot_take(tiny_dir):
+    path = tiny_dir("llama")
+    pipe = kv_pipeline(path, 112, chunk=16)
+    eng = Engine(pipe, prefix_slots=4)
+    tok = eng.tokenizer
+    long_system = "You are a terse assistant who answers in one word. " * 20  # > the pool
+    for q in ("Hi", "And then?"):
+        ids = tok.encode_chat([{"role": "system", "content": long_system}, {"role": "user", "content": q}])
+        assert len(ids) > 112
+        res = eng.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))
+        assert len(res.token_ids) == 4 and res.extra["kvflash"]["page_outs"] > 0

@@ -1,0 +1,97 @@
+"""KV Flash page table: allocation, protection, eviction order, page-in, truncation, integrity."""
+import pytest
+
+from dflash_server.runtime.kv_pager import KvPager, Move
+
+
+def fill(p, upto, step=1):
+    moves = []
+    for pos in range(0, upto, step):
+        moves += p.plan_write(pos, min(pos + step, upto))
+        p.check_integrity()
+    return moves
+
+
+def test_identity_while_it_fits():
+    p = KvPager(8 * 4, chunk=4, tail_chunks=2)
+    assert fill(p, 32) == []
+    assert p.is_identity() and p.slots(0, 32) == list(range(32))
+    assert p.slot_positions() == list(range(32))
+
+
+def test_lru_evicts_oldest_unprotected_and_keeps_sink_and_tail():
+    p = KvPager(6 * 4, chunk=4, sink_chunks=1, tail_chunks=2)
+    moves = fill(p, 6 * 4 + 4)  # one chunk more than the pool
+    assert moves == [Move("out", 1, 1)]  # chunk 0 is the sink: chunk 1 is the oldest
+    assert p.slots(24, 28) == [4, 5, 6, 7]
+    moves = fill_from(p, 28, 40)
+    assert [m.logical for m in moves] == [2, 3, 4]
+    assert 0 in p.resident and {8, 9}.issubset(p.resident)
+    assert p.paged == {1, 2, 3, 4} and p.page_outs == 4
+    pos = p.slot_positions()
+    assert sorted(x for x in pos if x >= 0) == sorted(q for c in p.resident for q in range(c * 4, c * 4 + 4))
+
+
+def fill_from(p, start, end):
+    moves = []
+    for pos in range(start, end):
+        moves += p.plan_write(pos, pos + 1)
+        p.check_integrity()
+    return moves
+
+
+def test_page_in_when_a_paged_chunk_is_written_again():
+    p = KvPager(6 * 4, chunk=4, tail_chunks=2)
+    fill(p, 40)
+    p.truncate(6)  # rollback into paged chunk 1
+    p.check_integrity()
+    assert p.num_chunks == 2 and set(p.resident) | p.paged == {0, 1}
+    moves = p.plan_write(6, 8)
+    assert moves == [Move("in", 1, moves[0].physical)] and 1 in p.resident and p.page_ins == 1
+    p.check_integrity()
+
+
+def test_score_policy_keeps_attended_chunks():
+    p = KvPager(6 * 4, chunk=4, tail_chunks=2, policy="score")
+    fill(p, 24)
+    p.policy.observe({1: 5.0, 2: 0.1, 3: 2.0, 4: 1.0})
+    moves = fill_from(p, 24, 28)
+    assert moves == [Move("out", 2, 2)]  # least attended, not the oldest (1)
+    p.policy.observe({})  # scores decay but keep their order; chunk 5 (now out of the tail) has none
+    assert [m.logical for m in fill_from(p, 28, 32)] == [5]
+
+
+def test_protected_chunks_never_evicted_and_errors_are_clear():
+    with pytest.raises(ValueError, match="too small"):
+        KvPager(4 * 4, chunk=4, sink_chunks=1, tail_chunks=2)
+    with pytest.raises(ValueError, match="multiple"):
+        KvPager(30, chunk=4)
+    with pytest.raises(ValueError, match="policy"):
+        KvPager(32, chunk=4, policy="random")
+    p = KvPager(6 * 4, chunk=4, tail_chunks=2)
+    with pytest.raises(ValueError, match="does not fit"):
+        p.plan_write(0, 24)
+    for end in range(4, 200, 4):
+        for m in p.plan_write(end - 4, end):
+            assert m.logical != 0 and m.logical < end // 4 - 2
+        p.check_integrity()
+
+
+def test_reset_and_epochs():
+    p = KvPager(6 * 4, chunk=4, tail_chunks=2)
+    e0 = p.epoch
+    p.plan_write(0, 3)
+    e1 = p.epoch
+    assert e1 > e0  # a new resident chunk changes the slot map
+    p.plan_write(3, 4)
+    assert p.epoch == e1  # same chunk: nothing to rebuild
+    fill_from(p, 4, 30)
+    assert p.epoch > e1
+    p.reset()
+    p.check_integrity()
+    assert not p.resident and not p.paged and p.is_identity() and len(p.free) == 6
+    p.assume_identity(10)
+    p.check_integrity()
+    assert p.is_identity() and p.slots(0, 10) == list(range(10)) and p.num_chunks == 3
+    with pytest.raises(ValueError, match="does not fit"):
+        p.assume_identity(25)
