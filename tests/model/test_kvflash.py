@@ -73,7 +73,7 @@ def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
     pipe.prefill(ids, chunk=16)
     C, phys = 16, st.pager.resident[1]
     before = [(s.k[:, :, phys * C:(phys + 1) * C].clone(), s.v[:, :, phys * C:(phys + 1) * C].clone())
-              for s in st._kv_states()]
+              for s in st.pool.states]
     res = gen(pipe, ids, n=120)  # context 216 > pool 112: chunks get paged out
     assert len(res.token_ids) == 120
     st.pager.check_integrity()
@@ -85,9 +85,9 @@ def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
     pipe.prefill(ids, chunk=16)
     pipe.forward(prompt_ids(pipe, 40, seed=1), 96)
     assert 1 in st.pager.paged
-    st._page(24, 25, type("Ctx", (), {})())  # a write into chunk 1 pages it back in
+    st.pool.apply(st.pager.plan_write(24, 25))  # a write into chunk 1 pages it back in
     p = st.pager.resident[1]
-    after = [(s.k[:, :, p * C:(p + 1) * C], s.v[:, :, p * C:(p + 1) * C]) for s in st._kv_states()]
+    after = [(s.k[:, :, p * C:(p + 1) * C], s.v[:, :, p * C:(p + 1) * C]) for s in st.pool.states]
     for (k0, v0), (k1, v1) in zip(before, after):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     st.pager.check_integrity()

@@ -19,6 +19,9 @@ from .norms import RMSNorm
 from .rope import apply_rope
 
 
+SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
+
+
 @dataclass
 class KVState:
     k: torch.Tensor  # (batch, num_kv_heads, max_ctx, head_dim)
@@ -91,6 +94,8 @@ class Attention(nn.Module):
             mask = ctx.causal_mask(x.device, self.window)
         out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.nh != self.nkv)
+        if ctx.last_q is not None:  # KV Flash re-selection scores every chunk against these
+            ctx.last_q.append(q[:, -SCORE_QUERY_ROWS:].detach())
         if ctx.attn_mass is not None:  # KV Flash score policy: how much each slot was attended
             qh = q.transpose(1, 2).to(keys.dtype)  # (B, nh, T, hd)
             kh = keys.repeat_interleave(self.nh // self.nkv, dim=1)  # (B, nh, P, hd)

@@ -25,6 +25,7 @@ class ForwardContext:
     slots: torch.Tensor | None = None
     slot_pos: torch.Tensor | None = None
     attn_mass: torch.Tensor | None = None  # (P,) float32: attention each slot received (score policy)
+    last_q: list | None = None             # score policy: each attention layer appends its last query row
     _masks: dict = field(default_factory=dict)
 
     @property

@@ -23,6 +23,7 @@ class KvFlashConfig:
     policy: str = "lru"
     sink_chunks: int = 1
     tail_chunks: int = 4
+    tau: int = 64          # score policy: re-select residency every tau tokens
 
     def __post_init__(self):
         if self.pool != "auto" and (not isinstance(self.pool, int) or self.pool < 1):
@@ -31,6 +32,8 @@ class KvFlashConfig:
             raise ValueError(f"kvflash chunk must be >= 1, got {self.chunk!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown KV Flash policy {self.policy!r} (use {', '.join(POLICIES)})")
+        if not isinstance(self.tau, int) or self.tau < 1:
+            raise ValueError(f"kvflash tau must be >= 1, got {self.tau!r}")
 
     def pool_tokens(self, max_ctx: int) -> int:
         """Rounded up to whole chunks (256 tokens for auto), at least the minimum pool, at
@@ -174,6 +177,32 @@ class KvPager:
         self.free.append(phys)
         self.page_outs += 1
         return Move("out", victim, phys)
+
+    def plan_reselect(self, scores: dict[int, float]) -> list[Move]:
+        """Make the protected chunks plus the highest-scoring others resident (as many as
+        the pool holds); returns page-outs followed by page-ins."""
+        written = self.resident.keys() | self.paged
+        top = self.num_chunks
+        protected = (set(range(self.sink)) | set(range(top - self.tail, top))) & written
+        rest = sorted(written - protected, key=lambda c: (-scores.get(c, 0.0), -c))
+        want = protected | set(rest[:max(0, self.num_physical - len(protected))])
+        moves = []
+        for c in sorted(self.resident.keys() - want, key=lambda c: scores.get(c, 0.0)):
+            phys = self.resident.pop(c)
+            self.paged.add(c)
+            self.free.append(phys)
+            self.page_outs += 1
+            moves.append(Move("out", c, phys))
+        for c in sorted(want - self.resident.keys()):
+            phys = self.free.pop()
+            self.paged.discard(c)
+            self.resident[c] = phys
+            self.page_ins += 1
+            self.policy.touch(c)
+            moves.append(Move("in", c, phys))
+        if moves:
+            self.epoch += 1
+        return moves
 
     def assume_identity(self, length: int) -> None:
         """Reset to positions [0, length) resident in their own slots (snapshot restore)."""

@@ -10,6 +10,9 @@ from .placement import ShardSpec, split_local_remote
 from .stage import LocalStage
 
 
+SCORE_TAIL = 32  # prompt tokens whose queries pick the resident KV chunks (score policy)
+
+
 @dataclass
 class PipelineOutput:
     logits: torch.Tensor | None                      # (T or 1, V) fp32
@@ -88,12 +91,31 @@ class TargetPipeline:
             raise ValueError("prefill needs at least one token")
         chunk = max(1, min(chunk, self.max_forward))
         caps: dict[int, list[torch.Tensor]] = {}
+        # KV Flash score policy: the prompt's last tokens run as their own forward so that their
+        # queries can re-select which chunks are resident (e.g. page back the one a question
+        # refers to); if anything moved, that forward is redone on the new residency
+        tail = min(SCORE_TAIL, len(ids) - 1, chunk) if self._scoring() else 0
+        body = ids[:len(ids) - tail]
         out = None
-        for off in range(0, len(ids), chunk):
-            out = self.forward(ids[off:off + chunk], start + off, logits="last", capture=capture)
+        for off in range(0, len(body), chunk):
+            out = self.forward(body[off:off + chunk], start + off, logits="last", capture=capture)
+            for k, v in out.captures.items():
+                caps.setdefault(k, []).append(v)
+        if tail > 0:
+            pos = start + len(body)
+            self.checkpoint()
+            out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
+            if any([st.reselect() for st in self.stages if hasattr(st, "reselect")]):
+                self.rollback(pos)
+                out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
+            else:
+                self.commit()
             for k, v in out.captures.items():
                 caps.setdefault(k, []).append(v)
         return PipelineOutput(out.logits, {k: torch.cat(v, dim=1) for k, v in caps.items()})
+
+    def _scoring(self) -> bool:
+        return any(getattr(getattr(st, "pool", None), "scoring", False) for st in self.stages)
 
     def compile_decode(self) -> None:
         for st in self.stages:

@@ -14,9 +14,7 @@ from ..errors import ModelLoadError
 from ..layers.context import ForwardContext
 from ..layers.linear import Linear
 from ..layers.rope import RotaryTable
-
-
-SCORE_MAX_ROWS = 16  # the score policy observes decode and verify forwards, not prefill chunks
+from .kv_pool import KvPool
 
 
 class SnapshotUnavailable(ValueError):
@@ -78,11 +76,10 @@ class LocalStage:
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
         self.batch = batch
-        self.pager = kvflash.new_pager(max_ctx) if kvflash is not None else None
-        kv_rows = self.pager.pool_tokens if self.pager is not None else max_ctx
+        pager = kvflash.new_pager(max_ctx) if kvflash is not None else None
+        kv_rows = pager.pool_tokens if pager is not None else max_ctx
         self.states = [layer.new_state(kv_rows, self.device, dtype, batch) for layer in self.layers]
-        self.host_pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # paged-out chunks
-        self._slot_pos: tuple[int, torch.Tensor] | None = None  # (pager epoch, slot positions)
+        self.pool = KvPool(pager, self.states, self.device, kvflash.tau) if pager is not None else None
         self.length = 0
         self._ckpt_length: int | None = None
         self._decode_fn = None
@@ -121,8 +118,8 @@ class LocalStage:
         h = self.embed(x) if self.is_first else x.to(self.dtype)
         cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
-        if self.pager is not None:
-            self._page(start, start + T, ctx)
+        if self.pool is not None:
+            self.pool.prepare(start, start + T, ctx, may_reselect=self._ckpt_length is None)
         caps = {}
         if self._decode_fn is not None and T == 1 and not capture and not ctx.record and ctx.slots is None:
             h = self._decode_fn(h, ctx)
@@ -132,8 +129,8 @@ class LocalStage:
                 if layer.index in capture:
                     caps[layer.index] = h
         self.length = start + T
-        if ctx.attn_mass is not None:
-            self._observe(ctx)
+        if self.pool is not None:
+            self.pool.finish(ctx, T)
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
@@ -143,50 +140,21 @@ class LocalStage:
         return out
 
     # --- KV Flash ---------------------------------------------------------------------------
-    def _kv_states(self):
-        return [s for s in self.states if s.kind == "kv"]
-
-    def _page(self, start: int, end: int, ctx: ForwardContext) -> None:
-        """Make positions [start, end) resident (paging chunks out / in, bit-exact) and give
-        the layers their write slots and the pool's slot -> position map."""
-        pager, C = self.pager, self.pager.chunk
-        for m in pager.plan_write(start, end):
-            rows = slice(m.physical * C, (m.physical + 1) * C)
-            if m.kind == "out":
-                self.host_pages[m.logical] = [(s.k[:, :, rows].to("cpu", copy=True), s.v[:, :, rows].to("cpu", copy=True))
-                                              for s in self._kv_states()]
-            else:
-                for s, (k, v) in zip(self._kv_states(), self.host_pages.pop(m.logical)):
-                    s.k[:, :, rows] = k.to(self.device)
-                    s.v[:, :, rows] = v.to(self.device)
-        ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
-        if self._slot_pos is None or self._slot_pos[0] != pager.epoch:
-            self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device))
-        ctx.slot_pos = self._slot_pos[1]
-        if pager.policy.name == "score" and end - start <= SCORE_MAX_ROWS:  # decode and verify steps
-            ctx.attn_mass = torch.zeros(pager.pool_tokens, device=self.device)
-
-    def _observe(self, ctx: ForwardContext) -> None:
-        """Feed the attention mass of this forward to the score policy, per logical chunk."""
-        C, pager = self.pager.chunk, self.pager
-        per_phys = ctx.attn_mass.view(-1, C).sum(-1).tolist()
-        pager.policy.observe({c: per_phys[p] for c, p in pager.resident.items()})
+    @property
+    def pager(self):
+        return self.pool.pager if self.pool is not None else None
 
     def kv_bytes(self) -> int:
         """Bytes of attention KV held on the device (the pool, or the full preallocation)."""
-        return sum(s.k.numel() * s.k.element_size() * 2 for s in self._kv_states())
+        return sum(s.k.numel() * s.k.element_size() * 2 for s in self.states if s.kind == "kv")
 
     def kvflash_stats(self) -> dict | None:
-        if self.pager is None:
-            return None
-        host = sum(k.numel() * k.element_size() * 2 for page in self.host_pages.values() for k, _ in page)
-        return dict(self.pager.stats(), host_bytes=host, device_kv_bytes=self.kv_bytes())
+        return self.pool.stats() if self.pool is not None else None
 
-    def _pager_truncate(self, length: int) -> None:
-        if self.pager is not None:
-            self.pager.truncate(length)
-            for c in [c for c in self.host_pages if c not in self.pager.paged]:
-                del self.host_pages[c]
+    @torch.inference_mode()
+    def reselect(self) -> bool:
+        """KV Flash score policy: re-page by the latest queries now; True if anything moved."""
+        return self.pool is not None and self.pool.scoring and self.pool.reselect()
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -198,9 +166,8 @@ class LocalStage:
     def reset(self) -> None:
         self.length = 0
         self._ckpt_length = None
-        if self.pager is not None:
-            self.pager.reset()
-            self.host_pages.clear()
+        if self.pool is not None:
+            self.pool.reset()
         for s in self.states:
             if s.kind == "recurrent":
                 s.conv.zero_()
@@ -230,7 +197,8 @@ class LocalStage:
                 s.rollback_to(length - self._ckpt_length)
         self.length = length
         self._ckpt_length = None
-        self._pager_truncate(length)
+        if self.pool is not None:
+            self.pool.truncate(length)
 
     def commit(self) -> None:
         """Accept everything since the checkpoint."""
@@ -239,9 +207,9 @@ class LocalStage:
 
     # --- snapshots ------------------------------------------------------------------------
     def _state_tensors(self, length: int, check: bool = True) -> dict[str, torch.Tensor]:
-        if self.pager is not None and length > self.pager.pool_tokens:
+        if self.pool is not None and length > self.pool.pager.pool_tokens:
             raise SnapshotUnavailable(f"{length} positions do not fit the KV Flash pool")
-        if check and self.pager is not None and not self.pager.is_identity():
+        if check and self.pool is not None and not self.pool.pager.is_identity():
             raise SnapshotUnavailable("KV Flash pool is not identity-mapped: no snapshot")
         out = {}
         for layer, s in zip(self.layers, self.states):
@@ -295,9 +263,8 @@ class LocalStage:
         self._snapshots[slot] = (length, conv)
 
     def _load_state(self, length: int, tensors: dict[str, torch.Tensor]) -> None:
-        if self.pager is not None:
-            self.pager.assume_identity(length)
-            self.host_pages.clear()
+        if self.pool is not None:
+            self.pool.assume_identity(length)
         for layer, s in zip(self.layers, self.states):
             i = layer.index
             if s.kind == "kv":

@@ -1,0 +1,99 @@
+"""KV Flash: decode speed and device KV bytes vs context length, full KV vs a bounded pool,
+default model, in one run.
+
+    python benchmarks/kvflash.py [--contexts 1024,2048,4096,8000] [--pool 1024] [--policy lru]
+                                 [--decode 32] [--threads 2] [--out FILE]
+
+The context is built from the evaluation prompts (../shared/eval/*.jsonl, concatenated
+and tokenized) and prefilled; then ``--decode`` greedy tokens are timed. Writes JSON
+(default benchmarks/results/kvflash.json) and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = ROOT.parent / "shared" / "eval"
+
+
+def eval_text() -> str:
+    parts = []
+    for f in sorted(EVAL.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            msgs = row.get("messages") or [{"content": t} for t in row.get("turns", [])]
+            parts += [m["content"] for m in msgs if isinstance(m.get("content"), str)]
+    return "\n\n".join(parts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="1024,2048,4096,8000")
+    ap.add_argument("--pool", type=int, default=1024)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kvflash.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflash_server.cli.common import quantize_plan
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+    from dflash_server.weights.default_model import default_model_path
+    from dflash_server.weights.loader import open_model
+
+    src = open_model(default_model_path())
+    quant = quantize_plan(src, "auto", True)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    max_ctx = max(contexts) + args.decode
+    ids = src.tokenizer.encode(eval_text())
+    assert len(ids) >= max(contexts), f"only {len(ids)} tokens of evaluation text"
+    shards = plan_placement(src.config.num_layers, ["cpu"])
+    results = []
+    for mode in ("full KV", f"KV Flash {args.pool} ({args.policy})"):
+        kv = None if mode == "full KV" else KvFlashConfig(args.pool, policy=args.policy)
+        pipe = build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=max_ctx, quantize=quant, progress=False,
+                              kvflash=kv)
+        for n in contexts:
+            pipe.reset()
+            t0 = time.perf_counter()
+            logits = pipe.prefill(ids[:n], chunk=512).logits
+            prefill_s = time.perf_counter() - t0
+            tok, pos = int(logits[-1].argmax()), n
+            t0 = time.perf_counter()
+            for _ in range(args.decode):
+                tok = int(pipe.forward([tok], pos).logits[-1].argmax())
+                pos += 1
+            dt = time.perf_counter() - t0
+            row = {"mode": mode, "context": n, "decode_tps": round(args.decode / dt, 2),
+                   "prefill_s": round(prefill_s, 2), "device_kv_mib": round(pipe.kv_bytes() / 2**20, 2)}
+            stats = pipe.kvflash_stats()
+            if stats:
+                row.update(paged_chunks=stats[0]["paged_chunks"], host_kv_mib=round(stats[0]["host_bytes"] / 2**20, 2))
+            results.append(row)
+            print(row, flush=True)
+    short = {r["mode"]: r["decode_tps"] for r in results if r["context"] == contexts[0]}
+    for r in results:
+        r["vs_short_context"] = round(r["decode_tps"] / short[r["mode"]], 3)
+    meta = {"pool": args.pool, "policy": args.policy, "decode": args.decode, "threads": args.threads,
+            "quantize": list(quant), "max_ctx": max_ctx, "torch": torch.__version__, "cpu_count": os.cpu_count()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print("\n| mode | context | decode tok/s | vs shortest context | device KV (MiB) | paged-out KV in host memory (MiB) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['mode']} | {r['context']} | {r['decode_tps']} | {r['vs_short_context']:.2f}x | "
+              f"{r['device_kv_mib']} | {r.get('host_kv_mib', '-')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""KvPool: one stage's KV Flash pool, the tensor side of the page table (kv_pager.py).
+
+Moves chunk rows between the pool (the attention layers' K/V tensors, allocated at pool
+size) and host memory, gives each forward its write slots and the slot -> position map
+(cached per residency epoch), feeds the score policy, and re-selects residency every
+``tau`` tokens by scoring every chunk (resident or paged out) against the latest queries.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_pager import KvPager, Move
+
+SCORE_MAX_ROWS = 16  # the score policy observes decode and verify forwards, not prefill chunks
+
+
+class KvPool:
+    def __init__(self, pager: KvPager, states: list, device: torch.device, tau: int = 64):
+        self.pager, self.device, self.tau = pager, device, tau
+        self.states = [s for s in states if s.kind == "kv"]   # one per attention layer, in order
+        self.host: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # paged-out chunks
+        self._slot_pos: tuple[int, torch.Tensor] | None = None
+        self.last_q: list[torch.Tensor] | None = None  # per attention layer: (B, <=32, nh, hd) latest queries
+        self.since_select = 0
+        self.reselects = 0
+
+    @property
+    def scoring(self) -> bool:
+        return self.pager.policy.name == "score"
+
+    # --- moving bytes ---------------------------------------------------------------------
+    def apply(self, moves: list[Move]) -> None:
+        C = self.pager.chunk
+        for m in moves:
+            rows = slice(m.physical * C, (m.physical + 1) * C)
+            if m.kind == "out":
+                self.host[m.logical] = [(s.k[:, :, rows].to("cpu", copy=True), s.v[:, :, rows].to("cpu", copy=True))
+                                        for s in self.states]
+            else:
+                for s, (k, v) in zip(self.states, self.host.pop(m.logical)):
+                    s.k[:, :, rows] = k.to(self.device)
+                    s.v[:, :, rows] = v.to(self.device)
+
+    def prepare(self, start: int, end: int, ctx, may_reselect: bool) -> None:
+        """Make positions [start, end) resident and fill ``ctx`` for slot-space attention."""
+        pager = self.pager
+        if may_reselect and self.scoring and self.last_q is not None and self.since_select >= self.tau:
+            self.reselect()
+        self.apply(pager.plan_write(start, end))
+        ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
+        if self._slot_pos is None or self._slot_pos[0] != pager.epoch:
+            self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device))
+        ctx.slot_pos = self._slot_pos[1]
+        if self.scoring:
+            ctx.last_q = []
+            if end - start <= SCORE_MAX_ROWS:
+                ctx.attn_mass = torch.zeros(pager.pool_tokens, device=self.device)
+
+    def finish(self, ctx, rows: int) -> None:
+        """After the forward: feed the score policy, remember the latest queries."""
+        if ctx.attn_mass is not None:
+            per_phys = ctx.attn_mass.view(-1, self.pager.chunk).sum(-1).tolist()
+            self.pager.policy.observe({c: per_phys[p] for c, p in self.pager.resident.items()})
+        if ctx.last_q:
+            self.last_q = ctx.last_q
+            self.since_select += rows
+
+    # --- re-selection ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def chunk_scores(self, length: int) -> dict[int, float]:
+        """Attention mass the latest queries put on every written chunk (resident or paged),
+        summed over layers and heads: full attention over the whole context, once per tau."""
+        pager, C = self.pager, self.pager.chunk
+        chunks = sorted(pager.resident.keys() | pager.paged)
+        if not chunks or not self.last_q:
+            return {}
+        scores = torch.zeros(len(chunks))
+        valid = torch.tensor([c * C + i < length for c in chunks for i in range(C)])
+        for j, (s, q) in enumerate(zip(self.states, self.last_q)):
+            keys = []
+            for c in chunks:
+                if c in pager.resident:
+                    p = pager.resident[c]
+                    keys.append(s.k[:, :, p * C:(p + 1) * C].float().cpu())
+                else:
+                    keys.append(self.host[c][j][0].float())
+            k = torch.cat(keys, dim=2)                       # (B, nkv, N, hd)
+            qh = q.transpose(1, 2).float().cpu()            # (B, nh, R, hd)
+            k = k.repeat_interleave(qh.shape[1] // k.shape[1], dim=1)
+            w = (qh @ k.transpose(-1, -2) * qh.shape[-1] ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1)  # (B, nh, R, N)
+            per_chunk = w.reshape(*w.shape[:3], len(chunks), C).sum(-1)  # (B, nh, R, chunks)
+            # the strongest head / query per chunk, not the sum: the few heads that retrieve
+            # would be drowned by the many that look at the sink and the recent tokens
+            scores += per_chunk.amax(dim=(0, 1, 2))
+        return dict(zip(chunks, scores.tolist()))
+
+    def reselect(self) -> bool:
+        """Page in the highest-scoring chunks (out go the lowest); True if residency changed."""
+        pager = self.pager
+        self.since_select = 0
+        scores = self.chunk_scores(pager.num_chunks * pager.chunk)
+        if not scores:
+            return False
+        pager.policy.observe(scores)
+        moves = pager.plan_reselect(scores)
+        self.apply(moves)
+        self.reselects += 1
+        return bool(moves)
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        self.pager.truncate(length)
+        for c in [c for c in self.host if c not in self.pager.paged]:
+            del self.host[c]
+
+    def reset(self) -> None:
+        self.pager.reset()
+        self.host.clear()
+        self.last_q, self.since_select = None, 0
+
+    def assume_identity(self, length: int) -> None:
+        self.reset()
+        self.pager.assume_identity(length)
+
+    def kv_bytes(self) -> int:
+        return sum(s.k.numel() * s.k.element_size() * 2 for s in self.states)
+
+    def stats(self) -> dict:
+        host = sum(k.numel() * k.element_size() * 2 for page in self.host.values() for k, _ in page)
+        return dict(self.pager.stats(), host_bytes=host, device_kv_bytes=self.kv_bytes(), reselects=self.reselects)
