@@ -150,3 +150,37 @@ def test_prefix_cache_with_kvflash_skips_snapshots_it_cannot_take(tiny_dir):
         assert len(ids) > 112
         res = eng.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))
         assert len(res.token_ids) == 4 and res.extra["kvflash"]["page_outs"] > 0
+
+
+def test_retrieval_beyond_the_pool_with_the_score_policy():
+    """A fact early in a ~2K-token prompt (4x the 512-token pool) is answered by the default
+    model with the score policy as with full KV; LRU (which keeps only the sink and the
+    most recent chunks) loses it. Measured over 5 facts x 2 depths (benchmarks/kvflash.py
+    --retrieval): full KV 9/10, score 5/10, lru 0/10; here the cases full KV answers."""
+    from dflash_server.cli.common import quantize_plan
+    from dflash_server.weights.default_model import default_model_path
+
+    src = open_model(default_model_path())
+    quant = quantize_plan(src, "auto", True)
+    filler = src.tokenizer.encode(" ".join(["The committee reviewed the quarterly report on regional "
+                                            f"rainfall, crop yields and road repairs in district {i}." for i in range(200)]))
+    cases = [("Zorbak", "4721", 0.3), ("Zorbak", "4721", 0.5), ("Brannoch", "5849", 0.3), ("Brannoch", "5849", 0.5)]
+    passed = {}
+    for mode in ("full", "score", "lru"):
+        kv = None if mode == "full" else KvFlashConfig(512, policy=mode)
+        pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16,
+                              max_ctx=2304, quantize=quant, progress=False, kvflash=kv)
+        eng = Engine(pipe)
+        passed[mode] = 0
+        for name, code, depth in cases:
+            text = src.tokenizer.decode(filler[:1900])
+            cut = int(len(text) * depth)
+            doc = text[:cut] + f"\n\nIMPORTANT: The secret code of {name} is {code}.\n\n" + text[cut:]
+            ids = src.tokenizer.encode_chat([{"role": "user", "content": doc + f"\n\nWhat is the secret code of "
+                                              f"{name}? Answer with the number only."}])
+            assert len(ids) >= 4 * 512 - 100
+            out = eng.generate(GenerationRequest(tuple(ids), max_tokens=16)).text
+            passed[mode] += code in out
+    print("retrieval passes out of", len(cases), passed)
+    assert passed["full"] >= 3, passed  # the model can answer without KV Flash
+    assert passed["score"] >= 2 and passed["score"] > passed["lru"], passed

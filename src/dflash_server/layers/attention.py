@@ -85,8 +85,8 @@ class Attention(nn.Module):
         if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)
             state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))
             state.v.index_copy_(2, ctx.slots, v.transpose(1, 2).to(state.v.dtype))
-            keys, values = state.k, state.v
-            mask = ctx.pool_mask(x.device, self.window)
+            n, mask = ctx.pool_mask(x.device, self.window)
+            keys, values = state.k[:, :, :n], state.v[:, :, :n]
         else:
             state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
             state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
@@ -99,8 +99,9 @@ class Attention(nn.Module):
         if ctx.attn_mass is not None:  # KV Flash score policy: how much each slot was attended
             qh = q.transpose(1, 2).to(keys.dtype)  # (B, nh, T, hd)
             kh = keys.repeat_interleave(self.nh // self.nkv, dim=1)  # (B, nh, P, hd)
-            w = (qh @ kh.transpose(-1, -2) * self.scale).masked_fill(~mask, float("-inf")).softmax(-1)
-            ctx.attn_mass += w.float().sum(dim=(0, 1, 2))
+            w = qh @ kh.transpose(-1, -2) * self.scale
+            w = (w if mask is None else w.masked_fill(~mask, float("-inf"))).softmax(-1)
+            ctx.attn_mass[:w.shape[-1]] += w.float().sum(dim=(0, 1, 2))
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype)
         if gate is not None:
             out = out * torch.sigmoid(gate)

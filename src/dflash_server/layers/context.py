@@ -32,18 +32,25 @@ class ForwardContext:
     def end(self) -> int:
         return self.start + self.length
 
-    def pool_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor:
-        """Bool (T, P) mask over the KV pool: a slot may be attended when it holds a
-        position <= the query's (and inside the window); free / paged-out slots never."""
+    def pool_mask(self, device: torch.device, window: int | None = None) -> tuple[int, torch.Tensor | None]:
+        """(n, mask): attend to pool slots [0, n) under the bool (T, n) mask; a slot may be
+        attended when it holds a position <= the query's (and inside the window), free /
+        paged-out slots never. A single query whose valid slots are exactly [0, n) gets no
+        mask (the fast unmasked path, as without KV Flash)."""
         key = ("pool", str(device), window)
         m = self._masks.get(key)
+        if m is None and self.length == 1 and window is None:
+            valid = (self.slot_pos >= 0) & (self.slot_pos <= self.start)
+            n = int(valid.sum())
+            if bool(valid[:n].all()):
+                m = self._masks[key] = (n, None)
         if m is None:
             q_pos = torch.arange(self.start, self.end, device=device)[:, None]
             k_pos = self.slot_pos.to(device)[None, :]
             m = (k_pos >= 0) & (k_pos <= q_pos)
             if window is not None:
                 m = m & (k_pos > q_pos - window)
-            self._masks[key] = m
+            m = self._masks[key] = (m.shape[1], m)
         return m
 
     def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:
