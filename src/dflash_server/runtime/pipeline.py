@@ -194,11 +194,9 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
 
         if batch != 1:
             raise ValueError("a remote shard runs batch 1")
-        if kvflash is not None:
-            raise ValueError("KV Flash on a remote stage is not supported yet")
         q = (quantize, quantize) if isinstance(quantize, str) else quantize
         stages.append(RemoteStage(source.path, [(s.device, s.begin, s.end) for s in far], dtype=dtype,
                                   max_ctx=max_ctx, quantize=q, home=local[-1].device,
                                   options=remote or RemoteOptions(), fingerprint=source.fingerprint(mtime=False),
-                                  threads=threads))
+                                  threads=threads, kvflash=kvflash))
     return TargetPipeline(stages, source)

@@ -9,6 +9,7 @@ by the worker (sequence, snapshots) is gone. ``health()`` says "degraded" meanwh
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import ShardError
 from .ipc_channel import RemoteOpError, ShardClient
-from .stage import StageOutput
+from .stage import SnapshotUnavailable, StageOutput
 
 SECRET_ENV = "DFLASH_SHARD_SECRET"
 
@@ -78,7 +79,7 @@ class RemoteStage:
 
     def __init__(self, model: str, shards: list[tuple[str, int, int]], *, dtype: torch.dtype, max_ctx: int,
                  quantize: tuple[str, str], home: str, options: RemoteOptions, fingerprint: str | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, kvflash=None):
         """``shards``: the worker's (device, begin, end) ranges, contiguous, ending at the
         last layer; ``home``: the local device results are delivered to."""
         self.begin, self.end = shards[0][1], shards[-1][2]
@@ -87,7 +88,9 @@ class RemoteStage:
         self.label = f"remote:{','.join(s[0] for s in shards)}"
         self._load = {"model": str(model), "shards": [list(s) for s in shards], "max_ctx": max_ctx,
                       "dtype": {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype],
-                      "quantize": list(quantize), "fingerprint": fingerprint, "threads": threads}
+                      "quantize": list(quantize), "fingerprint": fingerprint, "threads": threads,
+                      "kvflash": dataclasses.asdict(kvflash) if kvflash is not None else None}
+        self._kvflash_stats: list[dict] = []
         self._compile = False
         self.length = 0
         self.epoch = 0
@@ -194,6 +197,8 @@ class RemoteStage:
         try:
             res, out = client.call(op, args, tensors)
         except RemoteOpError as e:
+            if e.kind == "unavailable":
+                raise SnapshotUnavailable(str(e)) from None
             if e.kind == "value":
                 raise ValueError(str(e)) from None
             raise self._fail(f"{op}: {e}") from None
@@ -219,9 +224,21 @@ class RemoteStage:
         res, out = self._call("forward", {"start": start, "logits": logits, "capture": mine},
                               {"x": x.to(self.dtype)})
         caps = {c: out[f"cap.{c}"].to(self.device) for c in mine if f"cap.{c}" in out}
+        if "kvflash" in res:
+            self._kvflash_stats = res["kvflash"]
         lg = out.get("logits")
         return StageOutput(hidden=out["hidden"].to(self.device) if "hidden" in out else None,
                            logits=lg.to(self.device) if lg is not None else None, captures=caps)
+
+    def kvflash_stats(self) -> dict | None:
+        """KV Flash counters of the worker's stages, as of the last forward (summed)."""
+        kv = self._kvflash_stats
+        if not kv:
+            return None
+        return {k: (sum(s[k] for s in kv) if isinstance(kv[0][k], int) else kv[0][k]) for k in kv[0]}
+
+    def reselect(self) -> bool:
+        return bool(self._load["kvflash"]) and bool(self._call("reselect")[0]["changed"])
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         _, out = self._call("project", tensors={"hidden": hidden.to(self.dtype)})

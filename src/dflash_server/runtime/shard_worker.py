@@ -20,6 +20,8 @@ import zmq
 from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
 from .ipc_codec import PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
 from .ipc_shm import SharedArea
+from .kv_pager import KvFlashConfig
+from .stage import SnapshotUnavailable
 
 log = logging.getLogger("dflash_server.shard_worker")
 
@@ -68,7 +70,9 @@ class ShardWorker:
         from ..weights.loader import open_model
         from .stage import LocalStage
 
-        key = (a["model"], tuple(map(tuple, a["shards"])), a["dtype"], a["max_ctx"], tuple(a["quantize"]))
+        kv = a.get("kvflash")
+        key = (a["model"], tuple(map(tuple, a["shards"])), a["dtype"], a["max_ctx"], tuple(a["quantize"]),
+               tuple(sorted(kv.items())) if isinstance(kv, dict) else None)
         if key != self.load_key:
             self.stages, self.load_key = [], None
             if a.get("threads"):
@@ -79,12 +83,13 @@ class ShardWorker:
             dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a["dtype"]]
             n = source.config.num_layers
             shards = [(str(d), int(b), int(e)) for d, b, e in a["shards"]]
+            kvflash = KvFlashConfig(**kv) if isinstance(kv, dict) else None
             stages = []
             for k, (dev, b, e) in enumerate(shards):
                 if not 0 <= b < e <= n or (k and b != shards[k - 1][2]):
                     raise ValueError(f"bad layer ranges {shards} for a model of {n} layers")
                 stages.append(LocalStage(source, b, e, dev, dtype, int(a["max_ctx"]), is_first=False,
-                                         is_last=e == n, quantize=tuple(a["quantize"])))
+                                         is_last=e == n, quantize=tuple(a["quantize"]), kvflash=kvflash))
             self.stages, self.load_key = stages, key
         self._each("reset")
         return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid()}, {}
@@ -116,7 +121,14 @@ class ShardWorker:
         if out.hidden is not None:
             out_t["hidden"] = out.hidden
         # compute time lets the client tell IPC overhead from work (benchmarks/split.py)
-        return {"length": self.stages[-1].length, "compute_s": time.perf_counter() - t0}, out_t
+        res = {"length": self.stages[-1].length, "compute_s": time.perf_counter() - t0}
+        kv = [s for st in stages if (s := st.kvflash_stats()) is not None]
+        if kv:
+            res["kvflash"] = kv
+        return res, out_t
+
+    def op_reselect(self, a, t):
+        return {"changed": any([st.reselect() for st in self._need()])}, {}
 
     def op_project(self, a, t):
         return {}, {"logits": self._need()[-1].project(_tensor(t, "hidden"))}
@@ -226,7 +238,8 @@ class ShardWorker:
             result, out = fn(args, tensors)
             return encode({"id": rid, "ok": True, "result": result}, out, client.rep_area)
         except Exception as e:  # noqa: BLE001 - every failure is answered, the loop lives on
-            kind = "value" if isinstance(e, (ValueError, KeyError)) else \
+            kind = "unavailable" if isinstance(e, SnapshotUnavailable) else \
+                "value" if isinstance(e, (ValueError, KeyError)) else \
                 "auth" if isinstance(e, PermissionError) else \
                 "protocol" if isinstance(e, ProtocolError) else "internal"
             if kind == "internal":
