@@ -93,23 +93,44 @@ def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
     st.pager.check_integrity()
 
 
-def test_snapshots_while_identity_and_refused_after_paging(tiny_dir):
-    path = tiny_dir("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_snapshots_of_a_paged_pool_restore_and_round_trip(tiny_dir, family):
+    """Snapshots work while the pool is identity-mapped and after paging (the logical rows
+    plus the resident chunk list): restore == uninterrupted, also through export/import."""
+    path = tiny_dir(family)
     pipe = kv_pipeline(path, 112, chunk=16)
-    ids = prompt_ids(pipe, 60)
+    ids = prompt_ids(pipe, 200)
     pipe.prefill(ids[:40], chunk=16)
-    pipe.snapshot_save(1)
-    tail = pipe.prefill(ids[40:], start=40, chunk=16).logits
+    pipe.snapshot_save(1)  # identity-mapped
+    for k in range(40, 160, 16):  # 160 positions > the pool of 112: chunks are paged out
+        pipe.forward(ids[k:k + 16], k)
+    st = pipe.stages[0]
+    assert st.pager.paged
+    pipe.snapshot_save(2)
+    resident = sorted(st.pager.resident)
+
+    def continuation(start):
+        return torch.cat([pipe.forward(ids[k:k + 8], k, logits="all").logits for k in range(start, start + 16, 8)])
+    ref2 = continuation(160)
     pipe.reset()
     pipe.snapshot_restore(1)
-    assert torch.equal(pipe.prefill(ids[40:], start=40, chunk=16).logits, tail)
-    more = prompt_ids(pipe, 80, seed=2)
-    for k in range(0, 80, 16):  # 140 positions > the pool of 112: chunks are paged out
-        pipe.forward(more[k:k + 16], 60 + k)
-    assert pipe.stages[0].pager.paged
-    from dflash_server.runtime.stage import SnapshotUnavailable
-    with pytest.raises(SnapshotUnavailable):
-        pipe.snapshot_save(2)
+    ref1 = continuation(40)
+    for slot, start, ref in ((2, 160, ref2), (1, 40, ref1)):
+        pipe.reset()
+        pipe.snapshot_restore(slot)
+        st.pager.check_integrity()
+        if slot == 2:
+            assert sorted(st.pager.resident) == resident and st.pager.paged
+        torch.testing.assert_close(continuation(start), ref, rtol=1e-5, atol=1e-5)  # same keys, other slot order
+    exported = pipe.snapshot_export(2)
+    pipe.snapshot_import(3, exported)
+    pipe.reset()
+    pipe.snapshot_restore(3)
+    torch.testing.assert_close(continuation(160), ref2, rtol=1e-5, atol=1e-5)
+    bad = dict(exported)
+    bad["ls0.kvflash_resident.0"] = torch.tensor([0, 0, 1])
+    with pytest.raises(ValueError, match="resident"):
+        pipe.snapshot_import(4, bad)
 
 
 def test_config_validation_and_auto_size():
@@ -139,17 +160,21 @@ def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir)
     assert len(res.token_ids) == 80 and pager.page_outs > 0 and 0 in pager.resident
 
 
-def test_prefix_cache_with_kvflash_skips_snapshots_it_cannot_take(tiny_dir):
+def test_prefix_cache_hits_with_a_paged_pool(tiny_dir):
     path = tiny_dir("llama")
     pipe = kv_pipeline(path, 112, chunk=16)
     eng = Engine(pipe, prefix_slots=4)
     tok = eng.tokenizer
     long_system = "You are a terse assistant who answers in one word. " * 20  # > the pool
-    for q in ("Hi", "And then?"):
-        ids = tok.encode_chat([{"role": "system", "content": long_system}, {"role": "user", "content": q}])
+    messages = [{"role": "system", "content": long_system}]
+    for turn, q in enumerate(("Hi", "And then?", "Why?")):
+        messages.append({"role": "user", "content": q})
+        ids = tok.encode_chat(messages)
         assert len(ids) > 112
         res = eng.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))
         assert len(res.token_ids) == 4 and res.extra["kvflash"]["page_outs"] > 0
+        assert (res.cached_tokens > 0) == (turn > 0)  # snapshots of the paged pool are taken and hit
+        messages.append({"role": "assistant", "content": res.text})
 
 
 def test_retrieval_beyond_the_pool_with_the_score_policy():

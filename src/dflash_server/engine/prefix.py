@@ -14,7 +14,6 @@ import torch
 
 from ..cache.boundaries import TurnBoundaries
 from ..cache.prefix_index import PrefixIndex
-from ..runtime.stage import SnapshotUnavailable
 
 SCOPES = ("off", "memory", "full")  # per request; None = the server's default
 
@@ -106,12 +105,9 @@ class PrefixCache:
         if save_at is not None and not self.index.contains(prompt[:save_at]):
             logits = self._run(prompt[start:save_at], start, chunk)
             slot = self.index.new_slot()
-            try:
-                pipe.snapshot_save(slot)
-                self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if spec else None}
-                pending = (tuple(prompt[:save_at]), slot, scope)
-            except SnapshotUnavailable:  # KV Flash paged part of the prefix out
-                pipe.snapshot_free(slot)
+            pipe.snapshot_save(slot)
+            self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if spec else None}
+            pending = (tuple(prompt[:save_at]), slot, scope)
             start = save_at
         try:
             logits = self._run(prompt[start:], start, chunk)

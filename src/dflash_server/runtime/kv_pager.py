@@ -204,6 +204,21 @@ class KvPager:
             self.epoch += 1
         return moves
 
+    def adopt(self, num_chunks: int, resident: list[int]) -> None:
+        """Reset to ``num_chunks`` written chunks, ``resident`` ones in the pool (in order),
+        the others paged out (snapshot restore)."""
+        resident = sorted(set(resident))
+        if len(resident) > self.num_physical or any(not 0 <= c < num_chunks for c in resident):
+            raise ValueError(f"KV Flash snapshot: resident chunks {resident[:8]} do not fit "
+                             f"{num_chunks} chunks in a pool of {self.num_physical}")
+        self.reset()
+        self.resident = {c: i for i, c in enumerate(resident)}
+        self.free = list(range(self.num_physical - 1, len(resident) - 1, -1))
+        self.paged = set(range(num_chunks)) - set(resident)
+        self.num_chunks = num_chunks
+        for c in resident:
+            self.policy.touch(c)
+
     def assume_identity(self, length: int) -> None:
         """Reset to positions [0, length) resident in their own slots (snapshot restore)."""
         n = -(-length // self.chunk)

@@ -107,6 +107,47 @@ class KvPool:
         self.reselects += 1
         return bool(moves)
 
+    # --- snapshots: the logical KV rows plus which chunks were resident -------------------
+    def logical_rows(self, j: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows [0, length) of attention layer ``j`` in position order, gathered
+        from the pool and from host memory (on the CPU)."""
+        pager, C, s = self.pager, self.pager.chunk, self.states[j]
+        ks, vs = [], []
+        for c in range(-(-length // C)):
+            if c in pager.resident:
+                p = pager.resident[c]
+                ks.append(s.k[:, :, p * C:(p + 1) * C].cpu())
+                vs.append(s.v[:, :, p * C:(p + 1) * C].cpu())
+            else:
+                k, v = self.host[c][j]
+                ks.append(k)
+                vs.append(v)
+        if not ks:
+            return s.k[:, :, :0].cpu(), s.v[:, :, :0].cpu()
+        return torch.cat(ks, dim=2)[:, :, :length].clone(), torch.cat(vs, dim=2)[:, :, :length].clone()
+
+    def restore(self, length: int, rows: list[tuple[torch.Tensor, torch.Tensor]], resident: list[int] | None) -> None:
+        """Rebuild pool and host pages from logical rows; ``resident``: chunks to put in the
+        pool (None: the sink and the most recent ones)."""
+        pager, C = self.pager, self.pager.chunk
+        n = -(-length // C)
+        if resident is None:
+            resident = sorted(({0} if n else set()) | set(range(max(0, n - pager.num_physical + 1), n)))
+        self.reset()
+        pager.adopt(n, resident)
+        for c in range(n):
+            for j, (s, (k, v)) in enumerate(zip(self.states, rows)):
+                kc, vc = k[:, :, c * C:(c + 1) * C], v[:, :, c * C:(c + 1) * C]
+                if kc.shape[2] < C:  # the last, partly written chunk
+                    pad = (0, 0, 0, C - kc.shape[2])
+                    kc, vc = torch.nn.functional.pad(kc, pad), torch.nn.functional.pad(vc, pad)
+                if c in pager.resident:
+                    p = pager.resident[c]
+                    s.k[:, :, p * C:(p + 1) * C] = kc.to(self.device, s.k.dtype)
+                    s.v[:, :, p * C:(p + 1) * C] = vc.to(self.device, s.v.dtype)
+                else:
+                    self.host.setdefault(c, []).append((kc.to("cpu", s.k.dtype).clone(), vc.to("cpu", s.v.dtype).clone()))
+
     # --- bookkeeping ------------------------------------------------------------------------
     def truncate(self, length: int) -> None:
         self.pager.truncate(length)

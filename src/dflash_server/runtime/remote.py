@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ShardError
 from .ipc_channel import RemoteOpError, ShardClient
-from .stage import SnapshotUnavailable, StageOutput
+from .stage import StageOutput
 
 SECRET_ENV = "DFLASH_SHARD_SECRET"
 
@@ -197,8 +197,6 @@ class RemoteStage:
         try:
             res, out = client.call(op, args, tensors)
         except RemoteOpError as e:
-            if e.kind == "unavailable":
-                raise SnapshotUnavailable(str(e)) from None
             if e.kind == "value":
                 raise ValueError(str(e)) from None
             raise self._fail(f"{op}: {e}") from None

@@ -21,7 +21,6 @@ from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
 from .ipc_codec import PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
 from .ipc_shm import SharedArea
 from .kv_pager import KvFlashConfig
-from .stage import SnapshotUnavailable
 
 log = logging.getLogger("dflash_server.shard_worker")
 
@@ -238,8 +237,7 @@ class ShardWorker:
             result, out = fn(args, tensors)
             return encode({"id": rid, "ok": True, "result": result}, out, client.rep_area)
         except Exception as e:  # noqa: BLE001 - every failure is answered, the loop lives on
-            kind = "unavailable" if isinstance(e, SnapshotUnavailable) else \
-                "value" if isinstance(e, (ValueError, KeyError)) else \
+            kind = "value" if isinstance(e, (ValueError, KeyError)) else \
                 "auth" if isinstance(e, PermissionError) else \
                 "protocol" if isinstance(e, ProtocolError) else "internal"
             if kind == "internal":

@@ -17,10 +17,6 @@ from ..layers.rope import RotaryTable
 from .kv_pool import KvPool
 
 
-class SnapshotUnavailable(ValueError):
-    """This state cannot be snapshotted now (KV Flash paged some of it out)."""
-
-
 @dataclass
 class StageOutput:
     hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
@@ -206,20 +202,28 @@ class LocalStage:
             self.rollback(self.length)
 
     # --- snapshots ------------------------------------------------------------------------
-    def _state_tensors(self, length: int, check: bool = True) -> dict[str, torch.Tensor]:
-        if self.pool is not None and length > self.pool.pager.pool_tokens:
-            raise SnapshotUnavailable(f"{length} positions do not fit the KV Flash pool")
-        if check and self.pool is not None and not self.pool.pager.is_identity():
-            raise SnapshotUnavailable("KV Flash pool is not identity-mapped: no snapshot")
+    def _state_tensors(self, length: int) -> dict[str, torch.Tensor]:
+        """Named state of positions [0, length). With KV Flash: the KV rows in position
+        order, gathered from the pool and host memory, plus which chunks were resident."""
         out = {}
+        kv_index = 0
         for layer, s in zip(self.layers, self.states):
             i = layer.index
-            if s.kind == "kv":
+            if s.kind == "kv" and self.pool is not None:
+                out[f"kv_k.{i}"], out[f"kv_v.{i}"] = self.pool.logical_rows(kv_index, length)
+                kv_index += 1
+            elif s.kind == "kv":
                 out[f"kv_k.{i}"] = s.k[:, :, :length]
                 out[f"kv_v.{i}"] = s.v[:, :, :length]
             else:
                 out[f"conv.{i}"], out[f"ssm.{i}"] = s.conv, s.ssm
+        if self.pool is not None:
+            out[self._resident_key] = torch.tensor(sorted(self.pool.pager.resident), dtype=torch.int64)
         return out
+
+    @property
+    def _resident_key(self) -> str:
+        return f"kvflash_resident.{self.begin}"  # the layer suffix routes it to this stage
 
     @torch.inference_mode()
     def snapshot_save(self, slot: int) -> None:
@@ -250,23 +254,47 @@ class LocalStage:
         length = int(tensors["length"])
         if not 0 <= length <= self.max_ctx:
             raise ValueError(f"snapshot length {length} outside context {self.max_ctx}")
-        expect = self._state_tensors(length, check=False)  # shapes only
+        expect = self._state_spec(length)
         if set(expect) != set(tensors) - {"length"}:
             raise ValueError("snapshot tensor names do not match this stage")
         conv = {}
-        for k, ref in expect.items():
+        for k, (shape, dtype) in expect.items():
             t = tensors[k]
-            if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
-                raise ValueError(f"snapshot tensor {k}: {tuple(t.shape)} {t.dtype}, expected "
-                                 f"{tuple(ref.shape)} {ref.dtype}")
-            conv[k] = t.to(self.device).clone()
+            if (shape is not None and tuple(t.shape) != shape) or t.dtype != dtype:
+                raise ValueError(f"snapshot tensor {k}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+            conv[k] = t.to(self.device if self.pool is None else "cpu").clone()
+        if self.pool is not None:  # resident chunks: distinct, written, no more than the pool holds
+            res, n = conv[self._resident_key], -(-length // self.pool.pager.chunk)
+            ids = res.tolist()
+            if res.dim() != 1 or len(set(ids)) != len(ids) or len(ids) > self.pool.pager.num_physical or \
+                    any(not 0 <= c < n for c in ids):
+                raise ValueError("snapshot: invalid KV Flash resident chunk list")
         self._snapshots[slot] = (length, conv)
+
+    def _state_spec(self, length: int) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
+        """Names -> (shape, dtype) of a snapshot of ``length`` positions (shape None: any)."""
+        out = {}
+        for layer, s in zip(self.layers, self.states):
+            i = layer.index
+            if s.kind == "kv":
+                shape = (s.k.shape[0], s.k.shape[1], length, s.k.shape[3])
+                out[f"kv_k.{i}"], out[f"kv_v.{i}"] = (shape, s.k.dtype), (shape, s.v.dtype)
+            else:
+                out[f"conv.{i}"], out[f"ssm.{i}"] = (tuple(s.conv.shape), s.conv.dtype), (tuple(s.ssm.shape), s.ssm.dtype)
+        if self.pool is not None:
+            out[self._resident_key] = (None, torch.int64)
+        return out
 
     def _load_state(self, length: int, tensors: dict[str, torch.Tensor]) -> None:
         if self.pool is not None:
-            self.pool.assume_identity(length)
+            rows = [(tensors[f"kv_k.{layer.index}"], tensors[f"kv_v.{layer.index}"])
+                    for layer, s in zip(self.layers, self.states) if s.kind == "kv"]
+            res = tensors.get(self._resident_key)
+            self.pool.restore(length, rows, res.tolist() if res is not None else None)
         for layer, s in zip(self.layers, self.states):
             i = layer.index
+            if s.kind == "kv" and self.pool is not None:
+                continue
             if s.kind == "kv":
                 s.k[:, :, :length].copy_(tensors[f"kv_k.{i}"])
                 s.v[:, :, :length].copy_(tensors[f"kv_v.{i}"])
