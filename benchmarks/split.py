@@ -83,8 +83,9 @@ def main():
             outs = []
             ipc = []  # per remote forward: (call time, worker compute time)
             stage = pipe.stages[-1]
-            if hasattr(stage, "client"):
-                client, plain_call = stage._ready(), stage._ready().call
+            if hasattr(stage, "link"):
+                client = stage.link.ready()
+                plain_call = client.call
 
                 def timed_call(op, a=None, t=None, **kw):
                     t0 = time.perf_counter()

@@ -140,6 +140,10 @@ def test_config_validation_and_auto_size():
         KvFlashConfig(512, policy="random")
     assert KvFlashConfig("auto").pool_tokens(8192) == 4096
     assert KvFlashConfig("auto").pool_tokens(600) == 512
+    assert KvFlashConfig("auto").pool_tokens(8192, budget_tokens=3000) == 3072  # from free GPU memory
+    assert KvFlashConfig("auto").pool_tokens(8192, budget_tokens=10) == 512
+    with pytest.raises(ValueError):
+        KvFlashConfig(512, tau=0)
     assert KvFlashConfig(100).pool_tokens(8192) == 448  # at least sink + tail + 2 chunks
     assert KvFlashConfig(1000).pool_tokens(8192) == 1024
     assert KvFlashConfig(9000).pool_tokens(8192) == 8192

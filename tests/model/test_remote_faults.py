@@ -47,7 +47,7 @@ def test_worker_fault_fails_one_request_then_recovers(tiny_dir, fault):
     assert pipe.health()["status"] == "degraded"
     assert old.poll() is not None  # the failed worker is gone (a stalled one killed)
     wait_ok(stage)
-    assert pipe.health() == {"status": "ok"} and stage.restarts == 1
+    assert pipe.health() == {"status": "ok"} and stage.link.restarts == 1
     # the restarted worker lost its snapshots: the cache forgets them, output is unchanged
     again = eng.generate(GenerationRequest(ids, max_tokens=12, ignore_eos=True))
     assert again.token_ids == ref

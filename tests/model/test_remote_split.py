@@ -150,3 +150,55 @@ def test_kvflash_across_the_remote_split(tiny_dir, closing, policy):
         return Engine(pipe, proposer=prop).generate(GenerationRequest(tuple(ids), max_tokens=150, ignore_eos=True))
     a, b = spec(remote), spec(local)
     assert a.token_ids == b.token_ids and a.extra["spec"] == b.extra["spec"]
+
+
+def test_draft_in_its_own_worker(tiny_dir, tmp_path, closing):
+    """--draft-device remote:cpu: the draft runs in a shard worker; same tokens and
+    acceptance as the in-process draft, with the target local or split across a worker;
+    prefix-cache hits restore the draft context; a killed draft worker fails one request."""
+    import json
+    import os
+    import signal
+
+    from safetensors.torch import save_file
+
+    from dflash_server.errors import ShardError
+    from dflash_server.runtime.worker_link import RemoteOptions
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.remote_draft import RemoteDraft
+
+    path = tiny_dir("qwen3_5")
+    local = pipeline(path)
+    draft = random_draft(local, block_size=4, taps=(1, 4), seed=3)
+    (tmp_path / "config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    save_file(draft.zlab_state_dict(), str(tmp_path / "model.safetensors"))
+    ids = prompt_ids(local, 30)
+
+    def run(pipe, d, slots=0, prompt=ids):
+        return Engine(pipe, proposer=DFlashProposer(d, pipe), prefix_slots=slots).generate(
+            GenerationRequest(tuple(prompt), max_tokens=24, ignore_eos=True))
+    ref = run(local, DFlashDraft.load(tmp_path, "cpu", torch.float32, local.max_ctx))
+    for target in (local, pipeline(path, devices=["cpu", "remote:cpu"])):
+        closing(target)
+        rd = RemoteDraft(tmp_path, device="cpu", home="cpu", dtype=torch.float32, max_ctx=target.max_ctx,
+                         options=RemoteOptions(timeout_s=5))
+        closing(rd)
+        got = run(target, rd)
+        assert got.token_ids == ref.token_ids and got.extra["spec"] == ref.extra["spec"]
+    # prefix cache: the draft context is exported from the worker and imported back on a hit
+    eng = Engine(local, proposer=DFlashProposer(rd, local), prefix_slots=4)
+    tok = eng.tokenizer
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = eng.generate(GenerationRequest(tuple(tok.encode_chat(msgs)), max_tokens=6, ignore_eos=True))
+    msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More?"}]
+    turn2 = tuple(tok.encode_chat(msgs))
+    hit = eng.generate(GenerationRequest(turn2, max_tokens=6, ignore_eos=True))
+    miss = run(pipeline(path), DFlashDraft.load(tmp_path, "cpu", torch.float32, local.max_ctx), prompt=turn2)
+    assert hit.cached_tokens > 0 and hit.token_ids == miss.token_ids[:6] and hit.extra["spec"]["steps"] > 0
+    os.kill(rd.link.proc.proc.pid, signal.SIGKILL)
+    with pytest.raises(ShardError, match="draft"):
+        eng.generate(GenerationRequest(tuple(ids), max_tokens=8, ignore_eos=True))
+    assert eng.health()["status"] == "degraded" and eng.health()["stage"] == "draft"
+    again = Engine(local, proposer=DFlashProposer(rd, local)).generate(
+        GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True))
+    assert again.token_ids == ref.token_ids and rd.link.restarts == 1

@@ -93,7 +93,7 @@ def test_bad_placement(tiny_dir, devices, split, needle):
     (["--target-shard-connect", "tcp://127.0.0.1:9"], "need remote: devices"),
     (["--target-devices", "cpu,remote:cpu", "--target-shard-connect", "tcp://127.0.0.1:9"], "shared secret"),
     (["--target-devices", "cpu,remote:cpu", "--shard-timeout", "0"], "shard-timeout"),
-    (["--target-devices", "cpu,remote:cpu", "--draft-device", "remote:cpu"], "not supported"),
+    (["--draft", "default", "--draft-device", "remote:gpu"], "unknown device"),
 ])
 def test_bad_shard_flags(tiny_dir, extra, needle, monkeypatch):
     monkeypatch.delenv("DFLASH_SHARD_SECRET", raising=False)

@@ -48,6 +48,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kvflash-policy", default="lru", choices=["lru", "score"],
                    help="which chunk leaves the pool: least recently written (lru) or least attended (score)")
     g.add_argument("--kvflash-chunk", type=positive_int, default=64, help="KV Flash chunk in tokens (default 64)")
+    g.add_argument("--kvflash-tau", type=positive_int, default=64,
+                   help="score policy: re-select resident chunks every N tokens (default 64)")
     g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
     g.add_argument("--compile", action="store_true",
@@ -175,7 +177,7 @@ def kvflash_config(args):
         except ValueError:
             raise UserError(f"--kvflash must be a token count or 'auto', got {pool!r}") from None
     try:
-        return KvFlashConfig(pool, chunk=args.kvflash_chunk, policy=args.kvflash_policy)
+        return KvFlashConfig(pool, chunk=args.kvflash_chunk, policy=args.kvflash_policy, tau=args.kvflash_tau)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -192,8 +194,6 @@ def remote_options(args, shards):
         return None
     if args.shard_timeout <= 0:
         raise UserError("--shard-timeout must be > 0")
-    if args.draft_device and args.draft_device.startswith("remote:"):
-        raise UserError("--draft-device remote:... is not supported yet: the draft runs in this process")
     secret = None
     if args.target_shard_connect:
         if args.target_shard_python:
@@ -204,6 +204,26 @@ def remote_options(args, shards):
         secret = read_secret(args.shard_secret_file)
     return RemoteOptions(python=args.target_shard_python, connect=args.target_shard_connect, secret=secret,
                          timeout_s=args.shard_timeout, transport=args.shard_transport)
+
+
+def remote_draft(args, path, device: str, pipeline, dtype):
+    """The draft in its own spawned shard worker (``--draft-device remote:<device>``)."""
+    from ..runtime.placement import parse_devices
+    from ..runtime.worker_link import RemoteOptions
+    from ..spec.remote_draft import RemoteDraft
+
+    try:
+        parse_devices(device)
+    except ValueError:
+        raise UserError(f"--draft-device remote:{device}: unknown device") from None
+    if args.shard_timeout <= 0:
+        raise UserError("--shard-timeout must be > 0")
+    opts = RemoteOptions(python=args.target_shard_python, timeout_s=args.shard_timeout, transport=args.shard_transport)
+    try:
+        return RemoteDraft(path, device=device, home=str(pipeline.device), dtype=dtype, max_ctx=pipeline.max_ctx,
+                           options=opts)
+    except ShardError as e:
+        raise UserError(str(e)) from None
 
 
 def draft_identity(path) -> list:
@@ -271,7 +291,10 @@ def load_proposer(args, pipeline, dtype, path):
 
     device = resolve_device(args.draft_device) if args.draft_device else str(pipeline.device)
     try:
-        draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx)
+        if device.startswith("remote:"):
+            draft = remote_draft(args, path, device.removeprefix("remote:"), pipeline, dtype)
+        else:
+            draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx)
         if args.block_size is not None and args.block_size < 2:
             raise ValueError("--block-size must be >= 2")
         return DFlashProposer(draft, pipeline, block_size=args.block_size)

@@ -43,6 +43,7 @@ def read_secret(path: str | None) -> bytes:
 
 def run(args) -> int:
     from ..runtime.shard_worker import ShardWorker
+    from ..spec.remote_draft import DraftOps
 
     if args.bind.startswith("tcp://") and not _LOOPBACK.match(args.bind) and not args.allow_remote:
         raise UserError(f"--bind {args.bind}: not a loopback address; add --allow-remote to accept other hosts")
@@ -53,7 +54,7 @@ def run(args) -> int:
     import zmq
 
     try:
-        ShardWorker(secret, args.model).serve(args.bind, args.parent_pid)
+        ShardWorker(secret, args.model, providers=(DraftOps(),)).serve(args.bind, args.parent_pid)
     except zmq.ZMQError as e:
         raise UserError(f"--bind {args.bind}: {e}") from None
     except KeyboardInterrupt:

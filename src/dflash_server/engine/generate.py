@@ -129,10 +129,16 @@ class Engine:
             self.prefix_cache.close()
         finally:
             self.pipeline.close()
+            if hasattr(getattr(self.proposer, "draft", None), "close"):
+                self.proposer.draft.close()  # a draft in its own worker
 
     def health(self) -> dict:
         """{"status": "ok"} or {"status": "degraded", "error": ...} while a shard worker restarts."""
-        return self.pipeline.health()
+        h = self.pipeline.health()
+        draft = getattr(self.proposer, "draft", None)
+        if h["status"] == "ok" and hasattr(draft, "health") and draft.health()["status"] != "ok":
+            return {"status": "degraded", "error": draft.health()["error"], "stage": "draft"}
+        return h
 
     def _decode(self, req, sampler, out, logits, cancelled, t0, t1) -> GenerationResult:
         pipe, spec = self.pipeline, self.proposer

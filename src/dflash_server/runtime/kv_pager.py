@@ -35,20 +35,22 @@ class KvFlashConfig:
         if not isinstance(self.tau, int) or self.tau < 1:
             raise ValueError(f"kvflash tau must be >= 1, got {self.tau!r}")
 
-    def pool_tokens(self, max_ctx: int) -> int:
+    def pool_tokens(self, max_ctx: int, budget_tokens: int | None = None) -> int:
         """Rounded up to whole chunks (256 tokens for auto), at least the minimum pool, at
-        most the context rounded up to a chunk."""
+        most the context rounded up to a chunk. ``auto``: ``budget_tokens`` (what free
+        device memory holds) when known, else half the context."""
         least = (self.sink_chunks + self.tail_chunks + 2) * self.chunk
         cap = -(-max_ctx // self.chunk) * self.chunk
         if self.pool == "auto":
-            n = max(MIN_AUTO_POOL, -(-(max_ctx // 2) // 256) * 256)
+            want = budget_tokens if budget_tokens is not None else max_ctx // 2
+            n = max(MIN_AUTO_POOL, -(-want // 256) * 256)
         else:
             n = self.pool
         n = -(-n // self.chunk) * self.chunk
         return max(least, min(n, cap))
 
-    def new_pager(self, max_ctx: int) -> "KvPager":
-        return KvPager(self.pool_tokens(max_ctx), self.chunk, sink_chunks=self.sink_chunks,
+    def new_pager(self, max_ctx: int, budget_tokens: int | None = None) -> "KvPager":
+        return KvPager(self.pool_tokens(max_ctx, budget_tokens), self.chunk, sink_chunks=self.sink_chunks,
                        tail_chunks=self.tail_chunks, policy=self.policy)
 
 

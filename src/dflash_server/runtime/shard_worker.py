@@ -57,8 +57,11 @@ def _layer_of(name: str) -> int | None:
 
 
 class ShardWorker:
-    def __init__(self, secret: bytes, model_override: str | None = None, max_message: int = DEFAULT_MAX_MESSAGE):
+    def __init__(self, secret: bytes, model_override: str | None = None, max_message: int = DEFAULT_MAX_MESSAGE,
+                 providers: tuple = ()):
+        """``providers``: objects whose ``op_*`` methods serve more operations (the draft's)."""
         self.secret, self.model_override, self.max_message = secret, model_override, max_message
+        self.providers = providers
         self.stages: list = []
         self.load_key = None
         self.clients: dict[bytes, _Client] = {}
@@ -231,7 +234,7 @@ class ShardWorker:
                 return encode({"id": rid, "ok": True, "result": self._handshake(client, op, args)}, {})
             if not client.authed:
                 raise PermissionError("not authenticated")
-            fn = getattr(self, f"op_{op}", None)
+            fn = next((f for obj in (self, *self.providers) if (f := getattr(obj, f"op_{op}", None))), None)
             if fn is None:
                 raise ProtocolError(f"unknown operation {op!r}")
             result, out = fn(args, tensors)

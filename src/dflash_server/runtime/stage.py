@@ -72,7 +72,7 @@ class LocalStage:
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
         self.batch = batch
-        pager = kvflash.new_pager(max_ctx) if kvflash is not None else None
+        pager = kvflash.new_pager(max_ctx, self._kv_budget_tokens(kvflash)) if kvflash is not None else None
         kv_rows = pager.pool_tokens if pager is not None else max_ctx
         self.states = [layer.new_state(kv_rows, self.device, dtype, batch) for layer in self.layers]
         self.pool = KvPool(pager, self.states, self.device, kvflash.tau) if pager is not None else None
@@ -136,6 +136,17 @@ class LocalStage:
         return out
 
     # --- KV Flash ---------------------------------------------------------------------------
+    def _kv_budget_tokens(self, kvflash) -> int | None:
+        """``--kvflash auto`` on a GPU: the tokens of KV that half the free memory (after a
+        1.5 GiB reserve) holds for this stage's attention layers; None elsewhere."""
+        if kvflash.pool != "auto" or self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        probe = [layer.new_state(1, "meta", self.dtype) for layer in self.layers]
+        per_token = sum(2 * s.k.numel() * s.k.element_size() for s in probe if s.kind == "kv")
+        return max(0, (free - (3 << 29)) // 2) // per_token if per_token else None
+
+
     @property
     def pager(self):
         return self.pool.pager if self.pool is not None else None

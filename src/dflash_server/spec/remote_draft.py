@@ -1,0 +1,114 @@
+"""The DFlash draft in a shard-worker process (``--draft-device remote:<device>``).
+
+``DraftOps`` adds the draft operations to a worker; ``RemoteDraft`` is the client and
+quacks like ``DFlashDraft`` for the proposer (config, context length, append, draft
+hidden states, context export / import). Target captures go to the worker as they are
+committed; the draft hidden states come back for the LM head. A worker failure fails the
+request (ShardError) and the worker restarts; the proposer re-fills the context on the
+next request (prefix-cache hits restore it from the snapshot the server holds).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runtime.worker_link import RemoteOptions, WorkerLink
+from .config import DraftConfig
+from .draft import DFlashDraft
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+class DraftOps:
+    """Worker side: holds one DFlashDraft."""
+
+    def __init__(self):
+        self.draft: DFlashDraft | None = None
+        self.key = None
+
+    def _need(self) -> DFlashDraft:
+        if self.draft is None:
+            raise ValueError("no draft loaded (send draft_load first)")
+        return self.draft
+
+    def op_draft_load(self, a, t):
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[a["dtype"]]
+        key = (a["path"], a["device"], a["dtype"], int(a["max_ctx"]))
+        if key != self.key:
+            self.draft, self.key = None, None
+            self.draft = DFlashDraft.load(a["path"], device=a["device"], dtype=dtype, max_ctx=int(a["max_ctx"]))
+            self.key = key
+        self.draft.reset()
+        return {"config": self.draft.cfg.to_dict(), "nbytes": self.draft.nbytes()}, {}
+
+    def op_draft_reset(self, a, t):
+        self._need().reset()
+        return {"context_length": 0}, {}
+
+    def op_draft_append(self, a, t):
+        d = self._need()
+        d.append_context(t["features"], int(a["start"]))
+        return {"context_length": d.context.length}, {}
+
+    def op_draft_hidden(self, a, t):
+        return {}, {"hidden": self._need().draft_hidden(t["embeds"], int(a["start"]))}
+
+    def op_draft_export(self, a, t):
+        return {}, self._need().context_export()
+
+    def op_draft_import(self, a, t):
+        d = self._need()
+        d.context_import(t)
+        return {"context_length": d.context.length}, {}
+
+
+class _Context:
+    length = 0
+
+
+class RemoteDraft:
+    def __init__(self, path, *, device: str, home: str, dtype: torch.dtype, max_ctx: int, options: RemoteOptions):
+        """``device``: the worker's device for the draft; ``home``: where results land."""
+        self.device, self.dtype = torch.device(home), dtype
+        self.context = _Context()
+        self.link = WorkerLink(options, [("draft_load", {"path": str(path), "device": device,
+                                                          "dtype": DTYPE_NAMES[dtype], "max_ctx": max_ctx})],
+                               f"draft on remote:{device}")
+        res = self.link.setup_results[0]
+        self.cfg = DraftConfig.from_dict(res["config"])
+        self._nbytes = int(res["nbytes"])
+
+    check_target = DFlashDraft.check_target
+
+    def _call(self, op, args=None, tensors=None):
+        epoch = self.link.epoch
+        res, out = self.link.call(op, args, tensors)
+        if self.link.epoch != epoch:
+            self.context.length = 0
+        if "context_length" in res:
+            self.context.length = int(res["context_length"])
+        return res, out
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def reset(self) -> None:
+        self._call("draft_reset")
+
+    def append_context(self, features: torch.Tensor, start: int) -> None:
+        self._call("draft_append", {"start": int(start)}, {"features": features.to(self.dtype)})
+
+    def draft_hidden(self, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
+        return self._call("draft_hidden", {"start": int(start)}, {"embeds": block_embeds.to(self.dtype)})[1]["hidden"]\
+            .to(self.device)
+
+    def context_export(self) -> dict[str, torch.Tensor]:
+        return self._call("draft_export")[1]
+
+    def context_import(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._call("draft_import", tensors=tensors)
+
+    def health(self) -> dict:
+        return self.link.health()
+
+    def close(self) -> None:
+        self.link.close()
