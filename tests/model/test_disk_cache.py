@@ -86,7 +86,7 @@ def _flip_header(f):
 
 def _version(f):
     data = f.read_bytes()
-    f.write_bytes(data.replace(b'\\"version\\": 1', b'\\"version\\": 9', 1))
+    f.write_bytes(data.replace(b'\\"version\\": 2', b'\\"version\\": 9', 1))
 
 
 def _foreign(f):
@@ -94,7 +94,7 @@ def _foreign(f):
     f.write_bytes(data.replace(b'\\"fingerprint\\": \\"fp\\"', b'\\"fingerprint\\": \\"xx\\"', 1))
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_header, _version, _foreign])
+@pytest.mark.parametrize("damage", [_truncate, _flip_header, _flip, _version, _foreign])
 def test_damaged_file_is_a_miss_with_one_warning(tiny_dir, tmp_path, caplog, damage):
     ids, ref, f = _one_file(tiny_dir, tmp_path)
     damage(f)
@@ -107,14 +107,15 @@ def test_damaged_file_is_a_miss_with_one_warning(tiny_dir, tmp_path, caplog, dam
     eng.close()
 
 
-def test_flipped_tensor_bytes_never_crash(tiny_dir, tmp_path, caplog):
-    """Flipping bytes inside tensor data cannot be detected without checksums of the
-    values; what matters is no crash and a valid file structure check. Flipping inside the
-    header is detected (see above)."""
+def test_flipped_tensor_bytes_are_a_miss(tiny_dir, tmp_path):
+    """Flipped bytes inside tensor data fail the file's sha256: a miss, the file removed,
+    the output that of a fresh prefill."""
     ids, ref, f = _one_file(tiny_dir, tmp_path)
     _flip(f)
     eng = make_engine(tiny_dir("llama"), tmp_path)
-    run(eng, ids)  # must not raise
+    res = run(eng, ids)
+    assert res.token_ids == ref.token_ids and res.cached_tokens == 0
+    assert eng.prefix_cache.disk.counters["errors"] == 1 and not f.exists()
     eng.close()
 
 
@@ -206,3 +207,30 @@ def test_cache_command_ls_stats_clear(tiny_dir, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "dflash_server", "cache", "ls", "--kv-cache-dir",
                               str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "no such directory" in missing.stderr
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_interval_checkpoints_resume_a_long_answer(tiny_dir, tmp_path, draft):
+    """--kv-cache-interval: a long generation leaves disk snapshots every N tokens; after a
+    restart, the next turn (which resends the answer) resumes from the latest one inside
+    the answer, with the output of a fresh prefill."""
+    path = tiny_dir("qwen3_5")
+
+    def engine(interval=0, disk=True):
+        pipe = pipeline(path)
+        prop = DFlashProposer(random_draft(pipe, block_size=4, seed=2), pipe) if draft else None
+        return Engine(pipe, proposer=prop, prefix_slots=0, checkpoint_interval=interval,
+                      disk_cache=DiskCache(tmp_path, "fp", 1 << 30, 10 ** 6) if disk else None)
+    a = engine(interval=8)
+    prompt = chat_ids(a, [("Tell me a long story", None)])
+    long = run(a, prompt, n=40)
+    a.close()
+    files = list((tmp_path / "fp").glob(f"*{SUFFIX}"))
+    assert len(files) >= 4  # 40 tokens, every 8 (min_tokens is huge: only checkpoints are written)
+    resent = tuple(prompt) + tuple(long.token_ids[:30])
+    b = engine()
+    hit = run(b, resent, n=8)
+    assert hit.extra["cache"] == "disk" and len(prompt) + 24 <= hit.cached_tokens < len(resent)
+    fresh = run(engine(disk=False), resent, n=8)
+    assert hit.token_ids == fresh.token_ids
+    b.close()

@@ -9,6 +9,7 @@ either the old state or the complete new file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT = "dflash-prefix-snapshot"
-VERSION = 1
+VERSION = 2  # 2: sha256 of the tensor data in the record
 SUFFIX = ".snap.safetensors"
 
 
@@ -30,11 +31,23 @@ def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     return {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in sorted(tensors.items())}
 
 
+def data_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's raw bytes in name order: flipped data bytes, which the
+    safetensors header cannot notice, make a file a miss instead of wrong output."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def write_snapshot(path: Path, tensors: dict[str, torch.Tensor], token_ids, fingerprint: str) -> int:
     """Write atomically; returns the file size. Raises OSError (e.g. disk full)."""
     record = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint,
               "token_ids": [int(t) for t in token_ids], "position": len(token_ids),
-              "last_token": int(token_ids[-1]) if len(token_ids) else None, "layout": layout_of(tensors)}
+              "last_token": int(token_ids[-1]) if len(token_ids) else None, "layout": layout_of(tensors),
+              "sha256": data_hash(tensors)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
@@ -87,4 +100,6 @@ def read_tensors(path: Path, record: dict) -> dict[str, torch.Tensor]:
         raise
     except Exception as e:
         raise SnapshotFormatError(f"unreadable tensor data ({type(e).__name__})") from None
+    if data_hash(out) != record.get("sha256"):
+        raise SnapshotFormatError("tensor data does not match its checksum")
     return out

@@ -64,6 +64,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-cache-budget", type=int, default=4096, help="disk cache budget in MB (default 4096)")
     c.add_argument("--kv-cache-min-tokens", type=int, default=256,
                    help="with --disk-prefix-cache auto: only prefixes of at least this many tokens go to disk")
+    c.add_argument("--kv-cache-interval", type=int, default=0,
+                   help="during long generations, write a disk snapshot every N tokens (0: off)")
     c.add_argument("--disk-prefix-cache", default="auto",
                    help="off | full (every snapshot) | auto (>= --kv-cache-min-tokens) | N (>= N tokens)")
     d = p.add_argument_group("speculative decoding (DFlash)")
@@ -159,8 +161,10 @@ def load_engine(args, progress: bool = True):
                 "draft": draft_identity(draft_path) if proposer else None,
                 "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
     disk = open_disk_cache(args, fingerprint(fp_parts))
+    if args.kv_cache_interval < 0:
+        raise UserError("--kv-cache-interval must be >= 0")
     engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
-                    prefix_bytes=args.prefix_cache_bytes, disk_cache=disk)
+                    prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval)
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
 

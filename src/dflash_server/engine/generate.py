@@ -80,10 +80,13 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
-                 prefix_bytes: int | None = None, disk_cache=None):
+                 prefix_bytes: int | None = None, disk_cache=None, checkpoint_interval: int = 0):
         """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).
         ``prefix_slots``: in-memory prefix-cache snapshots (0 disables), with an optional
-        byte budget; ``disk_cache``: a cache.disk.DiskCache for restart-persistent snapshots."""
+        byte budget; ``disk_cache``: a cache.disk.DiskCache for restart-persistent snapshots;
+        ``checkpoint_interval`` > 0: during long generations, write a disk snapshot every
+        that many tokens (the next turn, which resends the answer, resumes from it)."""
+        self.checkpoint_interval = checkpoint_interval
         from ..cache.prefix_index import PrefixIndex
         from .prefix import PrefixCache
 
@@ -140,13 +143,30 @@ class Engine:
             return {"status": "degraded", "error": draft.health()["error"], "stage": "draft"}
         return h
 
+    def _checkpointer(self, req, out):
+        """on_commit(length, logits) writing a disk snapshot every checkpoint_interval tokens."""
+        cache, every = self.prefix_cache, self.checkpoint_interval
+        if every <= 0 or cache.disk is None or req.cache_scope in ("off", "memory"):
+            return None
+        prompt = list(req.prompt_ids)
+        due = [len(prompt) + every]
+
+        def on_commit(length: int, logits) -> None:
+            if length >= due[0]:
+                ids = prompt + out.tokens[:length - len(prompt)]
+                if len(ids) == length:
+                    cache.checkpoint(ids, logits)
+                due[0] = length + every
+        return on_commit
+
     def _decode(self, req, sampler, out, logits, cancelled, t0, t1) -> GenerationResult:
         pipe, spec = self.pipeline, self.proposer
         pos = len(req.prompt_ids)
         finish = "length"
         think = ThinkBudget(req)
+        on_commit = self._checkpointer(req, out)
         if spec:
-            return self._speculative(req, sampler, out, think, logits, pos, cancelled, t0, t1)
+            return self._speculative(req, sampler, out, think, logits, pos, cancelled, t0, t1, on_commit)
         while True:
             tok = think.next_forced()
             if tok is None:
@@ -162,9 +182,11 @@ class Engine:
                 break
             logits = pipe.forward([tok], pos).logits[-1]
             pos += 1
+            if on_commit is not None:
+                on_commit(pos, logits)
         return self._result(out, finish, req, t0, t1)
 
-    def _speculative(self, req, sampler, out, think, logits, pos, cancelled, t0, t1) -> GenerationResult:
+    def _speculative(self, req, sampler, out, think, logits, pos, cancelled, t0, t1, on_commit) -> GenerationResult:
         stats = SpecStats(self.proposer.block_size)
         tok = think.next_forced()
         if tok is None:
@@ -174,7 +196,7 @@ class Engine:
         finish = "stop"
         if not out.add(tok, logits):
             finish = speculative_decode(self.pipeline, self.proposer, sampler, out, think, tok, pos,
-                                        req.max_tokens, stats, cancelled)
+                                        req.max_tokens, stats, cancelled, on_commit)
         res = self._result(out, finish, req, t0, t1)
         res.extra["spec"] = stats.to_dict()
         return res

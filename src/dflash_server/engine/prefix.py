@@ -54,7 +54,9 @@ class PrefixCache:
         return True
 
     def _from_disk(self, prompt, bounds, longer_than: int):
-        got = self.disk.lookup(prompt, [b for b in bounds if b > longer_than])
+        # any stored length works (turn boundaries and mid-answer checkpoints): the ids are
+        # compared exactly, and the state of a prefix is the state of a prefix
+        got = self.disk.lookup(prompt, range(longer_than + 1, len(prompt)))
         if got is None:
             return None
         entry, tensors = got
@@ -145,6 +147,19 @@ class PrefixCache:
     def discard(self, pending) -> None:
         if pending is not None:
             self._free(pending[1])
+
+    def checkpoint(self, token_ids: list[int], logits: torch.Tensor) -> None:
+        """Write the current state (positions of ``token_ids``) to the disk cache; the
+        memory slots are left alone (a long answer is resumed after a restart or by the
+        next turn, which resends it)."""
+        slot = self.index.new_slot()
+        try:
+            self.pipeline.snapshot_save(slot)
+            self.extras[slot] = {"logits": logits.detach().clone(),
+                                 "draft": self.proposer.snapshot() if self.proposer else None}
+            self.disk.save(token_ids, self.export(slot), force=True)
+        finally:
+            self._free(slot)
 
     def drop_memory(self) -> None:
         """Forget every in-memory snapshot: a shard worker restarted and lost its part."""

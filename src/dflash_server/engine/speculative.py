@@ -55,9 +55,11 @@ class SpecStats:
 
 
 def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: int, max_tokens: int,
-                       stats: SpecStats, cancelled=None) -> str:
+                       stats: SpecStats, cancelled=None, on_commit=None) -> str:
     """Continue after ``anchor`` (already emitted, at position ``pos``, not yet in the
-    target cache). Returns the finish reason when the output builder did not decide one."""
+    target cache). Returns the finish reason when the output builder did not decide one.
+    ``on_commit(length, logits)``: called after each step with the committed length and
+    the logits that predicted the newest (not yet cached) token."""
     taps = proposer.taps
     while True:
         block = min(proposer.block_size, max_tokens - len(out.tokens), pipe.max_ctx - pos)
@@ -88,3 +90,5 @@ def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: in
             return out.finish
         pos += acc + 1
         anchor = tok
+        if on_commit is not None:
+            on_commit(pos, verify.logits[acc])

@@ -29,6 +29,7 @@ class GenOptions:
     thinking: Thinking = field(default_factory=Thinking)
     tools: ToolSet | None = None
     parse_output: bool = True               # split <think> / tool calls (chat APIs)
+    cache_scope: str | None = None          # prefix cache override: off | memory | full
 
 
 @dataclass
@@ -180,7 +181,7 @@ class Service:
             sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + seed_offset) % 2**63})
         try:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
-                                     stop=opts.stop, logprobs=opts.logprobs,
+                                     stop=opts.stop, logprobs=opts.logprobs, cache_scope=opts.cache_scope,
                                      **budget_fields(opts.thinking, prompt.think_open, max_tokens,
                                                      self.think_tokens))
         except ValueError as e:

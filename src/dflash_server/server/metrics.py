@@ -7,6 +7,7 @@ reports them.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -14,9 +15,51 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 _TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
 
 
+class _CacheCollector:
+    """Prefix-cache counters read from the engine at scrape time (memory index and disk
+    cache keep their own counts; reading ints across threads is safe here)."""
+
+    MEMORY = {"hits": "prefix snapshots restored from memory", "misses": "lookups without a memory hit",
+              "evictions": "memory snapshots evicted", "tokens_saved": "prompt tokens restored from memory"}
+    DISK = {"hits": "snapshots restored from disk", "misses": "disk lookups without a hit",
+            "reads": "snapshot files read", "writes": "snapshot files written",
+            "evictions": "snapshot files evicted by the budget", "errors": "bad files and failed writes"}
+
+    def __init__(self):
+        self.engine = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        cache = getattr(self.engine, "prefix_cache", None)
+        if cache is None:
+            return
+        index, disk = getattr(cache, "index", None), getattr(cache, "disk", None)
+        for key, doc in self.MEMORY.items():
+            v = getattr(index, key, None)
+            if isinstance(v, int):
+                yield CounterMetricFamily(f"dflash_prefix_cache_memory_{key}", doc, value=v)
+        for key, doc in (("slots", "memory snapshots held"), ("total_bytes", "bytes of memory snapshots")):
+            v = getattr(index, key, None) if key != "slots" else len(getattr(index, "entries", {}))
+            if isinstance(v, int):
+                yield GaugeMetricFamily(f"dflash_prefix_cache_memory_{key}", doc, value=v)
+        if disk is not None:
+            stats = disk.stats()
+            for key, doc in self.DISK.items():
+                if isinstance(stats.get(key), int):
+                    yield CounterMetricFamily(f"dflash_prefix_cache_disk_{key}", doc, value=stats[key])
+            for key in ("files", "bytes"):
+                if isinstance(stats.get(key), int):
+                    yield GaugeMetricFamily(f"dflash_prefix_cache_disk_{key}", f"snapshot {key} on disk",
+                                            value=stats[key])
+
+
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self.cache = _CacheCollector()
+        r.register(self.cache)
         p = "dflash_"
         self.requests = Counter(p + "requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)

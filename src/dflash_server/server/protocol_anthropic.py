@@ -49,7 +49,8 @@ async def handle(app, request: Request):
     prompt = await app.render_chat(body.hf_messages(), tools, thinking)
     sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     opts = GenOptions(max_tokens=body.max_tokens, sampling=sampling.sampling(app.config.default_temperature),
-                      stop=stop_list(body.stop_sequences, 16, "stop_sequences"), thinking=thinking, tools=tools)
+                      stop=stop_list(body.stop_sequences, 16, "stop_sequences"), thinking=thinking, tools=tools,
+                      cache_scope=body.cache_scope)
     runs = app.service.start(prompt, opts, 1, label="messages")
     run, mid = runs[0], "msg_" + secrets.token_hex(12)
     model = body.model or app.config.model_name

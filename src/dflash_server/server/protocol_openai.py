@@ -57,7 +57,8 @@ async def handle(app, request: Request):
     opts = GenOptions(max_tokens=body.max_completion_tokens or body.max_tokens,
                       sampling=body.sampling(app.config.default_temperature), stop=stop_list(body.stop, 4),
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                      ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools)
+                      ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools,
+                      cache_scope=body.cache_scope)
     runs = app.service.start(prompt, opts, body.n or 1, label="chat")
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     model = body.model or app.config.model_name

@@ -78,7 +78,8 @@ async def handle(app, request: Request):
     tools, thinking = body.toolset(), body.thinking()
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.max_output_tokens, sampling=body.sampling(app.config.default_temperature),
-                      stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools)
+                      stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools,
+                      cache_scope=body.cache_scope)
     runs = app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:

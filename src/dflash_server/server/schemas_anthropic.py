@@ -7,7 +7,7 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import Thinking
-from .schemas_common import MAX_TOKENS_LIMIT, Json, Model, StopString, ToolName, text_of_parts
+from .schemas_common import MAX_TOKENS_LIMIT, CacheFields, Json, Model, StopString, ToolName, text_of_parts
 from .tools import ToolSet, make_toolset
 
 
@@ -125,7 +125,7 @@ class CountTokensRequest(Model):
         return out
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, CacheFields):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     stop_sequences: list[StopString] | None = Field(None, max_length=16)
     stream: bool | None = False

@@ -6,7 +6,7 @@ are declared and rejected explicitly instead of being silently dropped.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -23,7 +23,21 @@ class Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class SamplingFields(Model):
+class PrefixCacheOption(Model):
+    """Per-request prefix cache override: off (neither read nor written), memory (never
+    written to disk), full (written to disk whatever its length)."""
+    scope: Literal["off", "memory", "full"]
+
+
+class CacheFields(Model):
+    prefix_cache: PrefixCacheOption | None = None
+
+    @property
+    def cache_scope(self) -> str | None:
+        return self.prefix_cache.scope if self.prefix_cache is not None else None
+
+
+class SamplingFields(CacheFields):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=1_000_000)

@@ -44,6 +44,7 @@ class ServerState:
         self.fingerprint = "dflash-" + str(info.get("fingerprint", ""))[:12]
         self.engine = engine
         self.scheduler = Scheduler(engine, max_queue=self.config.max_queue, hooks=self.metrics)
+        self.metrics.cache.engine = engine
         self.service = Service(self.config, tok, self.scheduler, self.prompts, self.think,
                                int(info.get("max_ctx") or engine.pipeline.max_ctx))
         self.status = "ready"
