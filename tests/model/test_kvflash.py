@@ -66,7 +66,7 @@ def test_shuffled_physical_layout_equals_identity(tiny_dir):
 
 def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
     path = tiny_dir("qwen3_5")
-    pipe = kv_pipeline(path, 112, chunk=16)  # 7 chunks: sink 1 + tail 4 + 2
+    pipe = kv_pipeline(path, 128, chunk=16)  # 8 chunks: sink 1 + tail 4 + 2 + the spare
     st = pipe.stages[0]
     device_bytes = st.kv_bytes()
     ids = prompt_ids(pipe, 96)
@@ -74,7 +74,7 @@ def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
     C, phys = 16, st.pager.resident[1]
     before = [(s.k[:, :, phys * C:(phys + 1) * C].clone(), s.v[:, :, phys * C:(phys + 1) * C].clone())
               for s in st.pool.states]
-    res = gen(pipe, ids, n=120)  # context 216 > pool 112: chunks get paged out
+    res = gen(pipe, ids, n=120)  # context 216 > pool 128: chunks get paged out
     assert len(res.token_ids) == 120
     st.pager.check_integrity()
     stats = st.kvflash_stats()
@@ -83,7 +83,9 @@ def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
     # same prompt again, then write into chunk 1 after it was paged out: it comes back bit-exact
     pipe.reset()
     pipe.prefill(ids, chunk=16)
-    pipe.forward(prompt_ids(pipe, 40, seed=1), 96)
+    more = prompt_ids(pipe, 48, seed=1)
+    for k in range(0, 48, 16):
+        pipe.forward(more[k:k + 16], 96 + k)
     assert 1 in st.pager.paged
     st.pool.apply(st.pager.plan_write(24, 25))  # a write into chunk 1 pages it back in
     p = st.pager.resident[1]
@@ -98,11 +100,11 @@ def test_snapshots_of_a_paged_pool_restore_and_round_trip(tiny_dir, family):
     """Snapshots work while the pool is identity-mapped and after paging (the logical rows
     plus the resident chunk list): restore == uninterrupted, also through export/import."""
     path = tiny_dir(family)
-    pipe = kv_pipeline(path, 112, chunk=16)
+    pipe = kv_pipeline(path, 128, chunk=16)
     ids = prompt_ids(pipe, 200)
     pipe.prefill(ids[:40], chunk=16)
     pipe.snapshot_save(1)  # identity-mapped
-    for k in range(40, 160, 16):  # 160 positions > the pool of 112: chunks are paged out
+    for k in range(40, 160, 16):  # 160 positions > the pool of 128: chunks are paged out
         pipe.forward(ids[k:k + 16], k)
     st = pipe.stages[0]
     assert st.pager.paged
@@ -144,7 +146,7 @@ def test_config_validation_and_auto_size():
     assert KvFlashConfig("auto").pool_tokens(8192, budget_tokens=10) == 512
     with pytest.raises(ValueError):
         KvFlashConfig(512, tau=0)
-    assert KvFlashConfig(100).pool_tokens(8192) == 448  # at least sink + tail + 2 chunks
+    assert KvFlashConfig(100).pool_tokens(8192) == 512  # at least sink + tail + 2 chunks + the spare
     assert KvFlashConfig(1000).pool_tokens(8192) == 1024
     assert KvFlashConfig(9000).pool_tokens(8192) == 8192
 
@@ -157,7 +159,7 @@ def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir)
     assert gen(pipe, ids).token_ids == ref
     score = pipe.stages[0].pager.policy.score
     assert score and all(v >= 0 for v in score.values()) and max(score.values()) > 0
-    long_pipe = kv_pipeline(path, 112, chunk=16, policy="score")
+    long_pipe = kv_pipeline(path, 128, chunk=16, policy="score")
     res = gen(long_pipe, ids, n=80)  # 150 positions: the least attended chunks leave the pool
     pager = long_pipe.stages[0].pager
     pager.check_integrity()
@@ -166,7 +168,7 @@ def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir)
 
 def test_prefix_cache_hits_with_a_paged_pool(tiny_dir):
     path = tiny_dir("llama")
-    pipe = kv_pipeline(path, 112, chunk=16)
+    pipe = kv_pipeline(path, 128, chunk=16)
     eng = Engine(pipe, prefix_slots=4)
     tok = eng.tokenizer
     long_system = "You are a terse assistant who answers in one word. " * 20  # > the pool
@@ -174,7 +176,7 @@ def test_prefix_cache_hits_with_a_paged_pool(tiny_dir):
     for turn, q in enumerate(("Hi", "And then?", "Why?")):
         messages.append({"role": "user", "content": q})
         ids = tok.encode_chat(messages)
-        assert len(ids) > 112
+        assert len(ids) > 128
         res = eng.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))
         assert len(res.token_ids) == 4 and res.extra["kvflash"]["page_outs"] > 0
         assert (res.cached_tokens > 0) == (turn > 0)  # snapshots of the paged pool are taken and hit
@@ -213,3 +215,20 @@ def test_retrieval_beyond_the_pool_with_the_score_policy():
     print("retrieval passes out of", len(cases), passed)
     assert passed["full"] >= 3, passed  # the model can answer without KV Flash
     assert passed["score"] >= 2 and passed["score"] > passed["lru"], passed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_dflash_equals_plain_decoding_while_paging(tiny_dir, family):
+    """With chunks paged out, a verify block that enters a new chunk defers the eviction
+    (the spare chunk), so every position sees the keys plain decoding saw: DFlash == AR
+    token for token under the lru policy, for several block sizes."""
+    path = tiny_dir(family)
+    pipe = kv_pipeline(path, 128, chunk=16)
+    ids = prompt_ids(pipe, 40)
+    ref = gen(pipe, ids, n=150)  # 190 positions, pool of 128
+    assert pipe.stages[0].pager.page_outs > 0
+    for block in (3, 4, 8):
+        prop = DFlashProposer(random_draft(pipe, block_size=8), pipe, block_size=block)
+        res = gen(pipe, ids, n=150, proposer=prop)
+        assert res.token_ids == ref.token_ids, block
+        pipe.stages[0].pager.check_integrity()

@@ -13,14 +13,14 @@ def fill(p, upto, step=1):
 
 
 def test_identity_while_it_fits():
-    p = KvPager(8 * 4, chunk=4, tail_chunks=2)
+    p = KvPager((8 + 1) * 4, chunk=4, tail_chunks=2)
     assert fill(p, 32) == []
     assert p.is_identity() and p.slots(0, 32) == list(range(32))
-    assert p.slot_positions() == list(range(32))
+    assert p.slot_positions() == list(range(32)) + [-1] * 4  # the spare chunk
 
 
 def test_lru_evicts_oldest_unprotected_and_keeps_sink_and_tail():
-    p = KvPager(6 * 4, chunk=4, sink_chunks=1, tail_chunks=2)
+    p = KvPager((6 + 1) * 4, chunk=4, sink_chunks=1, tail_chunks=2)
     moves = fill(p, 6 * 4 + 4)  # one chunk more than the pool
     assert moves == [Move("out", 1, 1)]  # chunk 0 is the sink: chunk 1 is the oldest
     assert p.slots(24, 28) == [4, 5, 6, 7]
@@ -41,7 +41,7 @@ def fill_from(p, start, end):
 
 
 def test_page_in_when_a_paged_chunk_is_written_again():
-    p = KvPager(6 * 4, chunk=4, tail_chunks=2)
+    p = KvPager((6 + 1) * 4, chunk=4, tail_chunks=2)
     fill(p, 40)
     p.truncate(6)  # rollback into paged chunk 1
     p.check_integrity()
@@ -52,7 +52,7 @@ def test_page_in_when_a_paged_chunk_is_written_again():
 
 
 def test_score_policy_keeps_attended_chunks():
-    p = KvPager(6 * 4, chunk=4, tail_chunks=2, policy="score")
+    p = KvPager((6 + 1) * 4, chunk=4, tail_chunks=2, policy="score")
     fill(p, 24)
     p.policy.observe({1: 5.0, 2: 0.1, 3: 2.0, 4: 1.0})
     moves = fill_from(p, 24, 28)
@@ -63,12 +63,12 @@ def test_score_policy_keeps_attended_chunks():
 
 def test_protected_chunks_never_evicted_and_errors_are_clear():
     with pytest.raises(ValueError, match="too small"):
-        KvPager(4 * 4, chunk=4, sink_chunks=1, tail_chunks=2)
+        KvPager(5 * 4, chunk=4, sink_chunks=1, tail_chunks=2)
     with pytest.raises(ValueError, match="multiple"):
         KvPager(30, chunk=4)
     with pytest.raises(ValueError, match="policy"):
         KvPager(32, chunk=4, policy="random")
-    p = KvPager(6 * 4, chunk=4, tail_chunks=2)
+    p = KvPager((6 + 1) * 4, chunk=4, tail_chunks=2)
     with pytest.raises(ValueError, match="does not fit"):
         p.plan_write(0, 24)
     for end in range(4, 200, 4):
@@ -78,7 +78,7 @@ def test_protected_chunks_never_evicted_and_errors_are_clear():
 
 
 def test_reset_and_epochs():
-    p = KvPager(6 * 4, chunk=4, tail_chunks=2)
+    p = KvPager((6 + 1) * 4, chunk=4, tail_chunks=2)
     e0 = p.epoch
     p.plan_write(0, 3)
     e1 = p.epoch
@@ -89,9 +89,32 @@ def test_reset_and_epochs():
     assert p.epoch > e1
     p.reset()
     p.check_integrity()
-    assert not p.resident and not p.paged and p.is_identity() and len(p.free) == 6
+    assert not p.resident and not p.paged and p.is_identity() and len(p.free) == 7
     p.assume_identity(10)
     p.check_integrity()
     assert p.is_identity() and p.slots(0, 10) == list(range(10)) and p.num_chunks == 3
     with pytest.raises(ValueError, match="does not fit"):
         p.assume_identity(25)
+
+
+def test_speculative_step_defers_the_eviction_until_commit():
+    """A verify block entering a new chunk takes the spare; the victim (the one plain
+    decoding would evict) stays visible before the new chunk's first position and leaves
+    only if that position is committed."""
+    def fresh():
+        p = KvPager((6 + 1) * 4, chunk=4, tail_chunks=2)
+        fill(p, 24)  # 6 chunks: the pool is at capacity, one chunk spare
+        return p
+    plain = fresh()
+    assert plain.plan_write(24, 25) == [Move("out", 1, 1)]  # plain decoding evicts chunk 1 at 24
+    for keep, evicted in ((23, False), (24, False), (25, True), (26, True)):
+        p = fresh()
+        assert p.plan_write(22, 26, speculative=True) == []  # block 22..25 crosses into chunk 6
+        until = p.slot_until()
+        assert until[4:8] == [24] * 4 and until[0] > 1 << 40  # chunk 1 (slots 4-7) leaves at 24
+        assert len(p.resident) == 7 and not p.free
+        moves = p.settle(keep)
+        p.truncate(keep)
+        p.check_integrity()
+        assert (moves == [Move("out", 1, 1)]) == evicted and (1 in p.paged) == evicted
+        assert p.slot_until() is None and len(p.resident) == 6

@@ -24,6 +24,7 @@ class ForwardContext:
     # held by each pool slot (P,), -1 = free or paged out; None = plain position-addressed KV
     slots: torch.Tensor | None = None
     slot_pos: torch.Tensor | None = None
+    slot_until: torch.Tensor | None = None  # (P,): first query position that no longer sees a slot
     attn_mass: torch.Tensor | None = None  # (P,) float32: attention each slot received (score policy)
     last_q: list | None = None             # score policy: each attention layer appends its last query row
     _masks: dict = field(default_factory=dict)
@@ -41,6 +42,8 @@ class ForwardContext:
         m = self._masks.get(key)
         if m is None and self.length == 1 and window is None:
             valid = (self.slot_pos >= 0) & (self.slot_pos <= self.start)
+            if self.slot_until is not None:
+                valid &= self.slot_until > self.start
             n = int(valid.sum())
             if bool(valid[:n].all()):
                 m = self._masks[key] = (n, None)
@@ -48,6 +51,8 @@ class ForwardContext:
             q_pos = torch.arange(self.start, self.end, device=device)[:, None]
             k_pos = self.slot_pos.to(device)[None, :]
             m = (k_pos >= 0) & (k_pos <= q_pos)
+            if self.slot_until is not None:  # a deferred eviction: gone for queries from its position on
+                m = m & (q_pos < self.slot_until.to(device)[None, :])
             if window is not None:
                 m = m & (k_pos > q_pos - window)
             m = self._masks[key] = (m.shape[1], m)

@@ -6,6 +6,13 @@ written yet). When a write needs a chunk and the pool is full, the policy picks 
 least valuable unprotected resident chunk to page out. Protected: the first
 ``sink_chunks`` (attention sink), the ``tail_chunks`` most recent, and the chunks being
 written. The pager only plans; the pool (kv_pool.py) moves the bytes.
+
+One pool chunk is kept spare. A speculative forward (a DFlash verify block, which may be
+rolled back) that enters a new chunk takes the spare instead of evicting at once: the
+victim is chosen exactly as plain decoding would choose it, stays visible to the block's
+queries before the new chunk's first position (``slot_until``), and is paged out only when
+that position is committed; a rollback before it undoes the allocation. So speculative
+and plain decoding see the same keys at every position.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ class KvFlashConfig:
         """Rounded up to whole chunks (256 tokens for auto), at least the minimum pool, at
         most the context rounded up to a chunk. ``auto``: ``budget_tokens`` (what free
         device memory holds) when known, else half the context."""
-        least = (self.sink_chunks + self.tail_chunks + 2) * self.chunk
+        least = (self.sink_chunks + self.tail_chunks + 3) * self.chunk
         cap = -(-max_ctx // self.chunk) * self.chunk
         if self.pool == "auto":
             want = budget_tokens if budget_tokens is not None else max_ctx // 2
@@ -117,9 +124,10 @@ class KvPager:
             raise ValueError(f"KV Flash pool of {pool_tokens} tokens is not a multiple of the chunk ({chunk})")
         self.chunk, self.num_physical = chunk, pool_tokens // chunk
         self.sink, self.tail = sink_chunks, tail_chunks
-        if self.num_physical < sink_chunks + tail_chunks + 2:
+        if self.num_physical < sink_chunks + tail_chunks + 3:
             raise ValueError(f"KV Flash pool of {pool_tokens} tokens is too small: at least "
-                             f"{(sink_chunks + tail_chunks + 2) * chunk} (sink + tail + 2 chunks of {chunk})")
+                             f"{(sink_chunks + tail_chunks + 3) * chunk} (sink + tail + 2 + a spare, "
+                             f"chunks of {chunk})")
         if policy not in POLICIES:
             raise ValueError(f"unknown KV Flash policy {policy!r} (use {', '.join(POLICIES)})")
         self.policy = POLICIES[policy]()
@@ -130,21 +138,33 @@ class KvPager:
     def pool_tokens(self) -> int:
         return self.num_physical * self.chunk
 
+    @property
+    def capacity(self) -> int:
+        """Chunks resident outside a speculative step (one pool chunk stays spare)."""
+        return self.num_physical - 1
+
+    @property
+    def max_new_chunks(self) -> int:
+        """Most chunks one forward may need (the rest of the pool is sink, tail and spare)."""
+        return max(1, self.capacity - self.sink - self.tail - 1)
+
     def reset(self) -> None:
         self.resident: dict[int, int] = {}   # logical -> physical
         self.paged: set[int] = set()
         self.free = list(range(self.num_physical - 1, -1, -1))  # pop() yields 0, 1, 2, ...
         self.num_chunks = 0                  # logical chunks that hold written positions
+        self.pending: tuple[int, int] | None = None  # (victim, position it leaves at): deferred eviction
         self.epoch = getattr(self, "epoch", 0) + 1
         self.policy = type(self.policy)()
 
     # --- planning -------------------------------------------------------------------------
-    def plan_write(self, start: int, end: int) -> list[Move]:
+    def plan_write(self, start: int, end: int, speculative: bool = False) -> list[Move]:
         """Make every chunk holding positions [start, end) resident. Returns the moves to
-        perform in order (page-outs before the page-ins / fresh uses of their slots)."""
+        perform in order (page-outs before the page-ins / fresh uses of their slots).
+        ``speculative``: the positions may be rolled back (see the module docstring)."""
         first, last = start // self.chunk, (end - 1) // self.chunk
         need = list(range(first, last + 1))
-        if len(need) > self.num_physical - self.sink - 1:
+        if len(need) > self.max_new_chunks + 1:
             raise ValueError(f"a forward of {end - start} tokens does not fit a KV Flash pool of "
                              f"{self.pool_tokens} (use a smaller prefill chunk)")
         top = max(self.num_chunks, last + 1)
@@ -155,8 +175,11 @@ class KvPager:
                 self.policy.touch(c)
                 continue
             changed = True
-            if not self.free:
-                moves.append(self._evict(protected))
+            if len(self.resident) >= self.capacity:
+                if speculative and self.pending is None and self.free:
+                    self.pending = (self._victim(protected), c * self.chunk)
+                else:
+                    moves.append(self._evict(protected))
             phys = self.free.pop()
             self.resident[c] = phys
             if c in self.paged:
@@ -169,11 +192,15 @@ class KvPager:
             self.epoch += 1  # the slot -> position map changed: masks must be rebuilt
         return moves
 
-    def _evict(self, protected: set[int]) -> Move:
-        candidates = [c for c in self.resident if c not in protected]
+    def _victim(self, protected: set[int]) -> int:
+        pending = self.pending[0] if self.pending is not None else None
+        candidates = [c for c in self.resident if c not in protected and c != pending]
         if not candidates:
             raise ValueError("KV Flash pool exhausted: every resident chunk is protected")
-        victim = min(candidates, key=lambda c: (self.policy.value(c), c))
+        return min(candidates, key=lambda c: (self.policy.value(c), c))
+
+    def _evict(self, protected: set[int], victim: int | None = None) -> Move:
+        victim = self._victim(protected) if victim is None else victim
         phys = self.resident.pop(victim)
         self.paged.add(victim)
         self.free.append(phys)
@@ -187,7 +214,7 @@ class KvPager:
         top = self.num_chunks
         protected = (set(range(self.sink)) | set(range(top - self.tail, top))) & written
         rest = sorted(written - protected, key=lambda c: (-scores.get(c, 0.0), -c))
-        want = protected | set(rest[:max(0, self.num_physical - len(protected))])
+        want = protected | set(rest[:max(0, self.capacity - len(protected))])
         moves = []
         for c in sorted(self.resident.keys() - want, key=lambda c: scores.get(c, 0.0)):
             phys = self.resident.pop(c)
@@ -210,7 +237,7 @@ class KvPager:
         """Reset to ``num_chunks`` written chunks, ``resident`` ones in the pool (in order),
         the others paged out (snapshot restore)."""
         resident = sorted(set(resident))
-        if len(resident) > self.num_physical or any(not 0 <= c < num_chunks for c in resident):
+        if len(resident) > self.capacity or any(not 0 <= c < num_chunks for c in resident):
             raise ValueError(f"KV Flash snapshot: resident chunks {resident[:8]} do not fit "
                              f"{num_chunks} chunks in a pool of {self.num_physical}")
         self.reset()
@@ -224,7 +251,7 @@ class KvPager:
     def assume_identity(self, length: int) -> None:
         """Reset to positions [0, length) resident in their own slots (snapshot restore)."""
         n = -(-length // self.chunk)
-        if n > self.num_physical:
+        if n > self.capacity:
             raise ValueError(f"a snapshot of {length} tokens does not fit the KV Flash pool of {self.pool_tokens}")
         self.reset()
         self.resident = {c: c for c in range(n)}
@@ -232,6 +259,29 @@ class KvPager:
         self.num_chunks = n
         for c in range(n):
             self.policy.touch(c)
+
+    def settle(self, length: int) -> list[Move]:
+        """End of a speculative step with ``length`` positions kept: a deferred eviction
+        happens now if its position was committed, else it is dropped (the new chunk goes
+        with the truncation). Returns the page-out to perform, if any."""
+        if self.pending is None:
+            return []
+        (victim, at), self.pending = self.pending, None
+        self.epoch += 1
+        if length > at:
+            return [self._evict(set(), victim)]
+        return []
+
+    def slot_until(self) -> list[int] | None:
+        """Per pool slot, the first query position that may no longer see it (a deferred
+        victim's slots); None when nothing is pending."""
+        if self.pending is None:
+            return None
+        victim, at = self.pending
+        C, phys = self.chunk, self.resident[victim]
+        out = [1 << 62] * self.pool_tokens
+        out[phys * C:(phys + 1) * C] = [at] * C
+        return out
 
     def truncate(self, length: int) -> None:
         """Forget chunks that hold no position below ``length`` (rollback, reset)."""

@@ -41,16 +41,19 @@ class KvPool:
                     s.k[:, :, rows] = k.to(self.device)
                     s.v[:, :, rows] = v.to(self.device)
 
-    def prepare(self, start: int, end: int, ctx, may_reselect: bool) -> None:
-        """Make positions [start, end) resident and fill ``ctx`` for slot-space attention."""
+    def prepare(self, start: int, end: int, ctx, speculative: bool) -> None:
+        """Make positions [start, end) resident and fill ``ctx`` for slot-space attention.
+        ``speculative``: a verify block that may be rolled back (no re-selection then)."""
         pager = self.pager
-        if may_reselect and self.scoring and self.last_q is not None and self.since_select >= self.tau:
+        if not speculative and self.scoring and self.last_q is not None and self.since_select >= self.tau:
             self.reselect()
-        self.apply(pager.plan_write(start, end))
+        self.apply(pager.plan_write(start, end, speculative))
         ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
         if self._slot_pos is None or self._slot_pos[0] != pager.epoch:
-            self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device))
-        ctx.slot_pos = self._slot_pos[1]
+            until = pager.slot_until()
+            self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device),
+                              torch.tensor(until, device=self.device) if until is not None else None)
+        ctx.slot_pos, ctx.slot_until = self._slot_pos[1], self._slot_pos[2]
         if self.scoring:
             ctx.last_q = []
             if end - start <= SCORE_MAX_ROWS:
@@ -150,6 +153,8 @@ class KvPool:
 
     # --- bookkeeping ------------------------------------------------------------------------
     def truncate(self, length: int) -> None:
+        """Rollback / commit to ``length``: settle a deferred eviction, drop later chunks."""
+        self.apply(self.pager.settle(length))
         self.pager.truncate(length)
         for c in [c for c in self.host if c not in self.pager.paged]:
             del self.host[c]

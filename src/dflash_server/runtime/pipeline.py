@@ -42,7 +42,7 @@ class TargetPipeline:
         for st in self.stages:
             p = getattr(st, "pager", None)
             if p is not None:
-                out = min(out, p.chunk * max(1, p.num_physical - p.sink - p.tail - 1))
+                out = min(out, p.chunk * p.max_new_chunks)
         return out
 
     def kvflash_stats(self) -> list[dict]:

@@ -115,7 +115,7 @@ class LocalStage:
         cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
         if self.pool is not None:
-            self.pool.prepare(start, start + T, ctx, may_reselect=self._ckpt_length is None)
+            self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
         caps = {}
         if self._decode_fn is not None and T == 1 and not capture and not ctx.record and ctx.slots is None:
             h = self._decode_fn(h, ctx)
