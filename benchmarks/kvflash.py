@@ -3,10 +3,15 @@ default model, in one run.
 
     python benchmarks/kvflash.py [--contexts 1024,2048,4096,8000] [--pool 1024] [--policy lru]
                                  [--decode 32] [--threads 2] [--out FILE]
+    python benchmarks/kvflash.py --retrieval [--pool 512]
 
 The context is built from the evaluation prompts (../shared/eval/*.jsonl, concatenated
 and tokenized) and prefilled; then ``--decode`` greedy tokens are timed. Writes JSON
 (default benchmarks/results/kvflash.json) and prints a Markdown table.
+
+``--retrieval``: a "secret code" sentence at 30% / 50% depth of ~1900 tokens of the same
+text, 5 facts, question at the end (~4x a 512-token pool); pass counts for full KV, lru
+and score (written to benchmarks/results/kvflash_retrieval.json).
 """
 from __future__ import annotations
 
@@ -33,10 +38,38 @@ def eval_text() -> str:
     return "\n\n".join(parts)
 
 
+def retrieval(src, quant, pool: int, out: Path) -> None:
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+
+    filler = src.tokenizer.encode(eval_text())
+    facts = [("Zorbak", "4721"), ("Quillon", "9035"), ("Marvessa", "1168"), ("Telluride", "7702"),
+             ("Brannoch", "5849")]
+    passed = {}
+    for mode in ("full", "lru", "score"):
+        kv = None if mode == "full" else KvFlashConfig(pool, policy=mode)
+        pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16,
+                              max_ctx=4096, quantize=quant, progress=False, kvflash=kv)
+        eng, passed[mode] = Engine(pipe), 0
+        for i, (name, code) in enumerate(facts):
+            for depth in (0.3, 0.5):
+                text = src.tokenizer.decode(filler[i * 400:i * 400 + 1900])
+                cut = int(len(text) * depth)
+                doc = text[:cut] + f"\n\nIMPORTANT: The secret code of {name} is {code}.\n\n" + text[cut:]
+                ids = src.tokenizer.encode_chat([{"role": "user", "content": doc + f"\n\nWhat is the secret code "
+                                                  f"of {name}? Answer with the number only."}])
+                passed[mode] += code in eng.generate(GenerationRequest(tuple(ids), max_tokens=16)).text
+        print(mode, passed[mode], "/", 2 * len(facts), flush=True)
+    out.write_text(json.dumps({"pool": pool, "cases": 2 * len(facts), "passed": passed}, indent=2))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--retrieval", action="store_true")
     ap.add_argument("--contexts", default="1024,2048,4096,8000")
-    ap.add_argument("--pool", type=int, default=1024)
+    ap.add_argument("--pool", type=int, help="pool tokens (default 1024; 512 with --retrieval)")
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -53,6 +86,9 @@ def main():
 
     src = open_model(default_model_path())
     quant = quantize_plan(src, "auto", True)
+    if args.retrieval:
+        return retrieval(src, quant, args.pool or 512, Path(args.out).with_name("kvflash_retrieval.json"))
+    args.pool = args.pool or 1024
     contexts = [int(x) for x in args.contexts.split(",")]
     max_ctx = max(contexts) + args.decode
     ids = src.tokenizer.encode(eval_text())
