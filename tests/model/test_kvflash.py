@@ -130,8 +130,8 @@ def test_snapshots_of_a_paged_pool_restore_and_round_trip(tiny_dir, family):
     pipe.snapshot_restore(3)
     torch.testing.assert_close(continuation(160), ref2, rtol=1e-5, atol=1e-5)
     bad = dict(exported)
-    bad["ls0.kvflash_resident.0"] = torch.tensor([0, 0, 1])
-    with pytest.raises(ValueError, match="resident"):
+    bad["ls0.kvflash_table.0"] = torch.tensor([[0, 0], [1, 0]])  # one physical chunk twice
+    with pytest.raises(ValueError, match="page table"):
         pipe.snapshot_import(4, bad)
 
 
@@ -166,21 +166,30 @@ def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir)
     assert len(res.token_ids) == 80 and pager.page_outs > 0 and 0 in pager.resident
 
 
-def test_prefix_cache_hits_with_a_paged_pool(tiny_dir):
-    path = tiny_dir("llama")
-    pipe = kv_pipeline(path, 128, chunk=16)
-    eng = Engine(pipe, prefix_slots=4)
-    tok = eng.tokenizer
-    long_system = "You are a terse assistant who answers in one word. " * 20  # > the pool
-    messages = [{"role": "system", "content": long_system}]
-    for turn, q in enumerate(("Hi", "And then?", "Why?")):
-        messages.append({"role": "user", "content": q})
-        ids = tok.encode_chat(messages)
-        assert len(ids) > 128
-        res = eng.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))
-        assert len(res.token_ids) == 4 and res.extra["kvflash"]["page_outs"] > 0
-        assert (res.cached_tokens > 0) == (turn > 0)  # snapshots of the paged pool are taken and hit
-        messages.append({"role": "assistant", "content": res.text})
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_prefix_cache_hit_equals_miss_with_a_paged_pool(tiny_dir, family):
+    """Multi-turn chat longer than the pool (lru): snapshots carry the page table, prefill
+    forwards stop at chunk boundaries once the pool can be full, so a hit continues exactly
+    like a fresh prefill, turn after turn."""
+    path = tiny_dir(family)
+    long_system = "You are a terse assistant who answers in one word. " * 30  # > the pool
+
+    def converse(slots):
+        eng = Engine(kv_pipeline(path, 256, chunk=16), prefix_slots=slots, chunk=100)  # 100: not chunk-aligned
+        messages, out = [{"role": "system", "content": long_system}], []
+        for q in ("Hi", "And then?", "Why?"):
+            messages.append({"role": "user", "content": q})
+            ids = eng.tokenizer.encode_chat(messages)
+            assert len(ids) > 256
+            res = eng.generate(GenerationRequest(tuple(ids), max_tokens=6, ignore_eos=True))
+            assert res.extra["kvflash"]["page_outs"] > 0
+            out.append(res)
+            messages.append({"role": "assistant", "content": res.text})
+        return out
+    cached, fresh = converse(4), converse(0)
+    for turn, (a, b) in enumerate(zip(cached, fresh)):
+        assert a.token_ids == b.token_ids, turn
+        assert (a.cached_tokens > 0) == (turn > 0) and b.cached_tokens == 0
 
 
 def test_retrieval_beyond_the_pool_with_the_score_policy():

@@ -118,3 +118,23 @@ def test_speculative_step_defers_the_eviction_until_commit():
         p.check_integrity()
         assert (moves == [Move("out", 1, 1)]) == evicted and (1 in p.paged) == evicted
         assert p.slot_until() is None and len(p.resident) == 6
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_forward_splits_do_not_change_what_each_position_sees(policy):
+    """With forwards cut by ``piece``, the resident chunks visible to every position are
+    the same however the positions were split (prompt chunk size, a snapshot boundary)."""
+    def visible(splits, total=120):
+        p, pos, seen = KvPager((8 + 1) * 4, chunk=4, tail_chunks=2, policy=policy), 0, {}
+        for want in splits:
+            while want > 0 and pos < total:
+                n = p.piece(pos, min(want, total - pos, p.max_new_chunks * 4))  # as TargetPipeline.prefill
+                p.plan_write(pos, pos + n)
+                p.check_integrity()
+                for q in range(pos, pos + n):
+                    seen[q] = frozenset(c for c in p.resident if c * 4 <= q)  # chunks holding positions <= q
+                pos, want = pos + n, want - n
+        return seen
+    ref = visible([1] * 120)  # decoding, one position at a time
+    for splits in ([7] * 20, [13] * 10, [30, 1, 50, 3, 40], [120]):
+        assert visible(splits) == ref, splits

@@ -233,19 +233,29 @@ class KvPager:
             self.epoch += 1
         return moves
 
-    def adopt(self, num_chunks: int, resident: list[int]) -> None:
-        """Reset to ``num_chunks`` written chunks, ``resident`` ones in the pool (in order),
-        the others paged out (snapshot restore)."""
-        resident = sorted(set(resident))
-        if len(resident) > self.capacity or any(not 0 <= c < num_chunks for c in resident):
-            raise ValueError(f"KV Flash snapshot: resident chunks {resident[:8]} do not fit "
-                             f"{num_chunks} chunks in a pool of {self.num_physical}")
+    def table(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """(resident (chunk, physical) pairs oldest-used first, free list): everything a
+        snapshot needs to continue exactly as if never interrupted (lru)."""
+        order = sorted(self.resident, key=lambda c: (self.policy.value(c), c))
+        return [(c, self.resident[c]) for c in order], list(self.free)
+
+    def adopt(self, num_chunks: int, table: list[tuple[int, int]], free: list[int] | None = None) -> None:
+        """Reset to ``num_chunks`` written chunks with ``table``'s (chunk, physical) pairs
+        resident (touched in that order), the others paged out (snapshot restore); ``free``
+        (the free list, in order) must hold exactly the other physical chunks."""
+        chunks, phys = [c for c, _ in table], [p for _, p in table]
+        rest = sorted(set(range(self.num_physical)) - set(phys), reverse=True) if free is None else list(free)
+        if (len(table) > self.capacity or len(set(chunks)) != len(chunks) or len(set(phys)) != len(phys)
+                or any(not 0 <= c < num_chunks for c in chunks)
+                or sorted(phys + rest) != list(range(self.num_physical))):
+            raise ValueError(f"KV Flash snapshot: page table {table[:8]} does not fit {num_chunks} chunks "
+                             f"in a pool of {self.num_physical}")
         self.reset()
-        self.resident = {c: i for i, c in enumerate(resident)}
-        self.free = list(range(self.num_physical - 1, len(resident) - 1, -1))
-        self.paged = set(range(num_chunks)) - set(resident)
+        self.resident = dict(table)
+        self.free = rest
+        self.paged = set(range(num_chunks)) - set(chunks)
         self.num_chunks = num_chunks
-        for c in resident:
+        for c in chunks:
             self.policy.touch(c)
 
     def assume_identity(self, length: int) -> None:
@@ -259,6 +269,14 @@ class KvPager:
         self.num_chunks = n
         for c in range(n):
             self.policy.touch(c)
+
+    def piece(self, pos: int, n: int) -> int:
+        """Length (<= n) of a forward starting at ``pos``. Once the pool can be full,
+        forwards stop at chunk boundaries, so each eviction happens at the first position
+        of the chunk that needs the room, as in decoding: every position then sees the same
+        keys however a prompt is split into forwards (prefix hit == miss)."""
+        boundary = max(self.capacity * self.chunk, (pos // self.chunk + 1) * self.chunk)
+        return max(1, boundary - pos) if pos + n > boundary else n
 
     def settle(self, length: int) -> list[Move]:
         """End of a speculative step with ``length`` positions kept: a deferred eviction

@@ -129,15 +129,16 @@ class KvPool:
             return s.k[:, :, :0].cpu(), s.v[:, :, :0].cpu()
         return torch.cat(ks, dim=2)[:, :, :length].clone(), torch.cat(vs, dim=2)[:, :, :length].clone()
 
-    def restore(self, length: int, rows: list[tuple[torch.Tensor, torch.Tensor]], resident: list[int] | None) -> None:
-        """Rebuild pool and host pages from logical rows; ``resident``: chunks to put in the
-        pool (None: the sink and the most recent ones)."""
+    def restore(self, length: int, rows: list[tuple[torch.Tensor, torch.Tensor]], table, free) -> None:
+        """Rebuild pool and host pages from logical rows and the saved page table (see
+        KvPager.table; None: the sink and the most recent chunks, in order)."""
         pager, C = self.pager, self.pager.chunk
         n = -(-length // C)
-        if resident is None:
-            resident = sorted(({0} if n else set()) | set(range(max(0, n - pager.num_physical + 1), n)))
+        if table is None:
+            keep = sorted(({0} if n else set()) | set(range(max(0, n - pager.capacity + 1), n)))
+            table, free = [(c, i) for i, c in enumerate(keep)], None
         self.reset()
-        pager.adopt(n, resident)
+        pager.adopt(n, table, free)
         for c in range(n):
             for j, (s, (k, v)) in enumerate(zip(self.states, rows)):
                 kc, vc = k[:, :, c * C:(c + 1) * C], v[:, :, c * C:(c + 1) * C]

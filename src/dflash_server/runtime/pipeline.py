@@ -96,11 +96,13 @@ class TargetPipeline:
         # refers to); if anything moved, that forward is redone on the new residency
         tail = min(SCORE_TAIL, len(ids) - 1, chunk) if self._scoring() else 0
         body = ids[:len(ids) - tail]
-        out = None
-        for off in range(0, len(body), chunk):
-            out = self.forward(body[off:off + chunk], start + off, logits="last", capture=capture)
+        out, off = None, 0
+        while off < len(body):
+            n = self._piece(start + off, min(chunk, len(body) - off))
+            out = self.forward(body[off:off + n], start + off, logits="last", capture=capture)
             for k, v in out.captures.items():
                 caps.setdefault(k, []).append(v)
+            off += n
         if tail > 0:
             pos = start + len(body)
             self.checkpoint()
@@ -113,6 +115,14 @@ class TargetPipeline:
             for k, v in out.captures.items():
                 caps.setdefault(k, []).append(v)
         return PipelineOutput(out.logits, {k: torch.cat(v, dim=1) for k, v in caps.items()})
+
+    def _piece(self, pos: int, n: int) -> int:
+        """Length of the prefill forward at ``pos`` (at most ``n``; see KvPager.piece)."""
+        for st in self.stages:
+            p = getattr(st, "pager", None)
+            if p is not None:
+                n = p.piece(pos, n)
+        return n
 
     def _scoring(self) -> bool:
         return any(getattr(getattr(st, "pool", None), "scoring", False) for st in self.stages)

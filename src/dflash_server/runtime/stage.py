@@ -229,12 +229,19 @@ class LocalStage:
             else:
                 out[f"conv.{i}"], out[f"ssm.{i}"] = s.conv, s.ssm
         if self.pool is not None:
-            out[self._resident_key] = torch.tensor(sorted(self.pool.pager.resident), dtype=torch.int64)
+            table, free = self.pool.pager.table()
+            out[self._table_key] = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
+            out[self._free_key] = torch.tensor(free, dtype=torch.int64)
         return out
 
+    # the layer-id suffix routes these to this stage (snapshot import in a shard worker)
     @property
-    def _resident_key(self) -> str:
-        return f"kvflash_resident.{self.begin}"  # the layer suffix routes it to this stage
+    def _table_key(self) -> str:
+        return f"kvflash_table.{self.begin}"  # (resident chunk, physical chunk), oldest used first
+
+    @property
+    def _free_key(self) -> str:
+        return f"kvflash_free.{self.begin}"
 
     @torch.inference_mode()
     def snapshot_save(self, slot: int) -> None:
@@ -274,12 +281,13 @@ class LocalStage:
             if (shape is not None and tuple(t.shape) != shape) or t.dtype != dtype:
                 raise ValueError(f"snapshot tensor {k}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
             conv[k] = t.to(self.device if self.pool is None else "cpu").clone()
-        if self.pool is not None:  # resident chunks: distinct, written, no more than the pool holds
-            res, n = conv[self._resident_key], -(-length // self.pool.pager.chunk)
-            ids = res.tolist()
-            if res.dim() != 1 or len(set(ids)) != len(ids) or len(ids) > self.pool.pager.num_physical or \
-                    any(not 0 <= c < n for c in ids):
-                raise ValueError("snapshot: invalid KV Flash resident chunk list")
+        if self.pool is not None:  # the page table must fit this pool (KvPager.adopt checks it all)
+            table, free = conv[self._table_key], conv[self._free_key]
+            if table.dim() != 2 or table.shape[1] != 2 or free.dim() != 1:
+                raise ValueError("snapshot: invalid KV Flash page table")
+            probe = type(self.pool.pager)(self.pool.pager.pool_tokens, self.pool.pager.chunk,
+                                          sink_chunks=self.pool.pager.sink, tail_chunks=self.pool.pager.tail)
+            probe.adopt(-(-length // probe.chunk), [tuple(r) for r in table.tolist()], free.tolist())
         self._snapshots[slot] = (length, conv)
 
     def _state_spec(self, length: int) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
@@ -293,15 +301,15 @@ class LocalStage:
             else:
                 out[f"conv.{i}"], out[f"ssm.{i}"] = (tuple(s.conv.shape), s.conv.dtype), (tuple(s.ssm.shape), s.ssm.dtype)
         if self.pool is not None:
-            out[self._resident_key] = (None, torch.int64)
+            out[self._table_key] = out[self._free_key] = (None, torch.int64)
         return out
 
     def _load_state(self, length: int, tensors: dict[str, torch.Tensor]) -> None:
         if self.pool is not None:
             rows = [(tensors[f"kv_k.{layer.index}"], tensors[f"kv_v.{layer.index}"])
                     for layer, s in zip(self.layers, self.states) if s.kind == "kv"]
-            res = tensors.get(self._resident_key)
-            self.pool.restore(length, rows, res.tolist() if res is not None else None)
+            table = [tuple(r) for r in tensors[self._table_key].tolist()]
+            self.pool.restore(length, rows, table, tensors[self._free_key].tolist())
         for layer, s in zip(self.layers, self.states):
             i = layer.index
             if s.kind == "kv" and self.pool is not None:
