@@ -266,3 +266,24 @@ def test_bad_replies_fail_the_call(tmp_path, reply, why):
     finally:
         c.close()
         stop()
+
+
+def test_no_room_for_shared_memory_falls_back_to_inline(worker_address, monkeypatch):
+    """A full shm dir (e.g. Docker's 64 MB /dev/shm): the handshake continues without
+    shared memory and leaves no half-created area behind."""
+    before = set(os.listdir(shm_dir()))
+    made = []
+    real = SharedArea.create
+
+    def second_fails(size):
+        if made:
+            raise OSError(28, "No space left on device")
+        made.append(real(size))
+        return made[-1]
+    monkeypatch.setattr(SharedArea, "create", staticmethod(second_fails))
+    c = ShardClient(worker_address, SECRET, timeout_s=5, shm_bytes=1 << 16)
+    assert c.handshake(5)["shm"] is False
+    assert c.req_area is None and set(os.listdir(shm_dir())) == before
+    res, out = c.call("health")
+    assert res["loaded"] is False
+    c.close()

@@ -64,9 +64,12 @@ class ShardClient:
         areas = []
         if self._offer > 0:
             try:
-                areas = [SharedArea.create(self._offer), SharedArea.create(self._offer)]
+                for _ in range(2):
+                    areas.append(SharedArea.create(self._offer))
                 args["shm"] = {"req": areas[0].path, "rep": areas[1].path, "size": self._offer}
-            except OSError:
+            except OSError:  # no room in the shm dir: tensors travel inline
+                for a in areas:
+                    a.close()
                 areas = []
         try:
             res, _ = self.call("auth", args, timeout_s=timeout_s)

@@ -39,6 +39,10 @@ class SharedArea:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):
+                # reserve the pages now: a full tmpfs (Docker's 64 MB /dev/shm) must fail here,
+                # not with SIGBUS on a later write into a sparse mapping
+                os.posix_fallocate(fd, 0, size)
         except OSError:
             os.close(fd)
             os.unlink(path)

@@ -31,7 +31,7 @@ class RemoteOptions:
     timeout_s: float = 60.0            # per operation
     start_timeout_s: float = 600.0     # spawn + load weights
     transport: str = "auto"            # auto | shm | inline
-    shm_bytes: int = 64 << 20
+    shm_bytes: int = 16 << 20         # per direction; larger messages (snapshot exports) go inline
 
 
 class WorkerProcess:
