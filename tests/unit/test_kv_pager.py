@@ -90,11 +90,11 @@ def test_reset_and_epochs():
     p.reset()
     p.check_integrity()
     assert not p.resident and not p.paged and p.is_identity() and len(p.free) == 7
-    p.assume_identity(10)
+    p.adopt(3, [(0, 0), (1, 1), (2, 2)])
     p.check_integrity()
     assert p.is_identity() and p.slots(0, 10) == list(range(10)) and p.num_chunks == 3
     with pytest.raises(ValueError, match="does not fit"):
-        p.assume_identity(25)
+        p.adopt(7, [(c, c) for c in range(7)])
 
 
 def test_speculative_step_defers_the_eviction_until_commit():

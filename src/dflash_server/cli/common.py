@@ -189,15 +189,12 @@ def kvflash_config(args):
 def remote_options(args, shards):
     """RemoteOptions for ``remote:`` shards (None when every shard is local)."""
     from ..runtime.placement import is_remote
-    from ..runtime.remote import RemoteOptions
 
     if not any(is_remote(s.device) for s in shards):
         if args.target_shard_connect or args.target_shard_python:
             raise UserError("--target-shard-connect / --target-shard-python need remote: devices in "
                             "--target-devices (e.g. cpu,remote:cpu)")
         return None
-    if args.shard_timeout <= 0:
-        raise UserError("--shard-timeout must be > 0")
     secret = None
     if args.target_shard_connect:
         if args.target_shard_python:
@@ -206,23 +203,29 @@ def remote_options(args, shards):
         from .shard_worker import read_secret
 
         secret = read_secret(args.shard_secret_file)
-    return RemoteOptions(python=args.target_shard_python, connect=args.target_shard_connect, secret=secret,
-                         timeout_s=args.shard_timeout, transport=args.shard_transport)
+    return worker_options(args, connect=args.target_shard_connect, secret=secret)
+
+
+def worker_options(args, **kw):
+    """RemoteOptions from the --target-shard-python / --shard-* flags (target or draft worker)."""
+    from ..runtime.worker_link import RemoteOptions
+
+    if args.shard_timeout <= 0:
+        raise UserError("--shard-timeout must be > 0")
+    return RemoteOptions(python=args.target_shard_python, timeout_s=args.shard_timeout,
+                         transport=args.shard_transport, **kw)
 
 
 def remote_draft(args, path, device: str, pipeline, dtype):
     """The draft in its own spawned shard worker (``--draft-device remote:<device>``)."""
     from ..runtime.placement import parse_devices
-    from ..runtime.worker_link import RemoteOptions
     from ..spec.remote_draft import RemoteDraft
 
     try:
         parse_devices(device)
     except ValueError:
         raise UserError(f"--draft-device remote:{device}: unknown device") from None
-    if args.shard_timeout <= 0:
-        raise UserError("--shard-timeout must be > 0")
-    opts = RemoteOptions(python=args.target_shard_python, timeout_s=args.shard_timeout, transport=args.shard_transport)
+    opts = worker_options(args)
     try:
         return RemoteDraft(path, device=device, home=str(pipeline.device), dtype=dtype, max_ctx=pipeline.max_ctx,
                            options=opts)

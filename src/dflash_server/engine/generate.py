@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+from ..runtime.kv_pool import merge_stats
 from .output import OutputBuilder, ThinkBudget, TokenEvent
 from .sampling import Sampler, SamplingParams
 from .speculative import SpecStats, speculative_decode
@@ -119,7 +120,7 @@ class Engine:
         res.extra["cache"] = pre.source
         kv = pipe.kvflash_stats()
         if kv:  # summed over stages (each runs its own pool of the same size)
-            res.extra["kvflash"] = {k: sum(s[k] for s in kv) for k in kv[0] if isinstance(kv[0][k], int)}
+            res.extra["kvflash"] = merge_stats(kv)
         if res.finish_reason in ("stop", "length"):
             self.prefix_cache.commit(pre.pending)
         else:
@@ -139,8 +140,9 @@ class Engine:
         """{"status": "ok"} or {"status": "degraded", "error": ...} while a shard worker restarts."""
         h = self.pipeline.health()
         draft = getattr(self.proposer, "draft", None)
-        if h["status"] == "ok" and hasattr(draft, "health") and draft.health()["status"] != "ok":
-            return {"status": "degraded", "error": draft.health()["error"], "stage": "draft"}
+        dh = draft.health() if h["status"] == "ok" and hasattr(draft, "health") else {"status": "ok"}
+        if dh["status"] != "ok":
+            return {"status": "degraded", "error": dh["error"], "stage": "draft"}
         return h
 
     def _checkpointer(self, req, out):

@@ -53,7 +53,7 @@ class PrefixCache:
             self.proposer.restore(extra["draft"])
         return True
 
-    def _from_disk(self, prompt, bounds, longer_than: int):
+    def _from_disk(self, prompt, longer_than: int):
         # any stored length works (turn boundaries and mid-answer checkpoints): the ids are
         # compared exactly, and the state of a prefix is the state of a prefix
         got = self.disk.lookup(prompt, range(longer_than + 1, len(prompt)))
@@ -90,7 +90,7 @@ class PrefixCache:
             if hit is not None and self._restore(hit.slot):
                 hit_len, source = hit.length, "memory"
         if use and self.disk is not None:
-            got = self._from_disk(prompt, bounds, hit_len)
+            got = self._from_disk(prompt, hit_len)
             if got is not None:
                 ids, slot = got
                 self._restore(slot)

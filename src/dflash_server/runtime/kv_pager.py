@@ -180,17 +180,22 @@ class KvPager:
                     self.pending = (self._victim(protected), c * self.chunk)
                 else:
                     moves.append(self._evict(protected))
-            phys = self.free.pop()
-            self.resident[c] = phys
-            if c in self.paged:
-                self.paged.discard(c)
-                moves.append(Move("in", c, phys))
-                self.page_ins += 1
-            self.policy.touch(c)
+            moves += self._place(c)
         self.num_chunks = top
         if changed:
             self.epoch += 1  # the slot -> position map changed: masks must be rebuilt
         return moves
+
+    def _place(self, c: int) -> list[Move]:
+        """Put chunk ``c`` in a free pool chunk; a page-in move if it was paged out."""
+        phys = self.free.pop()
+        self.resident[c] = phys
+        self.policy.touch(c)
+        if c not in self.paged:
+            return []
+        self.paged.discard(c)
+        self.page_ins += 1
+        return [Move("in", c, phys)]
 
     def _victim(self, protected: set[int]) -> int:
         pending = self.pending[0] if self.pending is not None else None
@@ -215,20 +220,9 @@ class KvPager:
         protected = (set(range(self.sink)) | set(range(top - self.tail, top))) & written
         rest = sorted(written - protected, key=lambda c: (-scores.get(c, 0.0), -c))
         want = protected | set(rest[:max(0, self.capacity - len(protected))])
-        moves = []
-        for c in sorted(self.resident.keys() - want, key=lambda c: scores.get(c, 0.0)):
-            phys = self.resident.pop(c)
-            self.paged.add(c)
-            self.free.append(phys)
-            self.page_outs += 1
-            moves.append(Move("out", c, phys))
+        moves = [self._evict(set(), c) for c in sorted(self.resident.keys() - want, key=lambda c: scores.get(c, 0.0))]
         for c in sorted(want - self.resident.keys()):
-            phys = self.free.pop()
-            self.paged.discard(c)
-            self.resident[c] = phys
-            self.page_ins += 1
-            self.policy.touch(c)
-            moves.append(Move("in", c, phys))
+            moves += self._place(c)
         if moves:
             self.epoch += 1
         return moves
@@ -243,6 +237,18 @@ class KvPager:
         """Reset to ``num_chunks`` written chunks with ``table``'s (chunk, physical) pairs
         resident (touched in that order), the others paged out (snapshot restore); ``free``
         (the free list, in order) must hold exactly the other physical chunks."""
+        rest = self.check_table(num_chunks, table, free)
+        self.reset()
+        self.resident = dict(table)
+        self.free = rest
+        self.paged = set(range(num_chunks)) - self.resident.keys()
+        self.num_chunks = num_chunks
+        for c, _ in table:
+            self.policy.touch(c)
+
+    def check_table(self, num_chunks: int, table: list[tuple[int, int]], free: list[int] | None = None) -> list[int]:
+        """Validate a page table from a snapshot against this pool (ValueError if it does
+        not fit); returns the free list it implies."""
         chunks, phys = [c for c, _ in table], [p for _, p in table]
         rest = sorted(set(range(self.num_physical)) - set(phys), reverse=True) if free is None else list(free)
         if (len(table) > self.capacity or len(set(chunks)) != len(chunks) or len(set(phys)) != len(phys)
@@ -250,25 +256,7 @@ class KvPager:
                 or sorted(phys + rest) != list(range(self.num_physical))):
             raise ValueError(f"KV Flash snapshot: page table {table[:8]} does not fit {num_chunks} chunks "
                              f"in a pool of {self.num_physical}")
-        self.reset()
-        self.resident = dict(table)
-        self.free = rest
-        self.paged = set(range(num_chunks)) - set(chunks)
-        self.num_chunks = num_chunks
-        for c in chunks:
-            self.policy.touch(c)
-
-    def assume_identity(self, length: int) -> None:
-        """Reset to positions [0, length) resident in their own slots (snapshot restore)."""
-        n = -(-length // self.chunk)
-        if n > self.capacity:
-            raise ValueError(f"a snapshot of {length} tokens does not fit the KV Flash pool of {self.pool_tokens}")
-        self.reset()
-        self.resident = {c: c for c in range(n)}
-        self.free = list(range(self.num_physical - 1, n - 1, -1))
-        self.num_chunks = n
-        for c in range(n):
-            self.policy.touch(c)
+        return rest
 
     def piece(self, pos: int, n: int) -> int:
         """Length (<= n) of a forward starting at ``pos``. Once the pool can be full,
@@ -342,6 +330,4 @@ class KvPager:
         phys = list(self.resident.values()) + self.free
         assert sorted(phys) == list(range(self.num_physical)), ("physical chunks", self.resident, self.free)
         assert not (self.paged & self.resident.keys()), "chunk both resident and paged"
-        held = self.paged | self.resident.keys()
-        assert held == set(range(self.num_chunks)) or held <= set(range(self.num_chunks)), "unknown chunk"
-        assert all(0 <= c < self.num_chunks for c in held), "chunk beyond the written length"
+        assert self.paged | self.resident.keys() <= set(range(self.num_chunks)), "chunk beyond the written length"

@@ -14,6 +14,11 @@ from .kv_pager import KvPager, Move
 SCORE_MAX_ROWS = 16  # the score policy observes decode and verify forwards, not prefill chunks
 
 
+def merge_stats(stats: list[dict]) -> dict:
+    """Several pools' stats as one: counts summed, the rest (policy) from the first."""
+    return {k: sum(s[k] for s in stats) if isinstance(v, int) else v for k, v in stats[0].items()}
+
+
 class KvPool:
     def __init__(self, pager: KvPager, states: list, device: torch.device, tau: int = 64):
         self.pager, self.device, self.tau = pager, device, tau
@@ -131,12 +136,9 @@ class KvPool:
 
     def restore(self, length: int, rows: list[tuple[torch.Tensor, torch.Tensor]], table, free) -> None:
         """Rebuild pool and host pages from logical rows and the saved page table (see
-        KvPager.table; None: the sink and the most recent chunks, in order)."""
+        KvPager.table)."""
         pager, C = self.pager, self.pager.chunk
         n = -(-length // C)
-        if table is None:
-            keep = sorted(({0} if n else set()) | set(range(max(0, n - pager.capacity + 1), n)))
-            table, free = [(c, i) for i, c in enumerate(keep)], None
         self.reset()
         pager.adopt(n, table, free)
         for c in range(n):
@@ -165,13 +167,7 @@ class KvPool:
         self.host.clear()
         self.last_q, self.since_select = None, 0
 
-    def assume_identity(self, length: int) -> None:
-        self.reset()
-        self.pager.assume_identity(length)
-
-    def kv_bytes(self) -> int:
-        return sum(s.k.numel() * s.k.element_size() * 2 for s in self.states)
-
     def stats(self) -> dict:
-        host = sum(k.numel() * k.element_size() * 2 for page in self.host.values() for k, _ in page)
-        return dict(self.pager.stats(), host_bytes=host, device_kv_bytes=self.kv_bytes(), reselects=self.reselects)
+        # every page holds one chunk of K and V per attention layer: host bytes follow from the count
+        chunk_bytes = sum(2 * s.k[:, :, :self.pager.chunk].numel() * s.k.element_size() for s in self.states)
+        return dict(self.pager.stats(), host_bytes=len(self.host) * chunk_bytes, reselects=self.reselects)

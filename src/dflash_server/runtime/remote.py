@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from .ipc_codec import DTYPE_NAMES
+from .kv_pool import merge_stats
 from .stage import StageOutput
 from .worker_link import SECRET_ENV, RemoteOptions, WorkerLink  # noqa: F401 - re-exported
 
@@ -27,7 +29,7 @@ class RemoteStage:
         self.device, self.dtype, self.max_ctx = torch.device(home), dtype, max_ctx
         self.label = f"remote:{','.join(s[0] for s in shards)}"
         self._load = {"model": str(model), "shards": [list(s) for s in shards], "max_ctx": max_ctx,
-                      "dtype": {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype],
+                      "dtype": DTYPE_NAMES[dtype],
                       "quantize": list(quantize), "fingerprint": fingerprint, "threads": threads,
                       "kvflash": dataclasses.asdict(kvflash) if kvflash is not None else None}
         self._kvflash_stats: list[dict] = []
@@ -83,10 +85,7 @@ class RemoteStage:
 
     def kvflash_stats(self) -> dict | None:
         """KV Flash counters of the worker's stages, as of the last forward (summed)."""
-        kv = self._kvflash_stats
-        if not kv:
-            return None
-        return {k: (sum(s[k] for s in kv) if isinstance(kv[0][k], int) else kv[0][k]) for k in kv[0]}
+        return merge_stats(self._kvflash_stats) if self._kvflash_stats else None
 
     def reselect(self) -> bool:
         return bool(self._load["kvflash"]) and bool(self._call("reselect")[0]["changed"])

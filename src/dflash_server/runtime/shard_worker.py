@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
-from .ipc_codec import PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
+from .ipc_codec import DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
 from .ipc_shm import SharedArea
 from .kv_pager import KvFlashConfig
 
@@ -82,7 +82,7 @@ class ShardWorker:
             source = open_model(self.model_override or a["model"])
             if a.get("fingerprint") and source.fingerprint(mtime=False) != a["fingerprint"]:
                 raise ValueError("the worker's weights differ from the server's (fingerprint mismatch)")
-            dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a["dtype"]]
+            dtype = DTYPES[a["dtype"]]
             n = source.config.num_layers
             shards = [(str(d), int(b), int(e)) for d, b, e in a["shards"]]
             kvflash = KvFlashConfig(**kv) if isinstance(kv, dict) else None

@@ -146,7 +146,6 @@ class LocalStage:
         per_token = sum(2 * s.k.numel() * s.k.element_size() for s in probe if s.kind == "kv")
         return max(0, (free - (3 << 29)) // 2) // per_token if per_token else None
 
-
     @property
     def pager(self):
         return self.pool.pager if self.pool is not None else None
@@ -156,7 +155,7 @@ class LocalStage:
         return sum(s.k.numel() * s.k.element_size() * 2 for s in self.states if s.kind == "kv")
 
     def kvflash_stats(self) -> dict | None:
-        return self.pool.stats() if self.pool is not None else None
+        return dict(self.pool.stats(), device_kv_bytes=self.kv_bytes()) if self.pool is not None else None
 
     @torch.inference_mode()
     def reselect(self) -> bool:
@@ -215,7 +214,7 @@ class LocalStage:
     # --- snapshots ------------------------------------------------------------------------
     def _state_tensors(self, length: int) -> dict[str, torch.Tensor]:
         """Named state of positions [0, length). With KV Flash: the KV rows in position
-        order, gathered from the pool and host memory, plus which chunks were resident."""
+        order, gathered from the pool and host memory, plus the page table."""
         out = {}
         kv_index = 0
         for layer, s in zip(self.layers, self.states):
@@ -285,9 +284,8 @@ class LocalStage:
             table, free = conv[self._table_key], conv[self._free_key]
             if table.dim() != 2 or table.shape[1] != 2 or free.dim() != 1:
                 raise ValueError("snapshot: invalid KV Flash page table")
-            probe = type(self.pool.pager)(self.pool.pager.pool_tokens, self.pool.pager.chunk,
-                                          sink_chunks=self.pool.pager.sink, tail_chunks=self.pool.pager.tail)
-            probe.adopt(-(-length // probe.chunk), [tuple(r) for r in table.tolist()], free.tolist())
+            pager = self.pool.pager
+            pager.check_table(-(-length // pager.chunk), [tuple(r) for r in table.tolist()], free.tolist())
         self._snapshots[slot] = (length, conv)
 
     def _state_spec(self, length: int) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.ipc_codec import DTYPE_NAMES, DTYPES
 from ..runtime.worker_link import RemoteOptions, WorkerLink
 from .config import DraftConfig
 from .draft import DFlashDraft
-
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 class DraftOps:
@@ -31,7 +30,7 @@ class DraftOps:
         return self.draft
 
     def op_draft_load(self, a, t):
-        dtype = {v: k for k, v in DTYPE_NAMES.items()}[a["dtype"]]
+        dtype = DTYPES[a["dtype"]]
         key = (a["path"], a["device"], a["dtype"], int(a["max_ctx"]))
         if key != self.key:
             self.draft, self.key = None, None
