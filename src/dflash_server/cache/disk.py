@@ -70,9 +70,11 @@ class DiskCache:
             self.index.add(DiskEntry(key, tuple(rec["token_ids"]), st.st_size, st.st_mtime))
 
     def lookup(self, token_ids, boundaries) -> tuple[DiskEntry, dict] | None:
-        """Longest snapshot whose ids equal a boundary prefix: (entry, tensors) or None."""
+        """Longest snapshot whose ids equal ``token_ids[:n]`` for an ``n`` in ``boundaries``
+        (any container; a range costs nothing): (entry, tensors) or None."""
+        lengths = boundaries if isinstance(boundaries, (range, set, frozenset)) else set(boundaries)
         with self._lock:
-            e = self.index.longest_match(token_ids, set(boundaries))
+            e = self.index.longest_match(token_ids, lengths)
         if e is None:
             self.counters["misses"] += 1
             return None
