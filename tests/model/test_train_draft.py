@@ -70,6 +70,54 @@ def test_features_captured_while_sampling_equal_teacher_forced_prefill(tiny_dir,
         generate_dataset(pipe, load_prompts()[:1], tmp_path, (0, 1), 20, progress=False)
 
 
+def test_argmax_targets_and_greedy_switch(tiny_dir, tmp_path):
+    """Every position stores the target's argmax (== a teacher-forced forward's); sampled rows
+    turn greedy after at most ``greedy_after`` tokens; targets survive the shards."""
+    path = tiny_dir("llama")
+    pipe = batched(path)
+    ids = render(pipe.tokenizer, load_prompts(split="train")[2])
+    samples = sample_prompt(pipe, ids, TAPS, 40, temperature=1.5, greedy_after=6,
+                            gen=torch.Generator().manual_seed(4))
+    ref = pipeline(path)
+    P = len(ids)
+    off_path = 0
+    for s in samples:
+        assert s.targets.shape == s.ids.shape and (s.targets[:P] == -1).all()
+        ref.reset()
+        logits = ref.forward(s.ids[:-1].tolist(), 0, logits="all").logits
+        assert torch.equal(logits[P - 1:, :ref.config.vocab_size].argmax(-1), s.targets[P:])
+        off = (s.ids[P:] != s.targets[P:]).nonzero()
+        off_path += len(off)
+        assert len(off) == 0 or int(off.max()) < 6             # greedy from token 6 on, at the latest
+    assert off_path > 0                                       # temperature 1.5 does leave the argmax
+    assert torch.equal(samples[0].ids[P:], samples[0].targets[P:])   # the first row is greedy throughout
+    generate_dataset(pipe, load_prompts(split="train")[:1], tmp_path, TAPS, 4, max_new=16, greedy_after=4,
+                     progress=False)
+    _, loaded = load_dataset(tmp_path)
+    assert all(s.targets is not None and s.targets.shape == s.ids.shape for s in loaded)
+
+
+def test_greedy_labels_count_only_the_argmax_path(tiny_dir):
+    pipe = batched(tiny_dir("llama"), batch=1)
+    ids = render(pipe.tokenizer, load_prompts(split="train")[1])
+    s = sample_prompt(pipe, ids, TAPS, 24, gen=torch.Generator().manual_seed(1))[0]
+    P = len(ids)
+    s.targets = s.ids.clone()
+    s.targets[:P] = -1
+    s.targets[P + 3] = (int(s.ids[P + 3]) + 1) % pipe.config.vocab_size   # the data leaves the argmax at P+3
+    tr = DraftTrainer(tiny_cfg(pipe, block=4), [s], pipe.stages[0].embed, pipe.stages[0].embed.weight,
+                      TrainConfig(steps=1, gamma=1e9), head_dtype=torch.float32)
+    anchors = torch.tensor([P, P + 1, P + 3])
+    y, w = tr.labels(s, anchors)
+    assert int(y[0, 2]) == int(s.targets[P + 3]) != int(s.ids[P + 3])    # the label is the argmax
+    # anchor P: P+1..P+3 count (the data is on the argmax path before P+3); anchor P+1: P+2 and
+    # P+3 count, P+4 not (reached only through the off-path P+3); anchor P+3: all
+    assert (w > 0).tolist() == [[True, True, True], [True, True, False], [True, True, True]]
+    tr.tc.labels = "sampled"
+    y, w = tr.labels(s, anchors)
+    assert int(y[0, 2]) == int(s.ids[P + 3]) and bool((w > 0).all())
+
+
 def test_training_forward_equals_inference_draft(tiny_dir):
     """The packed multi-anchor training pass computes, for every block, exactly what the
     inference draft computes from a context of the positions before that anchor."""

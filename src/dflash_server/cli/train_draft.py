@@ -50,6 +50,8 @@ def add_parser(sub) -> None:
                    help="continuations per prompt, sampled in lockstep (the first one greedy)")
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--top-p", type=float, default=0.95)
+    d.add_argument("--greedy-after", type=int, default=64,
+                   help="sampled continuations turn greedy after a random 1..N tokens (0: sample to the end)")
     d.add_argument("--data-only", action="store_true", help="sample the dataset and stop")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=positive_int, default=1000)
@@ -62,6 +64,10 @@ def add_parser(sub) -> None:
                    help="softmax over the full vocabulary, or over the dataset's tokens plus --negatives random "
                         "ones per step (several times faster on CPU; auto: data on CPU, full elsewhere)")
     t.add_argument("--negatives", type=positive_int, default=4096, help="random extra tokens per step (data vocab)")
+    t.add_argument("--labels", default="greedy", choices=["greedy", "sampled"],
+                   help="greedy: the target's argmax stored with the data, positions past the first off-argmax "
+                        "data token of a block not counted (what greedy verification accepts); sampled: the data "
+                        "tokens")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     t.add_argument("--ckpt-every", type=positive_int, default=100, help="checkpoint interval in steps")
     t.add_argument("--eval-every", type=int, default=0, help="held-out acceptance interval (default steps/10; 0 too)")
@@ -133,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     from ..weights.default_model import default_model_path
     from ..weights.loader import open_model
 
+    if args.greedy_after < 0:
+        raise UserError("--greedy-after must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -157,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
                              max_new=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                             seed=args.seed, fingerprint=source.fingerprint())
+                             greedy_after=args.greedy_after, seed=args.seed, fingerprint=source.fingerprint())
         except ValueError as e:
             raise UserError(str(e)) from None
         del pipe
@@ -175,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     tc = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
                      gamma=args.gamma or default_gamma(cfg.block_size), seed=args.seed,
                      head_vocab=args.head_vocab if args.head_vocab != "auto" else "data" if device == "cpu" else "full",
-                     negatives=args.negatives, amp=dtype != torch.float32)
+                     negatives=args.negatives, amp=dtype != torch.float32, labels=args.labels)
     head = pipe.stages[-1].lm_head
     if head.mode != "dense":  # quantized for serving: train against the dense matrix
         tied = mc.tie_word_embeddings or not source.has("lm_head.weight")

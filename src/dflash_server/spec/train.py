@@ -7,7 +7,11 @@ of a sequence run in one draft pass: a block attends bidirectionally to itself a
 fused target features of positions strictly before its anchor (``attention_mask`` with one
 block id per anchor), never to other blocks. Block position k predicts the token at
 ``anchor + k`` (same-position labels) through the draft's own final norm and the target's
-frozen LM head, weighted by ``exp(-(k-1)/gamma)``. AdamW, linear warmup then cosine decay,
+frozen LM head, weighted by ``exp(-(k-1)/gamma)``. When the dataset stores the target's
+argmax per position, that is the label (greedy verification accepts exactly the argmax), and
+block position k > 1 only counts where the data tokens at positions 1..k-1 of the block are
+themselves the argmax: greedy verification only reaches position k along that path
+(``labels="greedy"``). AdamW, linear warmup then cosine decay,
 grad-norm clip 1.0. Only draft parameters train. Data order and anchors are a pure function
 of (seed, step), so a resumed run continues exactly where it stopped.
 """
@@ -50,6 +54,9 @@ class TrainConfig:
     head_vocab: str = "full"
     negatives: int = 4096
     amp: bool = False           # bf16 autocast for the draft layers (fp32 master weights)
+    # "greedy": train on the target's stored argmax (samples without it fall back to their
+    # tokens); "sampled": on the data tokens
+    labels: str = "greedy"
 
 
 class DraftTrainer:
@@ -138,17 +145,29 @@ class DraftTrainer:
             x = layer(x, cos_b, sin_b, ck, cv, masks[key])
         return d.norm(x)[0].view(A, B, -1)
 
+    def labels(self, s: Sample, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Labels and loss weights (A, B-1) for block positions 1..B-1 at ``anchors``."""
+        k = torch.arange(1, self.cfg.block_size)
+        pos = anchors[:, None] + k
+        valid = pos < len(s.ids)
+        pos = pos.clamp(max=len(s.ids) - 1)
+        if self.tc.labels == "greedy" and s.targets is not None:
+            y = s.targets[pos]
+            on_path = (s.ids[pos] == y).int().cumprod(-1)          # data == argmax up to here
+            valid = valid & torch.cat([torch.ones_like(on_path[:, :1]), on_path[:, :-1]], -1).bool()
+        else:
+            y = s.ids[pos]
+        return y, valid * torch.exp(-(k - 1) / self.tc.gamma)
+
     def loss(self, samples: list[Sample], anchors: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         B, dev = self.cfg.block_size, self.device
-        k = torch.arange(1, B)
         hidden, labels, weights = [], [], []
         for s, a in zip(samples, anchors):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.tc.amp):
                 hidden.append(self._blocks(s, a)[:, 1:].float())
-            pos = a[:, None] + k                                      # (A, B-1)
-            valid = pos < len(s.ids)
-            labels.append(s.ids[pos.clamp(max=len(s.ids) - 1)])
-            weights.append(valid * torch.exp(-(k - 1) / self.tc.gamma))
+            y, w = self.labels(s, a)
+            labels.append(y)
+            weights.append(w)
         h = torch.cat(hidden).reshape(-1, self.cfg.hidden_size)
         y = torch.cat(labels).reshape(-1).to(dev)
         w = torch.cat(weights).reshape(-1).to(dev, torch.float32)

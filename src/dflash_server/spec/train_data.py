@@ -8,6 +8,11 @@ captured during generation, so no second teacher-forced pass is needed (a positi
 feature is the layer output when that token went through the target, as in a prefill).
 Each continuation is cut after its first EOS. Samples go to safetensors shards (never
 pickle) with a ``dataset.json`` manifest; generation resumes where a previous run stopped.
+
+Greedy serving accepts a draft token exactly when it equals the target's argmax, so each
+position also stores that argmax (``targets``), and sampled rows switch to greedy decoding
+after a random number of tokens (``greedy_after``): the sampled prefix makes the rows
+differ, the greedy rest is the path greedy verification walks.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class Sample:
     ids: torch.Tensor        # (L,) int64: prompt + response (EOS included when reached)
     prompt_len: int
     features: torch.Tensor   # (L-1, taps*H): tapped outputs at positions [0, L-1)
+    targets: torch.Tensor | None = None  # (L,) int64: the target's argmax for each position, -1 in the prompt
 
 
 def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[dict]:
@@ -71,21 +77,24 @@ def _last_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 TOP_K = 256  # sampling looks at the 256 most likely tokens (a full-vocabulary sort per step is slow)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy_rows: int, gen) -> torch.Tensor:
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torch.Tensor, gen) -> tuple:
+    """(chosen tokens, argmax tokens) for each row; rows where ``greedy`` is set take the argmax."""
     vals, idx = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1)     # sorted, descending
     probs = torch.softmax(vals / max(temperature, 1e-5), dim=-1)
     if top_p < 1.0:
         probs[(probs.cumsum(-1) - probs) > top_p] = 0.0
     tok = idx.cpu().gather(-1, torch.multinomial(probs.cpu(), 1, generator=gen)).squeeze(-1)
-    if greedy_rows:
-        tok[:greedy_rows] = logits[:greedy_rows].argmax(-1).cpu()
-    return tok
+    top = logits.argmax(-1).cpu()                                   # what greedy serving picks
+    return torch.where(greedy, top, tok), top
 
 
 def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
-                  top_p: float = 0.95, greedy_rows: int = 1, gen: torch.Generator | None = None) -> list[Sample]:
-    """B (the pipeline's batch) continuations of one prompt with their features. The first
-    ``greedy_rows`` rows decode greedily (what greedy serving sees), the rest sample."""
+                  top_p: float = 0.95, greedy_rows: int = 1, greedy_after: int = 0,
+                  gen: torch.Generator | None = None) -> list[Sample]:
+    """B (the pipeline's batch) continuations of one prompt with their features and the
+    target's argmax at every position. The first ``greedy_rows`` rows decode greedily (what
+    greedy serving sees); the rest sample, and with ``greedy_after`` > 0 each of them turns
+    greedy after a random number of tokens in [1, greedy_after]."""
     vocab, eos = pipe.config.vocab_size, set(pipe.tokenizer.eos_token_ids)
     max_new = min(max_new, pipe.max_ctx - len(ids))
     with torch.inference_mode():
@@ -94,10 +103,15 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
         prompt_feats = torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu()    # rows are identical
         logits = _last_logits(out.logits, vocab)
         B = logits.shape[0]
-        toks, feats, length = [], [], [0] * B
+        switch = torch.full((B,), max_new + 1)
+        if greedy_after > 0:
+            switch = torch.randint(1, greedy_after + 1, (B,), generator=gen)
+        switch[:greedy_rows] = 0
+        toks, tops, feats, length = [], [], [], [0] * B
         for j in range(max_new):
-            tok = _sample(logits, temperature, top_p, greedy_rows, gen)
+            tok, top = _sample(logits, temperature, top_p, switch <= j, gen)
             toks.append(tok)
+            tops.append(top)
             for b in range(B):
                 if not length[b] and int(tok[b]) in eos:
                     length[b] = j + 1
@@ -107,6 +121,7 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
             feats.append(torch.cat([step.captures[t][:, -1] for t in taps], dim=-1).cpu())
             logits = _last_logits(step.logits, vocab)
         toks_t = torch.stack(toks, dim=1)                                       # (B, n)
+        tops_t = torch.stack(tops, dim=1)
         feats_t = torch.stack(feats, dim=1) if feats else prompt_feats.new_zeros(B, 0, prompt_feats.shape[-1])
     samples = []  # built outside inference mode: training differentiates through these
     for b in range(B):
@@ -114,8 +129,9 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
         if n < 2:
             continue
         full = torch.tensor(list(ids) + toks_t[b, :n].tolist(), dtype=torch.long)
+        targets = torch.cat([torch.full((len(ids),), -1, dtype=torch.long), tops_t[b, :n].long()])
         f = torch.cat([prompt_feats, feats_t[b, :n - 1]])[:len(full) - 1].clone()
-        samples.append(Sample(full, len(ids), f))
+        samples.append(Sample(full, len(ids), f, targets))
     return samples
 
 
@@ -127,6 +143,8 @@ def _save_shard(path: Path, samples: list[Sample], dtype=torch.bfloat16) -> int:
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
                "prompt_len": torch.tensor([s.prompt_len for s in samples]),
                "features": torch.cat([s.features for s in samples]).to(dtype).contiguous()}
+    if all(s.targets is not None for s in samples):
+        tensors["targets"] = torch.cat([s.targets for s in samples]).to(torch.int32)
     save_file(tensors, str(path))
     return int(lens.sum())
 
@@ -138,7 +156,7 @@ def read_manifest(data_dir: str | Path) -> dict | None:
 
 def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tuple[int, ...], samples: int, *,
                      max_new: int = 256, temperature: float = 0.8, top_p: float = 0.95, greedy_rows: int = 1,
-                     seed: int = 0, fingerprint: str = "", shard_prompts: int = 8, progress: bool = True) -> dict:
+                     greedy_after: int = 0, seed: int = 0, fingerprint: str = "", shard_prompts: int = 8, progress: bool = True) -> dict:
     """Sample until the dataset in ``data_dir`` holds at least ``samples`` sequences
     (continuing an existing one made with the same taps/model). Returns the manifest."""
     data_dir = Path(data_dir)
@@ -179,7 +197,8 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
         while man["samples"] + len(pending) < samples:
             prompt = prompts[order[k % len(order)]]
             got = sample_prompt(pipe, render(pipe.tokenizer, prompt), taps, max_new, temperature=temperature,
-                                top_p=top_p, greedy_rows=greedy_rows if k < len(order) else 0, gen=gen)
+                                top_p=top_p, greedy_rows=greedy_rows if k < len(order) else 0,
+                                greedy_after=greedy_after, gen=gen)
             pending += got
             pending_prompts += 1
             k += 1
@@ -208,7 +227,8 @@ def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, 
         for i in range(len(pl)):
             ids = t["tokens"][off[i]:off[i + 1]].long()
             n = len(ids) - 1
-            out.append(Sample(ids, pl[i], t["features"][feat_off:feat_off + n]))
+            targets = t["targets"][off[i]:off[i + 1]].long() if "targets" in t else None
+            out.append(Sample(ids, pl[i], t["features"][feat_off:feat_off + n], targets))
             feat_off += n
         if limit is not None and len(out) >= limit:
             return man, out[:limit]
