@@ -209,6 +209,16 @@ def test_train_draft_command_end_to_end(tiny_dir, tmp_path, capsys):
         assert spec.generate(req).token_ids == plain.generate(req).token_ids
     # resuming a finished run only re-exports
     assert main(args + ["--resume"]) == 0
+    # fine-tune the exported draft on the same data: starts where it ended
+    again = ["train-draft", "--model", str(path), "--out", str(tmp_path / "ft"), "--data", str(out / "data"),
+             "--device", "cpu", "--dtype", "fp32", "--quantize", "none", "--samples", "32", "--init", str(out),
+             "--block-size", "8", "--steps", "2", "--batch", "4", "--anchors", "16", "--lr", "1e-9",
+             "--eval-prompts", "0"]
+    assert main(again) == 0
+    tuned = DFlashDraft.load(tmp_path / "ft", dtype=torch.float32)
+    assert tuned.cfg == trained.cfg
+    for (k, a), b in zip(trained.zlab_state_dict().items(), tuned.zlab_state_dict().values()):
+        assert (a - b).abs().max() < 1e-3, k
 
 
 def test_hidden_size_must_match_target(tiny_dir, tmp_path, capsys):
@@ -216,6 +226,25 @@ def test_hidden_size_must_match_target(tiny_dir, tmp_path, capsys):
     assert rc == 2 and "target's hidden size (64)" in capsys.readouterr().err
     rc = main(["train-draft", "--model", str(tiny_dir("llama")), "--out", str(tmp_path), "--target-layers", "1,7"])
     assert rc == 2 and "outside the target's 4 layers" in capsys.readouterr().err
+
+
+def test_init_from_a_draft(tiny_dir, tmp_path, capsys):
+    from dflash_server.weights.default_model import default_draft_path
+
+    path = tiny_dir("llama")
+    pipe = pipeline(path)
+    cfg = tiny_cfg(pipe)
+    DraftTrainer(cfg, [_samples(path, 1)[1][0]], pipe.stages[0].embed, pipe.stages[0].embed.weight,
+                 TrainConfig(steps=1, seed=9), head_dtype=torch.float32).export(tmp_path / "d", torch.float32)
+    init = DFlashDraft.load(tmp_path / "d", dtype=torch.float32).zlab_state_dict()
+    tr = DraftTrainer(cfg, [_samples(path, 1)[1][0]], pipe.stages[0].embed, pipe.stages[0].embed.weight,
+                      TrainConfig(steps=1, seed=0), head_dtype=torch.float32, init=init)
+    assert all(torch.equal(tr.tensors()[k], v) for k, v in init.items())
+    base = ["train-draft", "--model", str(path), "--out", str(tmp_path / "o"), "--init"]
+    assert main(base + [str(tmp_path / "d"), "--block-size", "4"]) == 2
+    assert "--block-size 4 differs from the --init draft's block_size 8" in capsys.readouterr().err
+    assert main(base + [str(default_draft_path())]) == 2
+    assert "--init: draft hidden_size 576 != target hidden_size 64" in capsys.readouterr().err
 
 
 def test_shipped_draft_loads_and_is_lossless_on_the_default_model():

@@ -32,14 +32,17 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch")
     p.add_argument("--seed", type=int, default=0)
     a = p.add_argument_group("draft architecture")
-    a.add_argument("--layers", type=positive_int, default=1, help="draft decoder layers (default 1)")
+    a.add_argument("--init", metavar="DRAFT",
+                   help="start from this draft's weights (z-lab dir or GGUF); its architecture, tapped layers, "
+                        "block size and MASK id are used (architecture flags must agree or be left out)")
+    a.add_argument("--layers", type=positive_int, help="draft decoder layers (default 1)")
     a.add_argument("--hidden-size", type=positive_int,
                    help="must equal the target's (the draft uses the target's embedding and LM head)")
     a.add_argument("--intermediate-size", type=positive_int, help="MLP size (default: the target's)")
     a.add_argument("--heads", type=positive_int, help="attention heads (default: the target's)")
     a.add_argument("--kv-heads", type=positive_int, help="KV heads (default: the target's when it divides --heads)")
     a.add_argument("--head-dim", type=positive_int, help="default hidden/heads")
-    a.add_argument("--block-size", type=positive_int, default=16)
+    a.add_argument("--block-size", type=positive_int, help="default 16")
     a.add_argument("--target-layers", help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
     a.add_argument("--mask-token-id", type=int, help="MASK id (default: an id the target never generates)")
     d = p.add_argument_group("data (sampled from the target)")
@@ -110,13 +113,37 @@ def draft_config(args, mc, tokenizer):
         raise UserError(f"--mask-token-id {mask} outside the vocabulary ({mc.vocab_size})")
     try:
         return DraftConfig(hidden_size=H, intermediate_size=args.intermediate_size or mc.intermediate_size,
-                           num_layers=args.layers, num_heads=heads, num_kv_heads=kv,
+                           num_layers=args.layers or 1, num_heads=heads, num_kv_heads=kv,
                            head_dim=args.head_dim or (mc.head_dim if heads == mc.num_heads else H // heads),
-                           block_size=args.block_size, mask_token_id=mask, target_layer_ids=taps,
+                           block_size=args.block_size or 16, mask_token_id=mask, target_layer_ids=taps,
                            rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta, rope_scaling=mc.rope_scaling,
                            num_target_layers=mc.num_layers)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+ARCH_FLAGS = {"layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+              "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "block_size": "block_size",
+              "mask_token_id": "mask_token_id"}
+
+
+def init_draft(args, mc) -> tuple:
+    """(config, fp32 tensors) of the ``--init`` draft, checked against the target and the flags."""
+    from ..spec.draft import DFlashDraft
+
+    try:
+        d = DFlashDraft.load(args.init, dtype=torch.float32, max_ctx=8)
+        d.check_target(mc.num_layers, mc.hidden_size, mc.vocab_size)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--init: {e}") from None
+    for flag, field in ARCH_FLAGS.items():
+        v = getattr(args, flag)
+        if v is not None and v != getattr(d.cfg, field):
+            raise UserError(f"--{flag.replace('_', '-')} {v} differs from the --init draft's {field} "
+                            f"{getattr(d.cfg, field)}")
+    if args.target_layers and tuple(int(x) for x in args.target_layers.split(",")) != d.cfg.target_layer_ids:
+        raise UserError(f"--target-layers differs from the --init draft's {list(d.cfg.target_layer_ids)}")
+    return d.cfg, {k: v.detach().clone() for k, v in d.zlab_state_dict().items()}
 
 
 def acceptance(pipe, draft, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -150,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     mc = source.config
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if args.dtype == "auto" else DTYPES[args.dtype]
-    cfg = draft_config(args, mc, source.tokenizer)
+    cfg, init = init_draft(args, mc) if args.init else (draft_config(args, mc, source.tokenizer), None)
     try:
         prompts = load_prompts(args.prompts)
     except (OSError, ValueError, KeyError) as e:
@@ -194,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         trainer = DraftTrainer(cfg, samples, pipe.stages[0].embed, head_w, tc, device=device,
                                ckpt_dir=out / "checkpoint", resume=args.resume,
                                head_dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16,
-                               norm_weight=pipe.stages[-1].final_norm.weight)
+                               norm_weight=pipe.stages[-1].final_norm.weight, init=init)
     except ValueError as e:
         raise UserError(str(e)) from None
     held_ids = [render(source.tokenizer, p) for p in held]

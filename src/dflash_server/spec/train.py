@@ -62,11 +62,13 @@ class TrainConfig:
 class DraftTrainer:
     """Trains ``DraftConfig`` on samples; ``embed`` is the target's embedding module and
     ``head_weight`` its LM head matrix (both frozen). ``norm_weight`` (the target's final norm)
-    initialises the draft's final norm, so the borrowed head starts at a sane logit scale."""
+    initialises the draft's final norm, so the borrowed head starts at a sane logit scale.
+    ``init``: start from these draft weights instead (z-lab names; fine-tuning a draft)."""
 
     def __init__(self, cfg: DraftConfig, samples: list[Sample], embed, head_weight: torch.Tensor,
                  tc: TrainConfig, *, device="cpu", ckpt_dir: str | Path | None = None, resume: bool = False,
-                 head_dtype: torch.dtype = torch.bfloat16, norm_weight: torch.Tensor | None = None):
+                 head_dtype: torch.dtype = torch.bfloat16, norm_weight: torch.Tensor | None = None,
+                 init: dict[str, torch.Tensor] | None = None):
         if not samples:
             raise ValueError("no training samples")
         self.cfg, self.samples, self.tc, self.device = cfg, samples, tc, torch.device(device)
@@ -78,6 +80,8 @@ class DraftTrainer:
         state = None
         if resume and self.ckpt_dir and (self.ckpt_dir / "state.json").is_file():
             state, tensors = self._read_checkpoint()
+        elif init is not None:
+            tensors = {k: v.float() for k, v in init.items()}
         else:
             tensors = DFlashDraft.random_tensors(cfg, tc.seed)
             if norm_weight is not None:
