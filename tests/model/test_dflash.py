@@ -226,3 +226,26 @@ def test_fast_int4_draft_head_is_lossless(tiny_dir):
     assert prop.head is not None and prop.head.mode == "int4"
     assert run(pipe, ids, prop, max_tokens=24).token_ids == ref
     assert DFlashProposer(draft, pipe, fast_head=False).head is None
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("qwen3_5", 1), ("qwen3_5", 2)])
+def test_adaptive_block_size_lossless(tiny_dir, family, stages):
+    """Each step picks its block (1 = a plain step) from measured times and acceptance: the
+    output is plain decoding's whatever it picks; an oracle draft is run with long blocks, a
+    random draft mostly as plain steps."""
+    pipe = pipeline(tiny_dir(family), stages=stages)
+    ids = prompt_ids(pipe, 24)
+    ref = run(pipe, ids, max_tokens=90).token_ids
+    rand = DFlashProposer(random_draft(pipe, seed=3), pipe, adaptive=True)
+    assert rand.sizer is not None and rand.sizer.max_block == 8
+    res = run(pipe, ids, rand, max_tokens=90)
+    assert res.token_ids == ref
+    spec = res.extra["spec"]
+    committed = spec["steps"] * spec["acceptance_length"] + spec["plain_steps"]
+    assert round(committed) == len(ref) - 1                         # the first token comes from prefill
+    assert spec["plain_steps"] > spec["steps"]                      # a useless draft is mostly skipped
+    oracle = OracleProposer(random_draft(pipe), pipe, 8, ids, ref)
+    oracle.sizer = rand.sizer.__class__(8)
+    res = run(pipe, ids, oracle, max_tokens=90)
+    assert res.token_ids == ref
+    assert res.extra["spec"]["mean_block_size"] > 5 and res.extra["spec"]["accept_rate"] == 1.0

@@ -182,6 +182,13 @@ def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     assert spec["token_ids"] == plain["token_ids"] and plain["spec"] is None
     assert spec["spec"]["steps"] > 0 and spec["spec"]["block_size"] == 3
     assert {"acceptance_length", "accept_rate", "steps"} <= set(spec["spec"])
+    auto = run_cli(*base, "--draft", str(draft))                 # default: adaptive block size
+    assert auto.returncode == 0, auto.stderr
+    auto = json.loads(auto.stdout)
+    assert auto["token_ids"] == plain["token_ids"] and auto["spec"]["block_size"] == 4
+    assert auto["spec"]["steps"] + auto["spec"]["plain_steps"] > 0
+    for bad in ("1", "x"):
+        assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--block-size", bad), "block-size")
 
 
 def test_bad_draft_gives_clean_error(tiny_dir, tmp_path):

@@ -72,7 +72,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--draft", help="DFlash draft directory (z-lab format) or .gguf; 'default' = the draft "
                                    "shipped for the built-in model (off unless asked: see README)")
     d.add_argument("--draft-device", help="device of the draft (default: the target's last stage device)")
-    d.add_argument("--block-size", type=positive_int, help="draft block size (may be smaller than trained)")
+    d.add_argument("--block-size", type=block_size_arg, default="auto",
+                   help="verify block size N (may be smaller than trained), or auto (default): each step picks "
+                        "the block, up to the trained one, expected to commit the most tokens per second from "
+                        "measured acceptance and step times (1 = a plain decode step)")
     d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
 
 
@@ -291,6 +294,15 @@ def resolve_draft_path(args):
     return args.draft
 
 
+def block_size_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 or auto, got {text!r}") from None
+
+
 def load_proposer(args, pipeline, dtype, path):
     """Load the DFlash draft at ``path`` and wrap it for the pipeline (UserError if unfit)."""
     from ..spec.draft import DFlashDraft
@@ -302,8 +314,9 @@ def load_proposer(args, pipeline, dtype, path):
             draft = remote_draft(args, path, device.removeprefix("remote:"), pipeline, dtype)
         else:
             draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx)
-        if args.block_size is not None and args.block_size < 2:
-            raise ValueError("--block-size must be >= 2")
-        return DFlashProposer(draft, pipeline, block_size=args.block_size)
+        auto = args.block_size == "auto"
+        if not auto and args.block_size < 2:
+            raise ValueError("--block-size must be >= 2 or auto")
+        return DFlashProposer(draft, pipeline, block_size=None if auto else args.block_size, adaptive=auto)
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

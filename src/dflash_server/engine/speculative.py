@@ -10,6 +10,7 @@ committed positions' features extend the draft's context.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -20,6 +21,7 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     committed: int = 0
+    plain_steps: int = 0  # steps the adaptive block size ran without drafting (not in tau)
     histogram: list[int] = field(default_factory=list)  # [k] = steps that accepted exactly k drafts
 
     def __post_init__(self):
@@ -27,6 +29,9 @@ class SpecStats:
             self.histogram = [0] * self.block_size
 
     def record(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:                     # a plain decode step (adaptive block size 1)
+            self.plain_steps += 1
+            return
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -49,7 +54,9 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "steps": self.steps, "proposed": self.proposed,
-                "accepted": self.accepted, "acceptance_length": round(self.acceptance_length, 4),
+                "accepted": self.accepted, "plain_steps": self.plain_steps,
+                "mean_block_size": round(1 + self.proposed / self.steps, 3) if self.steps else 0.0,
+                "acceptance_length": round(self.acceptance_length, 4),
                 "accept_rate": round(self.accept_rate, 4), "accept_histogram": list(self.histogram),
                 "position_acceptance": [round(x, 4) for x in self.position_acceptance()]}
 
@@ -60,15 +67,20 @@ def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: in
     target cache). Returns the finish reason when the output builder did not decide one.
     ``on_commit(length, logits)``: called after each step with the committed length and
     the logits that predicted the newest (not yet cached) token."""
-    taps = proposer.taps
+    taps, sizer = proposer.taps, getattr(proposer, "sizer", None)
+    if sizer is not None:
+        sizer.begin_request()
     while True:
-        block = min(proposer.block_size, max_tokens - len(out.tokens), pipe.max_ctx - pos)
+        want = sizer.choose() if sizer is not None else proposer.block_size
+        block = min(want, max_tokens - len(out.tokens), pipe.max_ctx - pos)
         if block < 1:
             return "length"
         if cancelled is not None and cancelled():
             return "cancelled"
+        t0 = time.perf_counter()
         drafts = proposer.propose(anchor, pos, block)
-        pipe.checkpoint()
+        if block > 1:                               # a plain step (block 1) has nothing to roll back
+            pipe.checkpoint()
         verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=taps)
         acc, done, tok = 0, False, anchor
         for i in range(block):
@@ -83,9 +95,12 @@ def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: in
                 break
             acc += 1
         # positions pos .. pos+acc (anchor + accepted drafts) are committed
-        pipe.rollback(pos + acc + 1)
+        if block > 1:
+            pipe.rollback(pos + acc + 1)
         proposer.add_context(verify.captures, pos, acc + 1)
         stats.record(block - 1, acc)
+        if sizer is not None:
+            sizer.observe(block, None if done else acc, time.perf_counter() - t0)
         if done:
             return out.finish
         pos += acc + 1

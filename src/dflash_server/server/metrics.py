@@ -91,6 +91,8 @@ class Metrics:
         self.spec_drafted = Counter(p + "spec_draft_tokens", "draft tokens proposed", registry=r)
         self.spec_accepted = Counter(p + "spec_accepted_tokens", "draft tokens accepted", registry=r)
         self.spec_steps = Counter(p + "spec_verify_steps", "speculative verify passes", registry=r)
+        self.spec_plain = Counter(p + "spec_plain_steps", "decode steps the adaptive block size ran without a draft",
+                                  registry=r)
         self.spec_tau = Gauge(p + "spec_last_acceptance_length", "tokens committed per verify pass (last request)",
                               registry=r)
         self.cache_hits = Counter(p + "prefix_cache_hits", "requests that restored a cached prefix",
@@ -151,7 +153,7 @@ class Metrics:
         spec = (result.extra or {}).get("spec") if isinstance(result.extra, dict) else None
         if isinstance(spec, dict):
             for key, counter in (("proposed", self.spec_drafted), ("accepted", self.spec_accepted),
-                                 ("steps", self.spec_steps)):
+                                 ("steps", self.spec_steps), ("plain_steps", self.spec_plain)):
                 v = spec.get(key)
                 if isinstance(v, (int, float)) and v > 0:
                     counter.inc(v)

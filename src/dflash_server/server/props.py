@@ -19,6 +19,10 @@ def _speculative(engine) -> dict:
         v = getattr(proposer, key, None)
         if isinstance(v, (int, str)) or (isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v)):
             out[key] = list(v) if isinstance(v, tuple) else v
+    sizer = getattr(proposer, "sizer", None)
+    out["adaptive_block_size"] = sizer is not None
+    if sizer is not None:
+        out["block_sizer"] = sizer.to_dict()
     return out
 
 

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from .block_sizer import BlockSizer
 from .draft import DFlashDraft
 
 
 class DFlashProposer:
-    def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None):
-        """``fast_head``: give the draft its own int4 copy of the LM head (CPU only). Draft
+    def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None,
+                 adaptive: bool = False):
+        """``block_size``: verify block (default: the trained one); with ``adaptive`` the
+        largest one, and each step picks the block expected to commit the most tokens per
+        second (``BlockSizer``; 1 = a plain decode step).
+        ``fast_head``: give the draft its own int4 copy of the LM head (CPU only). Draft
         logits only pick proposals, so rounding there cannot change the output, and the
         weight-only head costs about half the int8 one per row (the draft projects B-1 rows
         every step). Default: on when the target runs on CPU."""
@@ -26,6 +31,7 @@ class DFlashProposer:
         self.draft, self.pipeline = draft, pipeline
         self.taps = draft.cfg.target_layer_ids
         self.mask_id = draft.cfg.mask_token_id
+        self.sizer = BlockSizer(self.block_size) if adaptive else None
         self.head = None
         if fast_head is None:
             fast_head = pipeline.device.type == "cpu" and pipeline.stages[-1].dtype == torch.bfloat16

@@ -1,0 +1,38 @@
+"""The HTTP server with a DFlash draft (adaptive block size, the default): output equals the
+server without a draft; per-request stats in the response timings, the sizer's state in
+/props, counters in /metrics."""
+from __future__ import annotations
+
+import json
+
+import httpx
+from safetensors.torch import save_file
+
+from dflash_server.spec.config import DraftConfig
+from dflash_server.spec.draft import DFlashDraft
+
+from .conftest import start_tiny
+
+
+def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp_path):
+    cfg = DraftConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1, 2), num_target_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(DFlashDraft.random_tensors(cfg, 0, 0.05), str(tmp_path / "model.safetensors"))
+    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path))
+    try:
+        body = {"model": "tiny", "max_tokens": 40, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count from one to twenty in words."}]}
+        got = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json=body).json()
+        want = httpx.post(llama_server.url + "/v1/chat/completions", timeout=120, json=body).json()
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        spec = got["timings"]["spec"]
+        assert spec["block_size"] == 4 and spec["steps"] + spec["plain_steps"] > 0
+        assert {"acceptance_length", "accept_rate", "mean_block_size"} <= set(spec)
+        props = httpx.get(srv.url + "/props").json()["speculative"]
+        assert props["enabled"] and props["adaptive_block_size"] and props["block_size"] == 4
+        assert props["block_sizer"]["candidates"] == [1, 2, 3, 4] and props["block_sizer"]["cost_ms"]
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert "dflash_spec_plain_steps_total" in metrics and "dflash_spec_verify_steps_total" in metrics
+    finally:
+        assert srv.stop() == 0, srv.output()

@@ -1,0 +1,90 @@
+"""BlockSizer: picks the verify block with the most expected tokens per second."""
+import random
+
+import pytest
+
+from dflash_server.spec.block_sizer import BlockSizer
+
+
+def simulate(sizer, q, cost, steps=400, seed=0):
+    """Drive the sizer with a draft whose positions are each accepted with chance ``q``
+    and a machine where a block of B costs ``cost(B)`` seconds; returns the chosen blocks."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        b = sizer.choose()
+        acc = 0
+        while acc < b - 1 and rng.random() < q:
+            acc += 1
+        sizer.observe(b, acc, cost(b))
+        chosen.append(b)
+    return chosen
+
+
+def cpu_int4(b):      # measured shape on the 2-core dev CPU: a block of 8 ~ 2x one decode step
+    return 0.018 * (1 + 0.14 * (b - 1))
+
+
+def gpu(b):           # a GPU: a block of 16 costs about one decode step
+    return 0.010 * (1 + 0.01 * (b - 1))
+
+
+def test_candidates_and_exploration_order():
+    s = BlockSizer(8, explore_every=10)
+    assert s.candidates == (1, 2, 3, 4, 6, 8)
+    # each untried candidate is tried once, largest first
+    order = []
+    for _ in range(6):
+        b = s.choose()
+        order.append(b)
+        s.observe(b, 0, cpu_int4(b))
+    assert order == [8, 6, 4, 3, 2, 1]
+    picks = []
+    for _ in range(30):
+        b = s.choose()
+        picks.append((s.steps, b))
+        s.observe(b, 0, cpu_int4(b))
+    # exploitation picks 1 (nothing is ever accepted); every 10th step re-measures the stalest
+    assert {b for n, b in picks if n % 10 != 9} == {1}
+    assert [b for n, b in picks if n % 10 == 9] == [8, 6, 4]
+    with pytest.raises(ValueError):
+        BlockSizer(1)
+
+
+@pytest.mark.parametrize("q,cost,lo,hi", [
+    (0.05, cpu_int4, 1, 1),      # a useless draft: plain decoding
+    (0.5, cpu_int4, 2, 4),       # a weak draft on a CPU: short blocks
+    (0.9, cpu_int4, 6, 8),       # a good draft: long blocks even where they cost
+    (0.5, gpu, 6, 8),            # blocks nearly free: long even for a weak draft
+])
+def test_converges_to_the_fastest_block(q, cost, lo, hi):
+    s = BlockSizer(8)
+    chosen = simulate(s, q, cost)
+    tail = [b for i, b in enumerate(chosen[100:], 100) if i % s.explore_every != s.explore_every - 1]
+    def rate(b):                                              # true tokens per second
+        return (1 - q ** b) / (1 - q) / cost(b)
+    best = max(s.candidates, key=rate)
+    assert lo <= best <= hi
+    # near-ties (within a few %) may go either way; the throughput reached must not
+    efficiency = sum(rate(b) for b in tail) / len(tail) / rate(best)
+    assert efficiency > 0.95, (best, efficiency, s.to_dict())
+
+
+def test_request_acceptance_overrides_history():
+    """A request whose draft is much better than earlier ones moves to long blocks quickly."""
+    s = BlockSizer(8)
+    simulate(s, 0.05, cpu_int4, steps=300)
+    assert s.choose() in (1, 2)
+    s.begin_request()
+    chosen = simulate(s, 0.95, cpu_int4, steps=40, seed=1)
+    assert chosen[-1] == 8 and s.q(1) > 0.8
+    s.begin_request()                                  # a new request starts from the history
+    assert s.req_reach[1] == 0 and 0.3 < s.q(1) < 0.95
+
+
+def test_early_stop_is_not_a_rejection():
+    s = BlockSizer(4)
+    s.observe(4, None, 0.01)                           # the step ended at a stop string
+    assert s.reach[1] == 0 and s.cost[4] == 0.01
+    s.observe(4, 1, 0.02)                              # positions 1 (hit) and 2 (miss) reached; 3 not
+    assert s.reach[1:] == [1, 1, 0] and s.hits[1:] == [1, 0, 0]
