@@ -238,6 +238,11 @@ def test_adaptive_block_size_lossless(tiny_dir, family, stages):
     ref = run(pipe, ids, max_tokens=90).token_ids
     rand = DFlashProposer(random_draft(pipe, seed=3), pipe, adaptive=True)
     assert rand.sizer is not None and rand.sizer.max_block == 8
+
+    def machine_costs(sizer):  # a CPU-like cost shape instead of this (loaded) machine's timings
+        real = sizer.observe
+        sizer.observe = lambda block, acc, seconds: real(block, acc, 0.01 * (1 + 0.15 * (block - 1)))
+    machine_costs(rand.sizer)
     res = run(pipe, ids, rand, max_tokens=90)
     assert res.token_ids == ref
     spec = res.extra["spec"]
@@ -246,6 +251,26 @@ def test_adaptive_block_size_lossless(tiny_dir, family, stages):
     assert spec["plain_steps"] > spec["steps"]                      # a useless draft is mostly skipped
     oracle = OracleProposer(random_draft(pipe), pipe, 8, ids, ref)
     oracle.sizer = rand.sizer.__class__(8)
+    machine_costs(oracle.sizer)
     res = run(pipe, ids, oracle, max_tokens=90)
     assert res.token_ids == ref
     assert res.extra["spec"]["mean_block_size"] > 5 and res.extra["spec"]["accept_rate"] == 1.0
+
+
+def test_deferred_draft_context_equals_immediate(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = prompt_ids(pipe, 12)
+    now, later = DFlashProposer(random_draft(pipe), pipe), DFlashProposer(random_draft(pipe), pipe)
+    pipe.reset()
+    caps = pipe.forward(ids, 0, logits="none", capture=now.taps).captures
+    for i in range(len(ids)):
+        one = {t: c[:, i:i + 1] for t, c in caps.items()}
+        now.add_context(one, i)
+        later.add_context(one, i, defer=True)
+    assert later.draft.context.length == 0                   # nothing projected yet
+    assert later.context_length == len(ids)                  # reading the length flushes
+    for a, b in zip(now.draft.context.k + now.draft.context.v, later.draft.context.k + later.draft.context.v):
+        assert torch.allclose(a[:, :, :len(ids)], b[:, :, :len(ids)], atol=1e-5)
+    later.add_context({t: c[:, :2] for t, c in caps.items()}, 0, defer=True)
+    later.add_context({t: c[:, 1:2] for t, c in caps.items()}, 1, defer=True)   # not contiguous: flushes first
+    assert later.draft.context.length == 2 and not later._pending

@@ -88,3 +88,19 @@ def test_eviction_frees_stage_snapshots(tiny_dir):
         eng.generate(GenerationRequest(tuple(ids), max_tokens=2, ignore_eos=True))
     assert eng.prefix_cache.stats()["memory"]["slots"] == 2
     assert len(pipe.stages[0]._snapshots) == 2 and len(eng.prefix_cache.extras) == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_hit_equals_miss_with_adaptive_block_size(tiny_dir, family):
+    """Plain steps of the adaptive block size defer the draft-context update; snapshots
+    flush it, so a hit continues with the full draft context and the same output."""
+    def engine(slots):
+        pipe = pipeline(tiny_dir(family))
+        prop = DFlashProposer(random_draft(pipe, block_size=4, seed=1), pipe, adaptive=True)
+        return Engine(pipe, proposer=prop, prefix_slots=slots)
+    plain = converse(Engine(pipeline(tiny_dir(family))))
+    cached = converse(engine(8))
+    for i, (a, b) in enumerate(zip(cached, plain)):
+        assert a.token_ids == b.token_ids, i
+    assert all(0 < r.cached_tokens for r in cached[1:])
+    assert sum(r.extra["spec"]["plain_steps"] for r in cached) > 0

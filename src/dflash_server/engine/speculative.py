@@ -97,7 +97,7 @@ def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: in
         # positions pos .. pos+acc (anchor + accepted drafts) are committed
         if block > 1:
             pipe.rollback(pos + acc + 1)
-        proposer.add_context(verify.captures, pos, acc + 1)
+        proposer.add_context(verify.captures, pos, acc + 1, defer=block == 1)
         stats.record(block - 1, acc)
         if sizer is not None:
             sizer.observe(block, None if done else acc, time.perf_counter() - t0)

@@ -32,6 +32,7 @@ class DFlashProposer:
         self.taps = draft.cfg.target_layer_ids
         self.mask_id = draft.cfg.mask_token_id
         self.sizer = BlockSizer(self.block_size) if adaptive else None
+        self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
         self.head = None
         if fast_head is None:
             fast_head = pipeline.device.type == "cpu" and pipeline.stages[-1].dtype == torch.bfloat16
@@ -53,30 +54,49 @@ class DFlashProposer:
         return head
 
     def reset(self) -> None:
+        self._pending = []
         self.draft.reset()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
+        self.flush()
         return self.draft.context_export()
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._pending = []
         self.draft.context_import(tensors)
 
     @property
     def context_length(self) -> int:
+        self.flush()
         return self.draft.context.length
 
-    def add_context(self, captures: dict[int, torch.Tensor], start: int, n: int | None = None) -> None:
-        """Append the tapped outputs of committed positions [start, start+n)."""
-        feats = torch.cat([captures[t].to(self.draft.device) for t in self.taps], dim=-1)
+    def add_context(self, captures: dict[int, torch.Tensor], start: int, n: int | None = None,
+                    defer: bool = False) -> None:
+        """Append the tapped outputs of committed positions [start, start+n). ``defer``: only
+        keep them until the draft next needs its context (plain steps of the adaptive block
+        size add one position each; one batched append later is cheaper than many)."""
+        feats = torch.cat([captures[t] for t in self.taps], dim=-1)
         if n is not None:
             feats = feats[:, :n]
-        self.draft.append_context(feats, start)
+        if defer and (not self._pending or self._pending[-1][0] + self._pending[-1][1].shape[1] == start):
+            self._pending.append((start, feats))
+            return
+        self.flush()
+        self.draft.append_context(feats.to(self.draft.device), start)
+
+    def flush(self) -> None:
+        """Append deferred positions to the draft's context."""
+        if self._pending:
+            start, feats = self._pending[0][0], torch.cat([f for _, f in self._pending], dim=1)
+            self._pending = []
+            self.draft.append_context(feats.to(self.draft.device), start)
 
     @torch.inference_mode()
     def propose(self, anchor: int, start: int, block: int) -> list[int]:
         """``block - 1`` draft tokens following ``anchor`` (which sits at ``start``)."""
         if block < 2:
             return []
+        self.flush()
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
         emb = self.pipeline.embed(ids)
         hidden = self.draft.draft_hidden(emb, start)
