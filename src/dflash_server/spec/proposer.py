@@ -75,21 +75,22 @@ class DFlashProposer:
         """Append the tapped outputs of committed positions [start, start+n). ``defer``: only
         keep them until the draft next needs its context (plain steps of the adaptive block
         size add one position each; one batched append later is cheaper than many)."""
-        feats = torch.cat([captures[t] for t in self.taps], dim=-1)
+        # tapped layers may sit on several devices: gather on the draft's
+        feats = torch.cat([captures[t].to(self.draft.device) for t in self.taps], dim=-1)
         if n is not None:
             feats = feats[:, :n]
         if defer and (not self._pending or self._pending[-1][0] + self._pending[-1][1].shape[1] == start):
             self._pending.append((start, feats))
             return
         self.flush()
-        self.draft.append_context(feats.to(self.draft.device), start)
+        self.draft.append_context(feats, start)
 
     def flush(self) -> None:
         """Append deferred positions to the draft's context."""
         if self._pending:
             start, feats = self._pending[0][0], torch.cat([f for _, f in self._pending], dim=1)
             self._pending = []
-            self.draft.append_context(feats.to(self.draft.device), start)
+            self.draft.append_context(feats, start)
 
     @torch.inference_mode()
     def propose(self, anchor: int, start: int, block: int) -> list[int]:
