@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
     a.add_argument("--kv-heads", type=positive_int, help="KV heads (default: the target's when it divides --heads)")
     a.add_argument("--head-dim", type=positive_int, help="default hidden/heads")
     a.add_argument("--block-size", type=positive_int, help="default 16")
-    a.add_argument("--target-layers", help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
+    a.add_argument("--target-layers", type=layer_ids,
+                   help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
     a.add_argument("--mask-token-id", type=int, help="MASK id (default: an id the target never generates)")
     d = p.add_argument_group("data (sampled from the target)")
     d.add_argument("--samples", "--data-size", dest="samples", type=positive_int, default=1024,
@@ -79,6 +80,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def layer_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _pipeline(source, device, dtype, quantize, max_ctx, batch):
     from ..runtime.pipeline import build_pipeline
     from ..runtime.placement import plan_placement
@@ -100,11 +108,7 @@ def draft_config(args, mc, tokenizer):
     kv = args.kv_heads or (mc.num_kv_heads if heads % mc.num_kv_heads == 0 else heads)
     if heads % kv:
         raise UserError(f"--heads {heads} is not a multiple of --kv-heads {kv}")
-    try:
-        taps = tuple(int(x) for x in args.target_layers.split(",")) if args.target_layers else \
-            default_target_layer_ids(mc.num_layers, min(5, mc.num_layers))
-    except ValueError:
-        raise UserError(f"--target-layers: expected comma-separated integers, got {args.target_layers!r}") from None
+    taps = args.target_layers or default_target_layer_ids(mc.num_layers, min(5, mc.num_layers))
     bad = [t for t in taps if not 0 <= t < mc.num_layers]
     if bad:
         raise UserError(f"--target-layers {bad} outside the target's {mc.num_layers} layers")
@@ -141,7 +145,7 @@ def init_draft(args, mc) -> tuple:
         if v is not None and v != getattr(d.cfg, field):
             raise UserError(f"--{flag.replace('_', '-')} {v} differs from the --init draft's {field} "
                             f"{getattr(d.cfg, field)}")
-    if args.target_layers and tuple(int(x) for x in args.target_layers.split(",")) != d.cfg.target_layer_ids:
+    if args.target_layers and args.target_layers != d.cfg.target_layer_ids:
         raise UserError(f"--target-layers differs from the --init draft's {list(d.cfg.target_layer_ids)}")
     return d.cfg, {k: v.detach().clone() for k, v in d.zlab_state_dict().items()}
 
