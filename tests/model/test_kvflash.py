@@ -196,7 +196,7 @@ def test_retrieval_beyond_the_pool_with_the_score_policy():
     """A fact early in a ~2K-token prompt (4x the 512-token pool) is answered by the default
     model with the score policy as with full KV; LRU (which keeps only the sink and the
     most recent chunks) loses it. Measured over 5 facts x 2 depths (benchmarks/kvflash.py
-    --retrieval): full KV 9/10, score 4/10, lru 0/10; here the cases full KV answers."""
+    --retrieval): full KV 9/10, score 9/10, lru 0/10; here 4 cases full KV answers."""
     from dflash_server.cli.common import quantize_plan
     from dflash_server.weights.default_model import default_model_path
 
@@ -223,7 +223,8 @@ def test_retrieval_beyond_the_pool_with_the_score_policy():
             passed[mode] += code in out
     print("retrieval passes out of", len(cases), passed)
     assert passed["full"] >= 3, passed  # the model can answer without KV Flash
-    assert passed["score"] >= 2 and passed["score"] > passed["lru"], passed
+    # measured 4 of 4; one miss is allowed: a 135M model answers some cases on a knife edge
+    assert passed["score"] >= 3 and passed["score"] > passed["lru"], passed
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

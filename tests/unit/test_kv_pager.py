@@ -138,3 +138,42 @@ def test_forward_splits_do_not_change_what_each_position_sees(policy):
     ref = visible([1] * 120)  # decoding, one position at a time
     for splits in ([7] * 20, [13] * 10, [30, 1, 50, 3, 40], [120]):
         assert visible(splits) == ref, splits
+
+
+def test_chunk_scores_follow_the_retrieving_head_and_its_next_chunk():
+    """Re-selection scores: one head of one layer that looks at chunk 3 outweighs many heads
+    spread over the sink and the recent chunks; chunk 4, right after it, inherits half of
+    its score; a paged-out chunk is scored from host memory like a resident one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash_server.runtime.kv_pool import SCORE_NEXT, KvPool
+
+    C, hd, nh, layers, n_chunks = 4, 8, 4, 6, 10
+    pager = KvPager((6 + 1) * C, chunk=C, sink_chunks=1, tail_chunks=2, policy="score")
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(layers, n_chunks * C, hd, generator=gen) * 0.1   # logical K rows, near-uniform attention
+    probe = torch.zeros(hd)
+    probe[0] = 1.0
+    keys[1, 3 * C + 2] = 8 * probe             # layer 1: one token of chunk 3 answers the probe
+    keys[:, 0] += 10 * probe                   # every layer: the sink takes much of every head's mass
+    states = [SimpleNamespace(kind="kv", k=torch.zeros(1, 1, pager.pool_tokens, hd),
+                              v=torch.zeros(1, 1, pager.pool_tokens, hd)) for _ in range(layers)]
+    pool = KvPool(pager, states, torch.device("cpu"))
+    for pos in range(n_chunks * C):
+        pool.apply(pager.plan_write(pos, pos + 1))
+        slot = pager.slots(pos, pos + 1)[0]
+        for j, s in enumerate(states):
+            s.k[0, 0, slot] = keys[j, pos]
+    assert {3, 4} <= pager.paged and 0 in pager.resident  # scored from host memory
+    q = torch.zeros(layers, 1, 2, nh, hd)      # (layer, B, R, nh, hd)
+    q[:, :, :, :, 0] = 1.0                     # every head of every layer asks for the probe
+    pool.last_q = list(q)
+    scores = pool.chunk_scores(n_chunks * C)
+    assert set(scores) == set(range(n_chunks))
+    rest = sorted((c for c in scores if c not in (0, 8, 9)), key=lambda c: -scores[c])
+    assert rest[:2] == [3, 4], scores
+    assert scores[4] >= SCORE_NEXT * scores[3] - 1e-6
+    assert pool.reselect() and {3, 4} <= pager.resident.keys()
+    pager.check_integrity()
