@@ -66,7 +66,7 @@ GOOD = {"name": "x", "dtype": "f32", "shape": [4], "nbytes": 16, "frame": 1}
 
 
 @pytest.mark.parametrize("spec,why", [
-    (dict(GOOD, dtype="f64"), "dtype"),
+    (dict(GOOD, dtype="c64"), "dtype"),
     (dict(GOOD, dtype="pickle"), "dtype"),
     (dict(GOOD, shape=[5]), "bytes"),
     (dict(GOOD, nbytes=15), "bytes"),

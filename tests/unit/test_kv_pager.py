@@ -175,5 +175,5 @@ def test_chunk_scores_follow_the_retrieving_head_and_its_next_chunk():
     rest = sorted((c for c in scores if c not in (0, 8, 9)), key=lambda c: -scores[c])
     assert rest[:2] == [3, 4], scores
     assert scores[4] >= SCORE_NEXT * scores[3] - 1e-6
-    assert pool.reselect() and {3, 4} <= pager.resident.keys()
+    assert pool.reselect(n_chunks * C) and {3, 4} <= pager.resident.keys()
     pager.check_integrity()

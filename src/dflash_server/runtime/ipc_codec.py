@@ -20,7 +20,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 4096
 MAX_RANK = 6
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i64": torch.int64,
+DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i64": torch.int64,
           "i32": torch.int32, "u8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -53,7 +53,7 @@ class KvPool:
         ``speculative``: a verify block that may be rolled back (no re-selection then)."""
         pager = self.pager
         if not speculative and self.scoring and self.last_q is not None and self.since_select >= self.tau:
-            self.reselect()
+            self.reselect(start)
         self.apply(pager.plan_write(start, end, speculative))
         ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
         if self._slot_pos is None or self._slot_pos[0] != pager.epoch:
@@ -115,11 +115,12 @@ class KvPool:
         scores[1:] = torch.maximum(scores[1:], SCORE_NEXT * scores[:-1] * heir)
         return dict(zip(chunks, scores.tolist()))
 
-    def reselect(self) -> bool:
-        """Page in the highest-scoring chunks (out go the lowest); True if residency changed."""
+    def reselect(self, length: int) -> bool:
+        """Page in the highest-scoring chunks (out go the lowest) by the attention of the
+        latest queries on positions [0, length); True if residency changed."""
         pager = self.pager
         self.since_select = 0
-        scores = self.chunk_scores(pager.num_chunks * pager.chunk)
+        scores = self.chunk_scores(length)
         if not scores:
             return False
         pager.policy.observe(scores)
@@ -147,13 +148,36 @@ class KvPool:
             return s.k[:, :, :0].cpu(), s.v[:, :, :0].cpu()
         return torch.cat(ks, dim=2)[:, :, :length].clone(), torch.cat(vs, dim=2)[:, :, :length].clone()
 
-    def restore(self, length: int, rows: list[tuple[torch.Tensor, torch.Tensor]], table, free) -> None:
+    def policy_tensors(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The residency policy's state for a snapshot: (chunk, last use, score) rows as
+        float64 (N, 3), [clock, tokens since the last re-selection] as int64 (2,), and the
+        latest queries per attention layer ((B, R, nh, hd); R = 0 before any)."""
+        rows, clock = self.pager.policy.state()
+        pol = torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+        counters = torch.tensor([clock, self.since_select], dtype=torch.int64)
+        return pol, counters, [q.clone() for q in self.last_q] if self.last_q else []
+
+    def check_policy_tensors(self, pol: torch.Tensor, counters: torch.Tensor, num_chunks: int) -> None:
+        """ValueError unless ``pol``/``counters`` are a policy state for ``num_chunks`` chunks."""
+        if pol.dim() != 2 or pol.shape[1] != 3 or counters.shape != (2,) or bool((counters < 0).any()):
+            raise ValueError("snapshot: invalid KV Flash policy state")
+        if pol.numel() and (not bool(torch.isfinite(pol).all()) or bool((pol[:, :2] < 0).any())
+                            or bool((pol[:, 0] >= num_chunks).any()) or bool((pol[:, 0] != pol[:, 0].round()).any())):
+            raise ValueError("snapshot: invalid KV Flash policy state")
+
+    def restore(self, length: int, rows: list[tuple[torch.Tensor, torch.Tensor]], table, free,
+                policy: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None) -> None:
         """Rebuild pool and host pages from logical rows and the saved page table (see
-        KvPager.table)."""
+        KvPager.table); ``policy``: the state from ``policy_tensors``."""
         pager, C = self.pager, self.pager.chunk
         n = -(-length // C)
         self.reset()
         pager.adopt(n, table, free)
+        if policy is not None:
+            pol, counters, last_q = policy
+            pager.policy.load([(int(c), int(u), float(v)) for c, u, v in pol.tolist()], int(counters[0]))
+            self.since_select = int(counters[1])
+            self.last_q = [q.to(self.device).clone() for q in last_q] if last_q and last_q[0].shape[1] else None
         for c in range(n):
             for j, (s, (k, v)) in enumerate(zip(self.states, rows)):
                 kc, vc = k[:, :, c * C:(c + 1) * C], v[:, :, c * C:(c + 1) * C]

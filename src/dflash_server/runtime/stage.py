@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ModelLoadError
+from ..layers.attention import SCORE_QUERY_ROWS
 from ..layers.context import ForwardContext
 from ..layers.linear import Linear
 from ..layers.rope import RotaryTable
@@ -160,7 +161,7 @@ class LocalStage:
     @torch.inference_mode()
     def reselect(self) -> bool:
         """KV Flash score policy: re-page by the latest queries now; True if anything moved."""
-        return self.pool is not None and self.pool.scoring and self.pool.reselect()
+        return self.pool is not None and self.pool.scoring and self.pool.reselect(self.length)
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,18 @@ class LocalStage:
             table, free = self.pool.pager.table()
             out[self._table_key] = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
             out[self._free_key] = torch.tensor(free, dtype=torch.int64)
+            pol, counters, last_q = self.pool.policy_tensors()
+            out[self._policy_key], out[self._counters_key] = pol, counters
+            for k, layer in enumerate(self._attention_layers()):
+                out[f"kvflash_q.{layer.index}"] = last_q[k] if last_q else self._no_queries(layer)
         return out
+
+    def _attention_layers(self) -> list:
+        return [layer for layer, s in zip(self.layers, self.states) if s.kind == "kv"]
+
+    def _no_queries(self, layer) -> torch.Tensor:
+        """The ``kvflash_q`` entry of a pool that has not run a query yet: zero rows."""
+        return torch.zeros(self.batch, 0, layer.mixer.nh, layer.mixer.hd, dtype=self.dtype)
 
     # the layer-id suffix routes these to this stage (snapshot import in a shard worker)
     @property
@@ -241,6 +253,14 @@ class LocalStage:
     @property
     def _free_key(self) -> str:
         return f"kvflash_free.{self.begin}"
+
+    @property
+    def _policy_key(self) -> str:
+        return f"kvflash_policy.{self.begin}"  # (chunk, last use, score) rows
+
+    @property
+    def _counters_key(self) -> str:
+        return f"kvflash_counters.{self.begin}"  # [policy clock, tokens since re-selection]
 
     @torch.inference_mode()
     def snapshot_save(self, slot: int) -> None:
@@ -286,6 +306,16 @@ class LocalStage:
                 raise ValueError("snapshot: invalid KV Flash page table")
             pager = self.pool.pager
             pager.check_table(-(-length // pager.chunk), [tuple(r) for r in table.tolist()], free.tolist())
+            self.pool.check_policy_tensors(conv[self._policy_key], conv[self._counters_key],
+                                           -(-length // pager.chunk))
+            rows = None
+            for layer in self._attention_layers():
+                q = conv[f"kvflash_q.{layer.index}"]
+                want = self._no_queries(layer).shape
+                if q.dim() != 4 or (q.shape[0], q.shape[2], q.shape[3]) != (want[0], want[2], want[3]) \
+                        or q.shape[1] > SCORE_QUERY_ROWS or (rows is not None and q.shape[1] != rows):
+                    raise ValueError(f"snapshot tensor kvflash_q.{layer.index}: shape {tuple(q.shape)}")
+                rows = q.shape[1]
         self._snapshots[slot] = (length, conv)
 
     def _state_spec(self, length: int) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
@@ -300,6 +330,9 @@ class LocalStage:
                 out[f"conv.{i}"], out[f"ssm.{i}"] = (tuple(s.conv.shape), s.conv.dtype), (tuple(s.ssm.shape), s.ssm.dtype)
         if self.pool is not None:
             out[self._table_key] = out[self._free_key] = (None, torch.int64)
+            out[self._policy_key], out[self._counters_key] = (None, torch.float64), ((2,), torch.int64)
+            for layer in self._attention_layers():
+                out[f"kvflash_q.{layer.index}"] = (None, self.dtype)
         return out
 
     def _load_state(self, length: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -307,7 +340,9 @@ class LocalStage:
             rows = [(tensors[f"kv_k.{layer.index}"], tensors[f"kv_v.{layer.index}"])
                     for layer, s in zip(self.layers, self.states) if s.kind == "kv"]
             table = [tuple(r) for r in tensors[self._table_key].tolist()]
-            self.pool.restore(length, rows, table, tensors[self._free_key].tolist())
+            policy = (tensors[self._policy_key], tensors[self._counters_key],
+                      [tensors[f"kvflash_q.{layer.index}"] for layer in self._attention_layers()])
+            self.pool.restore(length, rows, table, tensors[self._free_key].tolist(), policy)
         for layer, s in zip(self.layers, self.states):
             i = layer.index
             if s.kind == "kv" and self.pool is not None:
