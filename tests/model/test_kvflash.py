@@ -150,6 +150,25 @@ def test_config_validation_and_auto_size():
     assert KvFlashConfig("auto").pool_tokens(8192, budget_tokens=10) == 512
     with pytest.raises(ValueError):
         KvFlashConfig(512, tau=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_auto_pool_budget_from_free_device_memory(tiny_dir, family, monkeypatch):
+    """``--kvflash auto`` on a GPU: half of the free memory after a 1.5 GiB reserve, divided
+    by the K+V bytes per token of this stage's attention layers (GDN layers hold none). The
+    CUDA query is faked (no GPU in CI); the arithmetic is the real one."""
+    pipe = kv_pipeline(tiny_dir(family), 256)
+    st, cfg = pipe.stages[0], pipe.config
+    attn = sum(1 for s in st.states if s.kind == "kv")
+    assert attn and (family == "llama") == (attn == cfg.num_layers)
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * attn  # fp32 K and V
+    assert st._kv_budget_tokens(KvFlashConfig("auto")) is None  # not on a GPU
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 << 30, 16 << 30))
+    monkeypatch.setattr(st, "device", torch.device("cuda", 0))
+    assert st._kv_budget_tokens(KvFlashConfig("auto")) == ((8 << 30) - (3 << 29)) // 2 // per_token
+    assert st._kv_budget_tokens(KvFlashConfig(512)) is None  # an explicit size is kept
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 16 << 30))  # below the reserve
+    assert KvFlashConfig("auto").pool_tokens(4096, st._kv_budget_tokens(KvFlashConfig("auto"))) == 512
     assert KvFlashConfig(100).pool_tokens(8192) == 512  # at least sink + tail + 2 chunks + the spare
     assert KvFlashConfig(1000).pool_tokens(8192) == 1024
     assert KvFlashConfig(9000).pool_tokens(8192) == 8192
