@@ -202,3 +202,19 @@ def test_draft_in_its_own_worker(tiny_dir, tmp_path, closing):
     again = Engine(local, proposer=DFlashProposer(rd, local)).generate(
         GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True))
     assert again.token_ids == ref.token_ids and rd.link.restarts == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_remote_logits_are_bit_identical_to_local(tiny_dir, closing, dtype):
+    """The worker sends the LM head's output in its own dtype (half the bytes in bf16) and
+    the client widens it to fp32 exactly as a local last stage does."""
+    path = tiny_dir("llama")
+    ids = prompt_ids(pipeline(path), 20)
+    local, remote = pipeline(path, stages=2, dtype=dtype), pipeline(path, devices=["cpu", "remote:cpu"], dtype=dtype)
+    closing(remote)
+    for pipe in (local, remote):
+        pipe.reset()
+    a, b = local.prefill(ids).logits, remote.prefill(ids).logits
+    assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    a, b = local.forward(ids[:6], 20, logits="all").logits, remote.forward(ids[:6], 20, logits="all").logits
+    assert a.shape == b.shape == (6, local.config.vocab_size) and torch.equal(a, b)

@@ -119,7 +119,9 @@ class ShardWorker:
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
             x = out.hidden
         if out.logits is not None:
-            out_t["logits"] = out.logits
+            # in the head's dtype (bf16: half the bytes of fp32); the client widens it exactly
+            # as a local stage does
+            out_t["logits"] = out.head_logits
         if out.hidden is not None:
             out_t["hidden"] = out.hidden
         # compute time lets the client tell IPC overhead from work (benchmarks/split.py)

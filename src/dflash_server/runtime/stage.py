@@ -22,6 +22,7 @@ from .kv_pool import KvPool
 class StageOutput:
     hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
     logits: torch.Tensor | None = None           # (T or 1, V) fp32 on the last stage
+    head_logits: torch.Tensor | None = None      # the same in the LM head's own dtype (``logits`` widens it)
     captures: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (1, T, H)
 
 
@@ -131,8 +132,9 @@ class LocalStage:
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
-            logits = self.lm_head(self.final_norm(hs)).float()
-            out.logits = logits[0] if self.batch == 1 else logits  # (T, V) or (batch, T, V)
+            head = self.lm_head(self.final_norm(hs))
+            out.head_logits = head[0] if self.batch == 1 else head  # (T, V) or (batch, T, V)
+            out.logits = out.head_logits.float()
             out.hidden = None
         return out
 
