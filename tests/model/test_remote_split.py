@@ -150,6 +150,17 @@ def test_kvflash_across_the_remote_split(tiny_dir, closing, policy):
     assert a.token_ids == b.token_ids and a.extra["spec"] == b.extra["spec"]
     if policy == "lru":
         assert a.token_ids == long_ref
+    # a paged snapshot (rows, page table, policy state) exported from both sides and imported
+    # back continues like the uninterrupted sequence
+    remote.snapshot_save(1)
+    exported, length = remote.snapshot_export(1), remote.length
+    for part in ("ls0.kvflash_policy.", "ls1.kvflash_policy.", "ls1.kvflash_counters.", "ls1.kvflash_q."):
+        assert any(k.startswith(part) for k in exported), part
+    ref = remote.forward(ids[:8], length, logits="all").logits
+    remote.reset()
+    remote.snapshot_import(2, exported)
+    remote.snapshot_restore(2)
+    torch.testing.assert_close(remote.forward(ids[:8], length, logits="all").logits, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_draft_in_its_own_worker(tiny_dir, tmp_path, closing):
