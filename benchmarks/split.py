@@ -1,7 +1,7 @@
 """Layer split: unsplit vs in-process split vs local + remote split (shard worker over
 shared memory, and over TCP with inline frames), on the default model, in one run.
 
-    python benchmarks/split.py [--prompts 3] [--max-tokens 64] [--threads 2] [--no-draft] [--out FILE]
+    python benchmarks/split.py [--prompts 3] [--max-tokens 64] [--reps 3] [--threads 2] [--no-draft] [--out FILE]
 
 Per placement: TTFT (prefill of the prompt, cache off), AR decode tokens/s, DFlash
 tokens/s with the shipped draft, whether the output equals unsplit AR, and the pure IPC
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="rounds over all prompts and placements")
     ap.add_argument("--no-draft", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args()
@@ -73,43 +74,56 @@ def main():
         "local + remote, TCP inline": ("cpu,remote:cpu", RemoteOptions(connect=f"tcp://127.0.0.1:{port}",
                                                                       secret=secret.encode(), transport="inline")),
     }
-    results, ref = {}, None
+    # every placement is built first and the runs alternate between them (rotating order,
+    # --reps rounds), so drift of the machine's speed hits all placements alike; one
+    # placement after another gave the in-process split anywhere from 0.81x to 1.06x
+    setups, ipc = {}, {}
     try:
         for name, (devices, remote) in placements.items():
             shards = plan_placement(src.config.num_layers, parse_devices(devices))
             pipe = build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=2048, quantize=quant, progress=False,
                                   remote=remote, threads=args.threads)
-            row = {"ttft_s": [], "ar_tps": [], "dflash_tps": [], "tau": []}
-            outs = []
-            ipc = []  # per remote forward: (call time, worker compute time)
+            engines = {"ar": Engine(pipe)}
+            if not args.no_draft and default_draft_path() is not None:
+                draft = DFlashDraft.load(default_draft_path(), device="cpu", dtype=torch.bfloat16, max_ctx=2048,
+                                         quantize="int8")  # as the CLI does on a CPU with an int4 target
+                engines["dflash"] = Engine(pipe, proposer=DFlashProposer(draft, pipe))
             stage = pipe.stages[-1]
             if hasattr(stage, "link"):
-                client = stage.link.ready()
-                plain_call = client.call
+                client, log = stage.link.ready(), []
+                ipc[name] = (client, client.call, log)
 
-                def timed_call(op, a=None, t=None, **kw):
+                def timed_call(op, a=None, t=None, _call=client.call, _log=log, **kw):
                     t0 = time.perf_counter()
-                    res = plain_call(op, a, t, **kw)
+                    res = _call(op, a, t, **kw)
                     if op == "forward" and t["x"].shape[1] == 1:
-                        ipc.append((time.perf_counter() - t0, res[0]["compute_s"]))
+                        _log.append((time.perf_counter() - t0, res[0]["compute_s"]))
                     return res
                 client.call = timed_call
-            ar = Engine(pipe)
-            for ids in prompts:
-                req = GenerationRequest(tuple(ids), max_tokens=args.max_tokens, ignore_eos=True)
-                ar.generate(GenerationRequest(tuple(ids), max_tokens=4, ignore_eos=True))  # warm up
-                r = ar.generate(req)
-                row["ttft_s"].append(r.prefill_s)
-                row["ar_tps"].append(r.decode_tokens_per_s)
-                outs.append(r.token_ids)
-            if not args.no_draft and default_draft_path() is not None:
-                draft = DFlashDraft.load(default_draft_path(), device="cpu", dtype=torch.bfloat16, max_ctx=2048)
-                spec = Engine(pipe, proposer=DFlashProposer(draft, pipe))
-                for ids in prompts:
-                    r = spec.generate(GenerationRequest(tuple(ids), max_tokens=args.max_tokens, ignore_eos=True))
-                    row["dflash_tps"].append(r.decode_tokens_per_s)
-                    row["tau"].append(r.extra["spec"]["acceptance_length"])
-            if ipc:
+            for e in engines.values():  # warm up
+                e.generate(GenerationRequest(tuple(prompts[0]), max_tokens=4, ignore_eos=True))
+            setups[name] = (pipe, engines)
+        rows = {name: {"ttft_s": [], "ar_tps": [], "dflash_tps": [], "tau": [], "outs": []} for name in setups}
+        names = list(setups)
+        for rep in range(args.reps):
+            for k, ids in enumerate(prompts):
+                order = names[(rep + k) % len(names):] + names[:(rep + k) % len(names)]
+                for name in order:
+                    engines, row = setups[name][1], rows[name]
+                    r = engines["ar"].generate(GenerationRequest(tuple(ids), max_tokens=args.max_tokens, ignore_eos=True))
+                    row["ttft_s"].append(r.prefill_s)
+                    row["ar_tps"].append(r.decode_tokens_per_s)
+                    if rep == 0:
+                        row["outs"].append(r.token_ids)
+                    if "dflash" in engines:
+                        r = engines["dflash"].generate(GenerationRequest(tuple(ids), max_tokens=args.max_tokens,
+                                                                         ignore_eos=True))
+                        row["dflash_tps"].append(r.decode_tokens_per_s)
+                        row["tau"].append(r.extra["spec"]["acceptance_length"])
+        results, ref = {}, rows["unsplit"]["outs"]
+        for name, row in rows.items():
+            if name in ipc:
+                client, plain_call, log = ipc[name]
                 client.call = plain_call
                 t = []
                 for _ in range(300):
@@ -119,21 +133,21 @@ def main():
                 row["ipc_round_trip_us"] = round(statistics.median(t) * 1e6, 1)
                 # what one decode step pays beyond the worker's own compute: transport,
                 # (de)serialization, wake-ups of the idle process
-                row["ipc_overhead_ms_per_token"] = round(statistics.median(a - b for a, b in ipc) * 1e3, 3)
-                row["worker_compute_ms_per_token"] = round(statistics.median(b for _, b in ipc) * 1e3, 3)
-            ref = ref or outs
-            row["same_as_unsplit"] = outs == ref
+                row["ipc_overhead_ms_per_token"] = round(statistics.median(a - b for a, b in log) * 1e3, 3)
+                row["worker_compute_ms_per_token"] = round(statistics.median(b for _, b in log) * 1e3, 3)
+            row["same_as_unsplit"] = row.pop("outs") == ref
             results[name] = {k: (round(statistics.median(v), 4) if isinstance(v, list) and v else v)
                              for k, v in row.items() if v != []}
-            pipe.close()
             print(name, results[name], flush=True)
     finally:
+        for pipe, _ in setups.values():
+            pipe.close()
         tcp_worker.terminate()
         tcp_worker.wait(10)
     base = results["unsplit"]["ar_tps"]
     for r in results.values():
         r["ar_vs_unsplit"] = round(r["ar_tps"] / base, 3)
-    meta = {"prompts": args.prompts, "max_tokens": args.max_tokens, "threads": args.threads, "quantize": list(quant),
+    meta = {"prompts": args.prompts, "reps": args.reps, "max_tokens": args.max_tokens, "threads": args.threads, "quantize": list(quant),
             "torch": torch.__version__, "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -228,6 +228,34 @@ def test_fast_int4_draft_head_is_lossless(tiny_dir):
     assert DFlashProposer(draft, pipe, fast_head=False).head is None
 
 
+def test_int8_draft_linears_lossless_and_close(tiny_dir):
+    """Weight-only int8 draft linears (the CLI's choice on a CPU with a quantized target):
+    the output still equals plain decoding, and the draft's hidden states stay close to the
+    dense draft's."""
+    from dflash_server.cli.common import draft_quantize
+    from dflash_server.layers.linear import Linear
+
+    pipe = pipeline(tiny_dir("llama"))
+    ids = prompt_ids(pipe, 20)
+    ref = run(pipe, ids, max_tokens=24).token_ids
+    dense = random_draft(pipe)
+    tensors = DFlashDraft.random_tensors(dense.cfg, 0, 0.05)
+    q = DFlashDraft(dense.cfg, tensors, "cpu", torch.float32, pipe.max_ctx, quantize="int8")
+    assert {m.mode for m in q.modules() if isinstance(m, Linear)} == {"int8"} and q.nbytes() < dense.nbytes()
+    assert run(pipe, ids, DFlashProposer(q, pipe, block_size=4), max_tokens=24).token_ids == ref
+    feats = torch.randn(1, 10, dense.cfg.num_taps * dense.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    emb = torch.randn(1, 4, dense.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    for d in (dense, q):
+        d.reset()
+        d.append_context(feats, 0)
+    a, b = dense.draft_hidden(emb, 10), q.draft_hidden(emb, 10)
+    assert (a - b).norm() / a.norm() < 0.02
+    with pytest.raises(ValueError, match="int8"):
+        DFlashDraft(dense.cfg, tensors, "cpu", torch.float32, pipe.max_ctx, quantize="int3")
+    assert draft_quantize("int4", "cpu") == draft_quantize("int8", "remote:cpu") == "int8"
+    assert draft_quantize("dense", "cpu") == draft_quantize("int4", "cuda:0") == "dense"
+
+
 @pytest.mark.parametrize("family,stages", [("llama", 1), ("qwen3_5", 1), ("qwen3_5", 2)])
 def test_adaptive_block_size_lossless(tiny_dir, family, stages):
     """Each step picks its block (1 = a plain step) from measured times and acceptance: the

@@ -155,13 +155,13 @@ def load_engine(args, progress: bool = True):
         raise UserError(str(e)) from None
     if args.compile:
         pipeline.compile_decode()
-    proposer = load_proposer(args, pipeline, dtype, draft_path) if draft_path else None
+    proposer = load_proposer(args, pipeline, dtype, draft_path, quantize[0]) if draft_path else None
     if args.prefix_cache_slots < 0 or args.prefix_cache_bytes < 0:
         raise UserError("--prefix-cache-slots and --prefix-cache-bytes must be >= 0")
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
                 "family": cfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
-                "draft": draft_identity(draft_path) if proposer else None,
+                "draft": draft_identity(draft_path) + [proposer.draft.quantize] if proposer else None,
                 "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
     disk = open_disk_cache(args, fingerprint(fp_parts))
     if args.kv_cache_interval < 0:
@@ -219,7 +219,7 @@ def worker_options(args, **kw):
                          transport=args.shard_transport, **kw)
 
 
-def remote_draft(args, path, device: str, pipeline, dtype):
+def remote_draft(args, path, device: str, pipeline, dtype, quantize: str = "dense"):
     """The draft in its own spawned shard worker (``--draft-device remote:<device>``)."""
     from ..runtime.placement import parse_devices
     from ..spec.remote_draft import RemoteDraft
@@ -231,7 +231,7 @@ def remote_draft(args, path, device: str, pipeline, dtype):
     opts = worker_options(args)
     try:
         return RemoteDraft(path, device=device, home=str(pipeline.device), dtype=dtype, max_ctx=pipeline.max_ctx,
-                           options=opts)
+                           options=opts, quantize=quantize)
     except ShardError as e:
         raise UserError(str(e)) from None
 
@@ -303,17 +303,24 @@ def block_size_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer >= 2 or auto, got {text!r}") from None
 
 
-def load_proposer(args, pipeline, dtype, path):
+def draft_quantize(layer_mode: str, device: str) -> str:
+    """The draft's linears: int8 on a CPU when the target's layers are quantized (a drafted
+    step ~1.6x cheaper, acceptance unchanged as measured), else as dense as the target."""
+    return "int8" if layer_mode != "dense" and device.removeprefix("remote:").split(":")[0] == "cpu" else "dense"
+
+
+def load_proposer(args, pipeline, dtype, path, layer_mode: str = "dense"):
     """Load the DFlash draft at ``path`` and wrap it for the pipeline (UserError if unfit)."""
     from ..spec.draft import DFlashDraft
     from ..spec.proposer import DFlashProposer
 
     device = resolve_device(args.draft_device) if args.draft_device else str(pipeline.device)
+    quantize = draft_quantize(layer_mode, device)
     try:
         if device.startswith("remote:"):
-            draft = remote_draft(args, path, device.removeprefix("remote:"), pipeline, dtype)
+            draft = remote_draft(args, path, device.removeprefix("remote:"), pipeline, dtype, quantize)
         else:
-            draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx)
+            draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx, quantize=quantize)
         auto = args.block_size == "auto"
         if not auto and args.block_size < 2:
             raise ValueError("--block-size must be >= 2 or auto")

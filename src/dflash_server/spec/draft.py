@@ -86,9 +86,15 @@ class DraftContext:
 
 class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], device="cpu",
-                 dtype=torch.bfloat16, max_ctx: int = 4096):
+                 dtype=torch.bfloat16, max_ctx: int = 4096, quantize: str = "dense"):
+        """``quantize``: dense | int8 | int4 weight-only linears (``fc`` and the layers').
+        On a CPU int8 makes a drafted step ~1.6x cheaper (bf16 GEMMs of a few rows are slow
+        there: ``fc`` on one row 1.4 ms dense vs 0.18 ms int8) at no measured acceptance cost."""
         super().__init__()
+        if quantize not in ("dense", "int8", "int4"):
+            raise ValueError(f"draft quantization must be dense, int8 or int4, got {quantize!r}")
         self.cfg, self.device, self.dtype, self.max_ctx = cfg, torch.device(device), dtype, max_ctx
+        self.quantize = quantize
 
         def get(name):
             if name not in tensors:
@@ -110,17 +116,21 @@ class DFlashDraft(nn.Module):
                                 cfg.rope_scaling, self.device, dtype)
         # like the target's KV on CPU: fp32 attention is much faster there
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.quantize_(quantize)
         self.context = self._empty_context()
 
     # --- construction ---------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, device="cpu", dtype=torch.bfloat16, max_ctx: int = 4096) -> "DFlashDraft":
+    def load(cls, path: str | Path, device="cpu", dtype=torch.bfloat16, max_ctx: int = 4096,
+             quantize: str = "dense") -> "DFlashDraft":
         from safetensors.torch import load_file
 
         path = Path(path)
         if path.suffix.lower() == ".gguf":
             from .draft_gguf import load_gguf_draft
-            return cls(*load_gguf_draft(path), device, dtype, max_ctx)
+            return cls(*load_gguf_draft(path), device, dtype, max_ctx, quantize)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"{path}: no config.json (not a DFlash draft directory)")
@@ -138,7 +148,7 @@ class DFlashDraft(nn.Module):
             except Exception as e:
                 raise ValueError(f"{f}: corrupt or truncated safetensors ({e})") from None
         tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
-        return cls(cfg, tensors, device, dtype, max_ctx)
+        return cls(cfg, tensors, device, dtype, max_ctx, quantize)
 
     @staticmethod
     def random_tensors(cfg: DraftConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -31,10 +31,12 @@ class DraftOps:
 
     def op_draft_load(self, a, t):
         dtype = DTYPES[a["dtype"]]
-        key = (a["path"], a["device"], a["dtype"], int(a["max_ctx"]))
+        quantize = a.get("quantize", "dense")
+        key = (a["path"], a["device"], a["dtype"], int(a["max_ctx"]), quantize)
         if key != self.key:
             self.draft, self.key = None, None
-            self.draft = DFlashDraft.load(a["path"], device=a["device"], dtype=dtype, max_ctx=int(a["max_ctx"]))
+            self.draft = DFlashDraft.load(a["path"], device=a["device"], dtype=dtype, max_ctx=int(a["max_ctx"]),
+                                          quantize=quantize)
             self.key = key
         self.draft.reset()
         return {"config": self.draft.cfg.to_dict(), "nbytes": self.draft.nbytes()}, {}
@@ -65,12 +67,14 @@ class _Context:
 
 
 class RemoteDraft:
-    def __init__(self, path, *, device: str, home: str, dtype: torch.dtype, max_ctx: int, options: RemoteOptions):
+    def __init__(self, path, *, device: str, home: str, dtype: torch.dtype, max_ctx: int, options: RemoteOptions,
+                 quantize: str = "dense"):
         """``device``: the worker's device for the draft; ``home``: where results land."""
-        self.device, self.dtype = torch.device(home), dtype
+        self.device, self.dtype, self.quantize = torch.device(home), dtype, quantize
         self.context = _Context()
         self.link = WorkerLink(options, [("draft_load", {"path": str(path), "device": device,
-                                                          "dtype": DTYPE_NAMES[dtype], "max_ctx": max_ctx})],
+                                                          "dtype": DTYPE_NAMES[dtype], "max_ctx": max_ctx,
+                                                          "quantize": quantize})],
                                f"draft on remote:{device}")
         res = self.link.setup_results[0]
         self.cfg = DraftConfig.from_dict(res["config"])
