@@ -46,7 +46,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "src"))
-    from dflash_server.cli.common import quantize_plan
+    from dflash_server.cli.common import draft_quantize, quantize_plan
     from dflash_server.engine.generate import Engine, GenerationRequest
     from dflash_server.runtime.pipeline import build_pipeline
     from dflash_server.runtime.placement import parse_devices, plan_placement
@@ -86,7 +86,7 @@ def main():
             engines = {"ar": Engine(pipe)}
             if not args.no_draft and default_draft_path() is not None:
                 draft = DFlashDraft.load(default_draft_path(), device="cpu", dtype=torch.bfloat16, max_ctx=2048,
-                                         quantize="int8")  # as the CLI does on a CPU with an int4 target
+                                         quantize=draft_quantize(quant[0], "cpu"))  # as the CLI does
                 engines["dflash"] = Engine(pipe, proposer=DFlashProposer(draft, pipe))
             stage = pipe.stages[-1]
             if hasattr(stage, "link"):

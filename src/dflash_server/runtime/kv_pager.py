@@ -90,15 +90,11 @@ class LruPolicy:
     def state(self) -> tuple[list[tuple[int, int, float]], int]:
         """(chunk, last use, score) rows and the clock: what a snapshot needs to continue
         with the same eviction choices."""
-        score = getattr(self, "score", {})
-        rows = sorted(self.last_use.keys() | score.keys())
-        return [(c, self.last_use.get(c, 0), score.get(c, 0.0)) for c in rows], self.clock
+        return [(c, u, 0.0) for c, u in sorted(self.last_use.items())], self.clock
 
     def load(self, rows: list[tuple[int, int, float]], clock: int) -> None:
         self.last_use = {c: u for c, u, _ in rows if u}
         self.clock = clock
-        if hasattr(self, "score"):
-            self.score = {c: v for c, _, v in rows}
 
 
 class ScorePolicy(LruPolicy):
@@ -125,6 +121,14 @@ class ScorePolicy(LruPolicy):
 
     def value(self, logical: int) -> float:
         return self.score.get(logical, 0.0) + 1e-9 * self.last_use.get(logical, 0)
+
+    def state(self) -> tuple[list[tuple[int, int, float]], int]:
+        rows = sorted(self.last_use.keys() | self.score.keys())
+        return [(c, self.last_use.get(c, 0), self.score.get(c, 0.0)) for c in rows], self.clock
+
+    def load(self, rows: list[tuple[int, int, float]], clock: int) -> None:
+        super().load(rows, clock)
+        self.score = {c: v for c, _, v in rows}
 
 
 POLICIES = {"lru": LruPolicy, "score": ScorePolicy}

@@ -155,7 +155,7 @@ class KvPool:
         rows, clock = self.pager.policy.state()
         pol = torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
         counters = torch.tensor([clock, self.since_select], dtype=torch.int64)
-        return pol, counters, [q.clone() for q in self.last_q] if self.last_q else []
+        return pol, counters, list(self.last_q or [])  # snapshot_save copies what it keeps
 
     def check_policy_tensors(self, pol: torch.Tensor, counters: torch.Tensor, num_chunks: int) -> None:
         """ValueError unless ``pol``/``counters`` are a policy state for ``num_chunks`` chunks."""
