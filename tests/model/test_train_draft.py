@@ -14,8 +14,8 @@ from dflash_server.spec.config import DraftConfig
 from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.spec.train import DraftTrainer, TrainConfig
-from dflash_server.spec.train_data import (generate_dataset, load_dataset, load_prompts, pick_mask_token, render,
-                                           sample_prompt)
+from dflash_server.spec.train_data import (generate_dataset, generate_text_dataset, load_dataset, load_prompts,
+                                           pick_mask_token, render, sample_prompt, text_prompt)
 from dflash_server.weights.loader import open_model
 from helpers.build import pipeline
 
@@ -95,6 +95,64 @@ def test_argmax_targets_and_greedy_switch(tiny_dir, tmp_path):
                      progress=False)
     _, loaded = load_dataset(tmp_path)
     assert all(s.targets is not None and s.targets.shape == s.ids.shape for s in loaded)
+
+
+def _corpus(root):
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    (root / "blob.bin").write_bytes(bytes(range(256)) * 4)          # binary: skipped
+    (root / ".hidden").write_text("not this " * 300)                # hidden: skipped
+    (root / "sub" / "b.py").write_text("def double(x):\n    return x * 2\n\n" * 25)
+    return root
+
+
+def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path):
+    """--text data: chat-wrapped windows of the corpus stream, features and argmax targets
+    equal to a teacher-forced batch-1 forward; a second run continues the stream."""
+    path = tiny_dir("llama")
+    corpus = _corpus(tmp_path / "corpus")
+    pipe = batched(path, batch=3)
+    tok = pipe.tokenizer
+    prompt = text_prompt(tok)
+    P, L = len(prompt), len(prompt) + 20
+    sep = tok.encode("\n\n")
+    stream = tok.encode((corpus / "a.txt").read_text()) + sep + tok.encode((corpus / "sub" / "b.py").read_text()) + sep
+    man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 4 * L, length=L, progress=False)
+    assert man["samples"] == 4 == man["windows_done"]     # a group of 3 and a short one (padded, copy dropped)
+    man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 7 * L, length=L, progress=False)
+    assert man["samples"] == 7 and len(man["shards"]) == 2
+    _, got = load_dataset(tmp_path / "td")
+    bodies = [t for s in got for t in s.ids[P:].tolist()]
+    assert bodies == stream[:len(bodies)] and len(bodies) == 7 * 20   # in order, nothing repeated or skipped
+    ref = pipeline(path)
+    for s in got:
+        assert s.prompt_len == P and s.ids[:P].tolist() == prompt and (s.targets[:P] == -1).all()
+        ref.reset()
+        out = ref.forward(s.ids[:-1].tolist(), 0, logits="all", capture=TAPS)
+        want = torch.cat([out.captures[t][0] for t in TAPS], -1)             # stored in bf16
+        assert torch.allclose(s.features.float(), want, rtol=8e-3, atol=1e-4)
+        assert torch.equal(out.logits[P - 1:, :ref.config.vocab_size].argmax(-1), s.targets[P:])
+    # the corpus runs out: what there is, no error; another window length is another dataset
+    man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10 ** 6, length=L, progress=False)
+    assert man["samples"] == len(stream) // 20
+    with pytest.raises(ValueError, match="--text-len"):
+        generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10, length=L + 1, progress=False)
+    with pytest.raises(ValueError, match="no such file"):
+        generate_text_dataset(pipe, [tmp_path / "nope"], tmp_path / "td2", TAPS, 10, length=L, progress=False)
+
+
+def test_train_draft_on_text_only(tiny_dir, tmp_path, capsys):
+    path, out = tiny_dir("llama"), tmp_path / "draft"
+    corpus = _corpus(tmp_path / "corpus")
+    base = ["train-draft", "--model", str(path), "--out", str(out), "--device", "cpu", "--dtype", "fp32",
+            "--quantize", "none", "--layers", "1", "--heads", "4", "--intermediate-size", "128", "--block-size", "4",
+            "--eval-prompts", "0"]
+    assert main(base + ["--samples", "0"]) == 2 and "--samples 0 needs --text" in capsys.readouterr().err
+    assert main(base + ["--samples", "0", "--text", str(corpus), "--text-tokens", "300", "--text-len", "64",
+                        "--steps", "3", "--batch", "2", "--anchors", "4"]) == 0
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["samples"] == 0 and summary["text_windows"] == 5 and summary["steps"] == 3
+    assert DFlashDraft.load(out, dtype=torch.float32).cfg.block_size == 4
 
 
 def test_greedy_labels_count_only_the_argmax_path(tiny_dir):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from .common import DTYPES, positive_int, quantize_plan, resolve_device
+from .common import DTYPES, non_negative_int, positive_int, quantize_plan, resolve_device
 
 
 def add_parser(sub) -> None:
@@ -47,8 +47,8 @@ def add_parser(sub) -> None:
                    help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
     a.add_argument("--mask-token-id", type=int, help="MASK id (default: an id the target never generates)")
     d = p.add_argument_group("data (sampled from the target)")
-    d.add_argument("--samples", "--data-size", dest="samples", type=positive_int, default=1024,
-                   help="training sequences to sample")
+    d.add_argument("--samples", "--data-size", dest="samples", type=non_negative_int, default=1024,
+                   help="training sequences to sample (0: none, with --text)")
     d.add_argument("--max-new-tokens", type=positive_int, default=256, help="response length cap")
     d.add_argument("--gen-batch", type=positive_int, default=8,
                    help="continuations per prompt, sampled in lockstep (the first one greedy)")
@@ -57,6 +57,13 @@ def add_parser(sub) -> None:
     d.add_argument("--greedy-after", type=int, default=64,
                    help="sampled continuations turn greedy after a random 1..N tokens (0: sample to the end)")
     d.add_argument("--data-only", action="store_true", help="sample the dataset and stop")
+    x = p.add_argument_group("data (teacher-forced over local text: several times cheaper per token than sampling)")
+    x.add_argument("--text", action="append", metavar="PATH",
+                   help="a text file or a directory of them (repeatable); windows of it are run through the "
+                        "target as an assistant turn and its features and argmax kept (never an eval set)")
+    x.add_argument("--text-tokens", type=positive_int, default=200_000, help="tokens of text data to capture")
+    x.add_argument("--text-len", type=positive_int, default=384, help="tokens per text window (prompt included)")
+    x.add_argument("--text-data", help="text dataset directory (default OUT/text-data)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=positive_int, default=1000)
     t.add_argument("--batch", type=positive_int, default=4, help="sequences per optimizer step")
@@ -166,7 +173,8 @@ def acceptance(pipe, draft, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..spec.train import DraftTrainer, TrainConfig, default_gamma
-    from ..spec.train_data import generate_dataset, load_dataset, load_prompts, read_manifest, render
+    from ..spec.train_data import (generate_dataset, generate_text_dataset, load_dataset, load_prompts,
+                                   read_manifest, render)
     from ..weights.default_model import default_model_path
     from ..weights.loader import open_model
 
@@ -189,9 +197,11 @@ def run(args: argparse.Namespace) -> int:
     train_prompts = [p for p in prompts if p.get("split", "train") == "train"]
     held = [p for p in prompts if p.get("split") == "heldout"][:max(0, args.eval_prompts)]
     max_ctx = min(mc.max_position_embeddings, 4096)
+    if args.samples == 0 and not args.text:
+        raise UserError("--samples 0 needs --text (no training data otherwise)")
     man = read_manifest(data_dir)
     t0 = time.time()
-    if man is None or man["samples"] < args.samples:
+    if args.samples and (man is None or man["samples"] < args.samples):
         pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
         try:
             generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
@@ -201,12 +211,31 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
         del pipe
     t_data = time.time() - t0
-    man, samples = load_dataset(data_dir, limit=args.samples)
-    if tuple(man["target_layer_ids"]) != cfg.target_layer_ids:
-        raise UserError(f"{data_dir} was sampled with target layers {man['target_layer_ids']}; "
-                        f"pass --target-layers to match or use another --data dir")
+    samples = []
+    if args.samples:
+        man, samples = load_dataset(data_dir, limit=args.samples)
+        if tuple(man["target_layer_ids"]) != cfg.target_layer_ids:
+            raise UserError(f"{data_dir} was sampled with target layers {man['target_layer_ids']}; "
+                            f"pass --target-layers to match or use another --data dir")
     print(f"dataset: {len(samples)} sequences, {sum(len(s.ids) for s in samples)} tokens "
           f"({t_data:.0f} s sampling)")
+    n_sampled = len(samples)
+    if args.text:
+        t0 = time.time()
+        text_dir = Path(args.text_data) if args.text_data else out / "text-data"
+        man = read_manifest(text_dir)
+        if man is None or man["tokens"] < args.text_tokens:
+            pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
+            try:
+                generate_text_dataset(pipe, args.text, text_dir, cfg.target_layer_ids, args.text_tokens,
+                                      length=min(args.text_len, max_ctx), fingerprint=source.fingerprint())
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            del pipe
+        _, text = load_dataset(text_dir, limit=-(-args.text_tokens // min(args.text_len, max_ctx)))
+        samples += text
+        print(f"text dataset: {len(text)} windows, {sum(len(s.ids) for s in text)} tokens "
+              f"({time.time() - t0:.0f} s capturing)")
     if args.data_only:
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
     ev = trainer.train(ckpt_every=args.ckpt_every, eval_every=args.eval_every or max(1, args.steps // 10),
                        eval_fn=evaluate if held_ids else None, log_path=out / "train_log.jsonl")
     trainer.export(out)
-    summary = {"draft": str(out), "samples": len(samples), "tokens": sum(len(s.ids) for s in samples),
+    summary = {"draft": str(out), "samples": n_sampled, "text_windows": len(samples) - n_sampled,
+               "tokens": sum(len(s.ids) for s in samples),
                "sampling_s": round(t_data), "training_s": round(time.time() - t1), "steps": trainer.step,
                "heldout_prompts": len(held_ids), **{f"heldout_{k}": round(v, 3) for k, v in ev.items()}}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
