@@ -149,7 +149,7 @@ def test_train_draft_on_text_only(tiny_dir, tmp_path, capsys):
             "--eval-prompts", "0"]
     assert main(base + ["--samples", "0"]) == 2 and "--samples 0 needs --text" in capsys.readouterr().err
     assert main(base + ["--samples", "0", "--text", str(corpus), "--text-tokens", "300", "--text-len", "64",
-                        "--steps", "3", "--batch", "2", "--anchors", "4"]) == 0
+                        "--gen-batch", "1", "--steps", "3", "--batch", "2", "--anchors", "4"]) == 0
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["samples"] == 0 and summary["text_windows"] == 5 and summary["steps"] == 3
     assert DFlashDraft.load(out, dtype=torch.float32).cfg.block_size == 4

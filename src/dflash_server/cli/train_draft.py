@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
     d.add_argument("--top-p", type=float, default=0.95)
     d.add_argument("--greedy-after", type=int, default=64,
                    help="sampled continuations turn greedy after a random 1..N tokens (0: sample to the end)")
-    d.add_argument("--data-only", action="store_true", help="sample the dataset and stop")
+    d.add_argument("--data-only", action="store_true", help="make the datasets (sampled, and --text) and stop")
     x = p.add_argument_group("data (teacher-forced over local text: several times cheaper per token than sampling)")
     x.add_argument("--text", action="append", metavar="PATH",
                    help="a text file or a directory of them (repeatable); windows of it are run through the "
