@@ -15,7 +15,7 @@ from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.spec.train import DraftTrainer, TrainConfig
 from dflash_server.spec.train_data import (generate_dataset, generate_text_dataset, load_dataset, load_prompts,
-                                           pick_mask_token, render, sample_prompt, text_prompt)
+                                           pick_mask_token, render, sample_prompt, text_files, text_prompt)
 from dflash_server.weights.loader import open_model
 from helpers.build import pipeline
 
@@ -116,7 +116,9 @@ def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path):
     prompt = text_prompt(tok)
     P, L = len(prompt), len(prompt) + 20
     sep = tok.encode("\n\n")
-    stream = tok.encode((corpus / "a.txt").read_text()) + sep + tok.encode((corpus / "sub" / "b.py").read_text()) + sep
+    files = text_files([corpus], seed=0)
+    assert sorted(f.name for f in files) == ["a.txt", "b.py", "blob.bin"]       # .hidden left out
+    stream = [t for f in files if f.suffix != ".bin" for t in tok.encode(f.read_text()) + sep]
     man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 4 * L, length=L, progress=False)
     assert man["samples"] == 4 == man["windows_done"]     # a group of 3 and a short one (padded, copy dropped)
     man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 7 * L, length=L, progress=False)
@@ -137,6 +139,8 @@ def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path):
     assert man["samples"] == len(stream) // 20
     with pytest.raises(ValueError, match="--text-len"):
         generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10, length=L + 1, progress=False)
+    with pytest.raises(ValueError, match="--seed"):
+        generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10, length=L, seed=1, progress=False)
     with pytest.raises(ValueError, match="no such file"):
         generate_text_dataset(pipe, [tmp_path / "nope"], tmp_path / "td2", TAPS, 10, length=L, progress=False)
 

@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
             pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
             try:
                 generate_text_dataset(pipe, args.text, text_dir, cfg.target_layer_ids, args.text_tokens,
-                                      length=min(args.text_len, max_ctx), fingerprint=source.fingerprint())
+                                      length=min(args.text_len, max_ctx), seed=args.seed,
+                                      fingerprint=source.fingerprint())
             except ValueError as e:
                 raise UserError(str(e)) from None
             del pipe

@@ -247,9 +247,10 @@ TEXT_INSTRUCTION = "Continue the text."
 TEXT_MAX_FILE = 1 << 20     # bytes read per file: one huge file must not dominate the corpus
 
 
-def text_files(paths) -> list[Path]:
+def text_files(paths, seed: int | None = None) -> list[Path]:
     """Files named directly, and every regular file under named directories (hidden entries
-    skipped), in a fixed order."""
+    skipped), in a fixed order: sorted, then shuffled by ``seed`` when given (so a token
+    budget smaller than the corpus samples all of it, not its alphabetical start)."""
     out = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -259,6 +260,8 @@ def text_files(paths) -> list[Path]:
             out.append(p)
         else:
             raise ValueError(f"{p}: no such file or directory")
+    if seed is not None:
+        random.Random(seed).shuffle(out)
     return out
 
 
@@ -319,12 +322,12 @@ def capture_windows(pipe, prompt: list[int], bodies: list[list[int]], taps: tupl
 
 
 def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ...], tokens: int, *,
-                          length: int = 384, fingerprint: str = "", shard_windows: int = 64,
+                          length: int = 384, seed: int = 0, fingerprint: str = "", shard_windows: int = 64,
                           progress: bool = True) -> dict:
     """Capture windows of ``length`` tokens (chat prompt included) from the text under
     ``paths`` until the dataset in ``data_dir`` holds at least ``tokens`` tokens; continues
     an existing one (the corpus is read in the same order and the windows done are skipped,
-    so the corpus must not change in between)."""
+    so the corpus and ``seed``, which orders its files, must not change in between)."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg, tok = pipe.config, pipe.tokenizer
@@ -335,13 +338,14 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
     man = read_manifest(data_dir) or {"version": 1, "kind": "text", "model": fingerprint,
                                       "target_layer_ids": list(taps), "hidden_size": cfg.hidden_size,
                                       "num_target_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
-                                      "length": length, "windows_done": 0, "prompts_done": 0, "samples": 0,
-                                      "tokens": 0, "shards": []}
+                                      "length": length, "seed": seed, "windows_done": 0, "prompts_done": 0,
+                                      "samples": 0, "tokens": 0, "shards": []}
     if man["target_layer_ids"] != list(taps) or man["hidden_size"] != cfg.hidden_size or \
-            (fingerprint and man.get("model") and man["model"] != fingerprint) or man.get("length") != length:
-        raise ValueError(f"{data_dir} holds text data for another target, tapped layers or --text-len; "
-                         f"use another directory")
-    files = text_files(paths)
+            (fingerprint and man.get("model") and man["model"] != fingerprint) or \
+            (man.get("length"), man.get("seed")) != (length, seed):
+        raise ValueError(f"{data_dir} holds text data for another target, tapped layers, --text-len or "
+                         f"--seed; use another directory")
+    files = text_files(paths, seed)
     windows = text_windows(tok, files, body_len)
     for _ in range(man["windows_done"]):
         if next(windows, None) is None:
