@@ -131,7 +131,7 @@ def main():
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"| config | prefill tok/s | decode tok/s | decode vs transformers |\n|---|---|---|---|")
+    print("| config | prefill tok/s | decode tok/s | decode vs transformers |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
               f"{r.get('decode_vs_transformers', float('nan')):.2f}x |")

@@ -5,7 +5,6 @@ import os
 import stat
 
 import pytest
-import torch
 
 from dflash_server.cache.disk import DiskCache
 from dflash_server.cache.disk_format import SUFFIX

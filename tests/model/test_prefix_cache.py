@@ -2,7 +2,6 @@
 hybrid, with and without DFlash, 1 and 2 stages), prefills only the new part, and keeps
 DFlash acceptance."""
 import pytest
-import torch
 
 from dflash_server.engine.generate import Engine, GenerationRequest
 from dflash_server.spec.proposer import DFlashProposer

@@ -157,7 +157,6 @@ def test_generate_json_on_tiny_model(tiny_dir):
 
 
 def _save_random_draft(tiny_dir, dst):
-    import torch
     from safetensors.torch import save_file
 
     from dflash_server.spec.config import DraftConfig

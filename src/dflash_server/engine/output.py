@@ -3,11 +3,15 @@ speculative decoding)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .detok import IncrementalDetokenizer
 from .stops import StopStringMatcher
+
+if TYPE_CHECKING:  # generate imports this module
+    from .generate import GenerationRequest
 
 
 @dataclass

@@ -100,7 +100,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     inter-chunk state scan is a Python loop.
     """
     B, T, H, Dv = v.shape
-    Hk, Dk = k.shape[2], k.shape[3]
+    Dk = k.shape[3]
     # Short inputs use the smallest power-of-two chunk that holds them: padding 17 tokens to 64 would
     # quadruple the intra-chunk work for nothing (the result is exact for any chunk size).
     C, BH = min(chunk_size, 1 << max(T - 1, 1).bit_length()), B * H

@@ -13,12 +13,9 @@ post-processor (only with ``add_special_tokens=True``) when the file asks for th
 
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
