@@ -157,6 +157,10 @@ def test_train_draft_on_text_only(tiny_dir, tmp_path, capsys):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["samples"] == 0 and summary["text_windows"] == 5 and summary["steps"] == 3
     assert DFlashDraft.load(out, dtype=torch.float32).cfg.block_size == 4
+    # the text data was captured with the default taps: a draft tapping other layers is refused
+    assert main(base + ["--samples", "0", "--text", str(corpus), "--text-tokens", "300", "--text-len", "64",
+                        "--target-layers", "0,3", "--data-only"]) == 2
+    assert "--text-data" in capsys.readouterr().err
 
 
 def test_greedy_labels_count_only_the_argmax_path(tiny_dir):

@@ -233,7 +233,10 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise UserError(str(e)) from None
             del pipe
-        _, text = load_dataset(text_dir, limit=-(-args.text_tokens // min(args.text_len, max_ctx)))
+        tman, text = load_dataset(text_dir, limit=-(-args.text_tokens // min(args.text_len, max_ctx)))
+        if tuple(tman["target_layer_ids"]) != cfg.target_layer_ids:
+            raise UserError(f"{text_dir} was captured with target layers {tman['target_layer_ids']}; "
+                            f"pass --target-layers to match or use another --text-data dir")
         samples += text
         print(f"text dataset: {len(text)} windows, {sum(len(s.ids) for s in text)} tokens "
               f"({time.time() - t0:.0f} s capturing)")
