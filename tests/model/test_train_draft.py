@@ -106,7 +106,7 @@ def _corpus(root):
     return root
 
 
-def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path):
+def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path, monkeypatch):
     """--text data: chat-wrapped windows of the corpus stream, features and argmax targets
     equal to a teacher-forced batch-1 forward; a second run continues the stream."""
     path = tiny_dir("llama")
@@ -136,7 +136,15 @@ def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path):
         assert torch.equal(out.logits[P - 1:, :ref.config.vocab_size].argmax(-1), s.targets[P:])
     # the corpus runs out: what there is, no error; another window length is another dataset
     man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10 ** 6, length=L, progress=False)
-    assert man["samples"] == len(stream) // 20
+    assert man["samples"] == len(stream) // 20 and man["exhausted"]
+    import dflash_server.spec.train_data as td
+
+    def no_reread(*a, **k):
+        raise AssertionError("an exhausted corpus is read again")
+    monkeypatch.setattr(td, "text_files", no_reread)
+    assert generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10 ** 7, length=L,
+                                 progress=False)["samples"] == man["samples"]
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="--text-len"):
         generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10, length=L + 1, progress=False)
     with pytest.raises(ValueError, match="--seed"):

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.time()
         text_dir = Path(args.text_data) if args.text_data else out / "text-data"
         man = read_manifest(text_dir)
-        if man is None or man["tokens"] < args.text_tokens:
+        if man is None or (man["tokens"] < args.text_tokens and not man.get("exhausted")):
             pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
             try:
                 generate_text_dataset(pipe, args.text, text_dir, cfg.target_layer_ids, args.text_tokens,

@@ -345,6 +345,8 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
             (man.get("length"), man.get("seed")) != (length, seed):
         raise ValueError(f"{data_dir} holds text data for another target, tapped layers, --text-len or "
                          f"--seed; use another directory")
+    if man.get("exhausted") or man["tokens"] >= tokens:
+        return man
     files = text_files(paths, seed)
     windows = text_windows(tok, files, body_len)
     for _ in range(man["windows_done"]):
@@ -353,6 +355,10 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
     bar = tqdm(total=tokens, initial=min(man["tokens"], tokens), desc="capturing text", unit="tok",
                disable=None if progress else True)
     pending: list[Sample] = []
+
+    def write_manifest():
+        (data_dir / (MANIFEST + ".tmp")).write_text(json.dumps(man, indent=1))
+        (data_dir / (MANIFEST + ".tmp")).replace(data_dir / MANIFEST)
 
     def flush():
         nonlocal pending
@@ -365,8 +371,7 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
         man["windows_done"] += len(pending)
         man["prompts_done"] = man["windows_done"]
         man["tokens"] += ntok
-        (data_dir / (MANIFEST + ".tmp")).write_text(json.dumps(man, indent=1))
-        (data_dir / (MANIFEST + ".tmp")).replace(data_dir / MANIFEST)
+        write_manifest()
         pending = []
 
     try:
@@ -374,13 +379,16 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
         while man["tokens"] + length * len(pending) < tokens:
             need = -(-(tokens - man["tokens"]) // length) - len(pending)
             group = [w for _, w in zip(range(min(B, need)), windows)]
-            if not group:
-                break                                   # the corpus is exhausted
+            if not group:                               # the corpus is exhausted: later runs need not re-read it
+                man["exhausted"] = True
+                break
             pending += capture_windows(pipe, prompt, group, taps)
             bar.update(length * len(group))
             if len(pending) >= shard_windows:
                 flush()
         flush()
+        if man.get("exhausted") and man["samples"]:
+            write_manifest()
     finally:
         bar.close()
     if man["samples"] == 0:
