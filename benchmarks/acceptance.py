@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec import EVAL, ROOT, SETS, load_prompts  # noqa: E402  (the same prompt sets as spec.py)
+from spec import EVAL, ROOT, SETS, load_prompts, serving_setup  # noqa: E402  (spec.py's prompt sets and setup)
 
 
 def main():
@@ -33,22 +33,13 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "acceptance.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(ROOT / "src"))
-    from dflash_server.cli.common import draft_quantize
+    src, pipe, load_draft = serving_setup()
     from dflash_server.engine.generate import Engine, GenerationRequest
-    from dflash_server.runtime.pipeline import build_pipeline
-    from dflash_server.runtime.placement import plan_placement
-    from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
-    from dflash_server.weights.default_model import default_draft_path, default_model_path
-    from dflash_server.weights.loader import open_model
+    from dflash_server.weights.default_model import default_draft_path
 
-    src = open_model(default_model_path())
     drafts = args.draft or [str(default_draft_path())]
-    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=4096,
-                          quantize=("int4", "int8"), progress=False)
-    engines = {d: Engine(pipe, proposer=DFlashProposer(DFlashDraft.load(
-        d, "cpu", torch.bfloat16, 4096, quantize=draft_quantize("int4", "cpu")), pipe)) for d in drafts}
+    engines = {d: Engine(pipe, proposer=DFlashProposer(load_draft(d), pipe)) for d in drafts}
     rows = []
     for name, file in SETS.items():
         prompts = [tuple(src.tokenizer.encode_chat(m)) for m in load_prompts(EVAL / file, args.prompts)]

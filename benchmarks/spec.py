@@ -36,6 +36,26 @@ def load_prompts(file: Path, n: int) -> list[list[dict]]:
     return out
 
 
+def serving_setup():
+    """(source, pipeline, load_draft) in the serving configuration of the default model on a
+    CPU: int4 layers + int8 LM head, int8 draft linears (``load_draft(path)``)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflash_server.cli.common import draft_quantize
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.weights.default_model import default_model_path
+    from dflash_server.weights.loader import open_model
+
+    src = open_model(default_model_path())
+    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=4096,
+                          quantize=("int4", "int8"), progress=False)
+
+    def load_draft(path):
+        return DFlashDraft.load(path, "cpu", torch.bfloat16, 4096, quantize=draft_quantize("int4", "cpu"))
+    return src, pipe, load_draft
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft")
@@ -46,26 +66,17 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(ROOT / "src"))
-    from dflash_server.cli.common import draft_quantize
+    src, pipe, load_draft = serving_setup()
     from dflash_server.engine.generate import Engine, GenerationRequest
-    from dflash_server.runtime.pipeline import build_pipeline
-    from dflash_server.runtime.placement import plan_placement
-    from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
-    from dflash_server.weights.default_model import default_draft_path, default_model_path
-    from dflash_server.weights.loader import open_model
+    from dflash_server.weights.default_model import default_draft_path
 
-    src = open_model(default_model_path())
     draft_dir = args.draft or default_draft_path()
     if draft_dir is None:
         sys.exit("no draft: pass --draft DIR (the shipped draft is missing)")
-    shards = plan_placement(src.config.num_layers, ["cpu"])
-    pipe = build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=4096, quantize=("int4", "int8"), progress=False)
 
     def proposer(adaptive):
-        draft = DFlashDraft.load(draft_dir, "cpu", torch.bfloat16, 4096, quantize=draft_quantize("int4", "cpu"))
-        return DFlashProposer(draft, pipe, args.block_size, adaptive=adaptive)
+        return DFlashProposer(load_draft(draft_dir), pipe, args.block_size, adaptive=adaptive)
     engines = {"ar": Engine(pipe), "fixed": Engine(pipe, proposer=proposer(False)),
                "adaptive": Engine(pipe, proposer=proposer(True))}
     warm = GenerationRequest(tuple(src.tokenizer.encode("Hello")), max_tokens=8, ignore_eos=True)

@@ -223,17 +223,18 @@ def run(args: argparse.Namespace) -> int:
     if args.text:
         t0 = time.time()
         text_dir = Path(args.text_data) if args.text_data else out / "text-data"
+        text_len = min(args.text_len, max_ctx)
         man = read_manifest(text_dir)
         if man is None or (man["tokens"] < args.text_tokens and not man.get("exhausted")):
             pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
             try:
                 generate_text_dataset(pipe, args.text, text_dir, cfg.target_layer_ids, args.text_tokens,
-                                      length=min(args.text_len, max_ctx), seed=args.seed,
+                                      length=text_len, seed=args.seed,
                                       fingerprint=source.fingerprint())
             except ValueError as e:
                 raise UserError(str(e)) from None
             del pipe
-        tman, text = load_dataset(text_dir, limit=-(-args.text_tokens // min(args.text_len, max_ctx)))
+        tman, text = load_dataset(text_dir, limit=-(-args.text_tokens // text_len))
         if tuple(tman["target_layer_ids"]) != cfg.target_layer_ids:
             raise UserError(f"{text_dir} was captured with target layers {tman['target_layer_ids']}; "
                             f"pass --target-layers to match or use another --text-data dir")

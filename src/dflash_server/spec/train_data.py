@@ -340,7 +340,7 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
     man = read_manifest(data_dir) or {"version": 1, "kind": "text", "model": fingerprint,
                                       "target_layer_ids": list(taps), "hidden_size": cfg.hidden_size,
                                       "num_target_layers": cfg.num_layers, "vocab_size": cfg.vocab_size,
-                                      "length": length, "seed": seed, "windows_done": 0, "prompts_done": 0,
+                                      "length": length, "seed": seed, "windows_done": 0,
                                       "samples": 0, "tokens": 0, "shards": []}
     if man["target_layer_ids"] != list(taps) or man["hidden_size"] != cfg.hidden_size or \
             (fingerprint and man.get("model") and man["model"] != fingerprint) or \
@@ -371,7 +371,6 @@ def generate_text_dataset(pipe, paths, data_dir: str | Path, taps: tuple[int, ..
         man["shards"].append({"file": name, "samples": len(pending), "tokens": ntok})
         man["samples"] += len(pending)
         man["windows_done"] += len(pending)
-        man["prompts_done"] = man["windows_done"]
         man["tokens"] += ntok
         write_manifest()
         pending = []
