@@ -95,10 +95,15 @@ def test_per_request_scope_and_metrics(tiny_dir, tmp_path):
             raise AssertionError("expected a 400")
         except anthropic.BadRequestError as e:
             assert "prefix_cache" in str(e)
-        metrics = httpx.get(srv.url + "/metrics").text
-        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("dflash_prefix_cache_")}
-        assert values["dflash_prefix_cache_memory_hits_total"] >= 1
-        assert values["dflash_prefix_cache_disk_writes_total"] >= 1 and values["dflash_prefix_cache_disk_files"] >= 1
+        def values():
+            metrics = httpx.get(srv.url + "/metrics").text
+            return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                    if line.startswith("dflash_prefix_cache_")}
+        # the writer thread renames the file into place before it counts the write: poll
+        deadline = time.monotonic() + 30
+        while (v := values())["dflash_prefix_cache_disk_writes_total"] < 1 or v["dflash_prefix_cache_disk_files"] < 1:
+            assert time.monotonic() < deadline, v
+            time.sleep(0.1)
+        assert v["dflash_prefix_cache_memory_hits_total"] >= 1
     finally:
         assert srv.stop() == 0, srv.output()
