@@ -14,7 +14,7 @@ from dflash_server.spec.config import DraftConfig
 from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.spec.train import DraftTrainer, TrainConfig
-from dflash_server.spec.train_data import (generate_dataset, generate_text_dataset, load_dataset, load_prompts,
+from dflash_server.spec.train_data import (PROMPTS_FILE, generate_dataset, generate_text_dataset, load_dataset, load_prompts,
                                            pick_mask_token, render, sample_prompt, text_files, text_prompt)
 from dflash_server.weights.loader import open_model
 from helpers.build import pipeline
@@ -39,6 +39,11 @@ def test_prompts_shipped_and_mask_token(tiny_dir):
     train, held = load_prompts(split="train"), load_prompts(split="heldout")
     assert len(train) >= 300 and len(held) >= 8
     assert {p["kind"] for p in train} >= {"code", "math", "explain", "chat"}
+    templated = load_prompts(PROMPTS_FILE.with_name("train_prompts_templated.jsonl"))
+    assert len(templated) >= 500 and {p["split"] for p in templated} == {"train"}
+    assert {p["kind"] for p in templated} >= {"code", "math", "explain", "chat"}
+    texts = [p["messages"][0]["content"] for p in templated]
+    assert len(set(texts)) == len(texts) and not set(texts) & {p["messages"][0]["content"] for p in train}
     pipe = pipeline(tiny_dir("llama"))
     # SmolLM2's tokenizer: <empty_output> (16) is an added token the chat model never writes
     assert pick_mask_token(pipe.tokenizer, pipe.config.vocab_size) == 16
@@ -288,7 +293,11 @@ def test_train_draft_command_end_to_end(tiny_dir, tmp_path, capsys):
              "--device", "cpu", "--dtype", "fp32", "--quantize", "none", "--samples", "32", "--init", str(out),
              "--block-size", "8", "--steps", "2", "--batch", "4", "--anchors", "16", "--lr", "1e-9",
              "--eval-prompts", "0"]
-    assert main(again) == 0
+    assert main(again + ["--more-data", str(tmp_path / "nowhere")]) == 2
+    assert "--more-data" in capsys.readouterr().err
+    # --more-data adds a second dataset (here the same one again) to the training set
+    assert main(again + ["--more-data", str(out / "data")]) == 0
+    assert json.loads((tmp_path / "ft" / "train_summary.json").read_text())["samples"] == 64
     tuned = DFlashDraft.load(tmp_path / "ft", dtype=torch.float32)
     assert tuned.cfg == trained.cfg
     for (k, a), b in zip(trained.zlab_state_dict().items(), tuned.zlab_state_dict().values()):

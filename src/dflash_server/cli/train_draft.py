@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="target: HF model directory or .gguf (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (draft, checkpoint, log; data under OUT/data)")
     p.add_argument("--data", help="dataset directory (default OUT/data); reused and extended if present")
+    p.add_argument("--more-data", action="append", default=[], metavar="DIR",
+                   help="another sampled dataset to train on as well, used whole and never extended (repeatable; "
+                        "e.g. one sampled with other --prompts)")
     p.add_argument("--prompts", help="JSONL prompt file (default: the shipped train_prompts.jsonl)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (target and draft)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target compute dtype (default bf16)")
@@ -217,6 +220,16 @@ def run(args: argparse.Namespace) -> int:
         if tuple(man["target_layer_ids"]) != cfg.target_layer_ids:
             raise UserError(f"{data_dir} was sampled with target layers {man['target_layer_ids']}; "
                             f"pass --target-layers to match or use another --data dir")
+    for extra in args.more_data:
+        if read_manifest(extra) is None:
+            raise UserError(f"--more-data {extra}: no dataset there (no {extra}/dataset.json)")
+        xman, more = load_dataset(extra)
+        if tuple(xman["target_layer_ids"]) != cfg.target_layer_ids or xman["hidden_size"] != mc.hidden_size:
+            raise UserError(f"--more-data {extra} was sampled with target layers {xman['target_layer_ids']} "
+                            f"(hidden {xman['hidden_size']}); the draft taps {list(cfg.target_layer_ids)}")
+        if xman.get("model") and xman["model"] != source.fingerprint():
+            raise UserError(f"--more-data {extra} was sampled from another target")
+        samples += more
     print(f"dataset: {len(samples)} sequences, {sum(len(s.ids) for s in samples)} tokens "
           f"({t_data:.0f} s sampling)")
     n_sampled = len(samples)
