@@ -81,7 +81,7 @@ class RemoteStage:
             self._kvflash_stats = res["kvflash"]
         lg = out.get("logits")
         return StageOutput(hidden=out["hidden"].to(self.device) if "hidden" in out else None,
-                           logits=lg.to(self.device).float() if lg is not None else None, captures=caps)
+                           head_logits=lg.to(self.device) if lg is not None else None, captures=caps)
 
     def kvflash_stats(self) -> dict | None:
         """KV Flash counters of the worker's stages, as of the last forward (summed)."""

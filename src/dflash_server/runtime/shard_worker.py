@@ -118,9 +118,9 @@ class ShardWorker:
             out = st.forward(x, start, logits=mode, capture=capture)
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
             x = out.hidden
-        if out.logits is not None:
-            # in the head's dtype (bf16: half the bytes of fp32); the client widens it exactly
-            # as a local stage does
+        if out.head_logits is not None:
+            # in the head's dtype (bf16: half the bytes of fp32, and not widened here); the
+            # client widens it exactly as a local stage does
             out_t["logits"] = out.head_logits
         if out.hidden is not None:
             out_t["hidden"] = out.hidden

@@ -21,9 +21,16 @@ from .kv_pool import KvPool
 @dataclass
 class StageOutput:
     hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
-    logits: torch.Tensor | None = None           # (T or 1, V) fp32 on the last stage
-    head_logits: torch.Tensor | None = None      # the same in the LM head's own dtype (``logits`` widens it)
+    head_logits: torch.Tensor | None = None      # (T or 1, V) on the last stage, in the LM head's dtype
     captures: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (1, T, H)
+    _logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """``head_logits`` widened to fp32, on first use (a shard worker sends the head's dtype)."""
+        if self._logits is None and self.head_logits is not None:
+            self._logits = self.head_logits.float()
+        return self._logits
 
 
 class _Weights:
@@ -134,7 +141,6 @@ class LocalStage:
             hs = h[:, -1:] if logits == "last" else h
             head = self.lm_head(self.final_norm(hs))
             out.head_logits = head[0] if self.batch == 1 else head  # (T, V) or (batch, T, V)
-            out.logits = out.head_logits.float()
             out.hidden = None
         return out
 
