@@ -1,7 +1,7 @@
 """Single-stream greedy decode and prefill speed on the default model, side by side with
 transformers ``generate`` on the same (dequantized) weights, in one run.
 
-    python benchmarks/decode.py [--threads 2] [--tokens 128] [--runs 3] [--compile] [--out FILE]
+    python benchmarks/decode.py [--threads 2] [--tokens 128] [--runs 3] [--compile] [--prompt TEXT] [--out FILE]
 
 Writes JSON (default benchmarks/results/decode.json) and prints a Markdown table. Medians
 over ``--runs``; each run: prefill a ~256-token prompt, then decode ``--tokens`` tokens with
@@ -13,6 +13,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,16 +40,19 @@ def bench_ours(label, engine, ids, tokens, runs):
     return {"name": label, "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec)}
 
 
-def transformers_models(path, src):
-    """(label, model): transformers' own GGUF path (weights kept packed, its kernels) in bf16
-    and fp32, and the plain eager bf16 model with the same weights dequantized."""
+TRANSFORMERS_ROWS = ["transformers, GGUF packed kernels (bf16)", "transformers, GGUF packed kernels (fp32)",
+                     "transformers eager, dequantized bf16 weights"]
+
+
+def transformers_model(label, path, src):
+    """transformers' own GGUF path (weights kept packed, its kernels) in bf16 or fp32, or the
+    plain eager bf16 model with the same weights dequantized."""
     from transformers import AutoModelForCausalLM
 
-    packed = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
-    yield "transformers, GGUF packed kernels (bf16)", packed
-    del packed
-    yield "transformers, GGUF packed kernels (fp32)", AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    if label == TRANSFORMERS_ROWS[0]:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    if label == TRANSFORMERS_ROWS[1]:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = src.config
@@ -62,7 +66,7 @@ def transformers_models(path, src):
     missing = set(model.state_dict()) - set(state) - {"lm_head.weight"}
     assert not missing, missing
     model.load_state_dict(state, strict=False)
-    yield "transformers eager, dequantized bf16 weights", model
+    return model
 
 
 def bench_transformers(label, model, ids, tokens, runs):
@@ -91,6 +95,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also measure the torch.compile'd decode step")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--prompt", default=PROMPT, help="the user message (chat-templated; default ~300 tokens of notes)")
+    ap.add_argument("--row", type=int, help=argparse.SUPPRESS)  # internal: run one row
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,25 +109,36 @@ def main():
 
     path = default_model_path()
     src = open_model(path)
-    ids = src.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    shards = plan_placement(src.config.num_layers, ["cpu"])
-    rows = []
-    configs = [("ours bf16", "dense", False), ("ours int8", ("int8", "int8"), False),
-               ("ours auto (int4 layers + int8 head)", ("int4", "int8"), False)]
+    ids = src.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    ours = [("ours bf16", "dense", False), ("ours int8", ("int8", "int8"), False),
+            ("ours auto (int4 layers + int8 head)", ("int4", "int8"), False)]
     if args.compile:
-        configs.append(("ours auto + --compile", ("int4", "int8"), True))
-    for label, quant, comp in configs:
-        pipe = build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=2048, quantize=quant, progress=False)
-        if comp:
-            pipe.compile_decode()
-        rows.append(bench_ours(label, Engine(pipe), ids, args.tokens, args.runs))
+        ours.append(("ours auto + --compile", ("int4", "int8"), True))
+    labels = [c[0] for c in ours] + ([] if args.no_transformers else TRANSFORMERS_ROWS)
+    if args.row is not None:  # one row, in this (fresh) process: print it as JSON
+        label = labels[args.row]
+        if args.row < len(ours):
+            _, quant, comp = ours[args.row]
+            pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16,
+                                  max_ctx=2048, quantize=quant, progress=False)
+            if comp:
+                pipe.compile_decode()
+            row = bench_ours(label, Engine(pipe), ids, args.tokens, args.runs)
+        else:
+            row = bench_transformers(label, transformers_model(label, path, src), ids, args.tokens, args.runs)
+        print(json.dumps(row))
+        return
+    # each row in its own process: a pipeline built after others were freed decodes up to
+    # ~10% slower (measured: the compiled row 108 tok/s after three others, 118 alone)
+    rows = []
+    for i in range(len(labels)):
+        cmd = [sys.executable, __file__, "--row", str(i), "--threads", str(args.threads), "--tokens",
+               str(args.tokens), "--runs", str(args.runs), "--prompt", args.prompt]
+        cmd += ["--compile"] * args.compile + ["--no-transformers"] * args.no_transformers
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(rows[-1], file=sys.stderr)
-        del pipe
     if not args.no_transformers:
-        for label, model in transformers_models(path, src):
-            rows.append(bench_transformers(label, model, ids, args.tokens, args.runs))
-            print(rows[-1], file=sys.stderr)
-            del model
         # the reference of the goal: plain eager transformers on the same (dequantized) weights
         base = rows[-1]["decode_tok_s"]
         for r in rows:
