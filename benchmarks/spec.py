@@ -2,7 +2,7 @@
 default model and its shipped draft, in one run.
 
     python benchmarks/spec.py [--draft DIR] [--prompts 5] [--max-tokens 128] [--block-size 8]
-                              [--threads 2] [--out FILE]
+                              [--threads 2] [--compile] [--out FILE]
 
 All runs use the serving configuration (int4 layers + int8 LM head on CPU, int8 draft linears). Per prompt set:
 AR tokens/s, DFlash tokens/s with the fixed trained block and with the adaptive block size
@@ -63,10 +63,14 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the one-token step (AR, and DFlash's plain steps)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     src, pipe, load_draft = serving_setup()
+    if args.compile:
+        pipe.compile_decode()
     from dflash_server.engine.generate import Engine, GenerationRequest
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.weights.default_model import default_draft_path
@@ -114,7 +118,7 @@ def main():
         rows.append(row)
         print(row, file=sys.stderr)
     out = {"model": src.path.name, "draft": str(draft_dir), "block_size": engines["fixed"].proposer.block_size,
-           "threads": args.threads, "max_tokens": args.max_tokens, "time": time.strftime("%Y-%m-%d %H:%M"),
+           "threads": args.threads, "max_tokens": args.max_tokens, "compile": args.compile, "time": time.strftime("%Y-%m-%d %H:%M"),
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

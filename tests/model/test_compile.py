@@ -1,5 +1,6 @@
-"""--compile: the torch.compile'd single-token step equals eager decoding and compiles a
-bounded number of graphs (no recompilation per position or per request)."""
+"""--compile: the torch.compile'd single-token step equals eager decoding (captures
+included, as DFlash's plain steps use them) and compiles a bounded number of graphs (no
+recompilation per position or per request)."""
 import pytest
 import torch
 
@@ -21,3 +22,31 @@ def test_compiled_decode_equals_eager(tiny_dir, family):
         assert greedy(compiled, ids, max_tokens=12) == greedy(eager, ids, max_tokens=12)
     # one static graph for the first position, one with the position symbolic for the rest
     assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+
+
+def test_compiled_step_returns_the_same_captures(tiny_dir):
+    import torch._dynamo
+
+    path = tiny_dir("llama")
+    eager, compiled = pipeline(path, stages=2), pipeline(path, stages=2)
+    compiled.compile_decode()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids = prompt_ids(eager, 11)
+    for p in (eager, compiled):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    for i, tok in enumerate((5, 17, 3, 99)):
+        capture = (1, 2) if i % 2 else ()  # alternate: plain steps with and without taps
+        a = eager.forward([tok], len(ids) + i, logits="last", capture=capture)
+        # the same position again with the other capture set (rewrites the same cache rows)
+        other = compiled.forward([tok], len(ids) + i, logits="last", capture=() if capture else (1, 2))
+        b = compiled.forward([tok], len(ids) + i, logits="last", capture=capture)
+        assert torch.allclose(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+        # with or without captures a step runs the same graph: identical logits
+        assert torch.equal(b.logits, other.logits)
+        assert sorted(a.captures) == sorted(b.captures) == list(capture)
+        for k in capture:
+            assert torch.allclose(a.captures[k], b.captures[k], atol=1e-5, rtol=1e-5)
+    # per stage: a static graph for the first position and a dynamic one, whatever is captured
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4

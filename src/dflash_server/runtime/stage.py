@@ -110,11 +110,14 @@ class LocalStage:
         symbolic too: thousands of shape guards checked per call and generic kernels, 89
         instead of 108 tok/s on the default model (2-core CPU). On CPU the graph also gets
         inductor's C++ wrapper (the kernel calls leave Python: 117 tok/s; the first compile
-        takes ~90 s instead of ~20 s)."""
+        takes ~90 s instead of ~20 s). The graph returns every layer's output, so DFlash's
+        plain steps (which capture the draft's taps) use it too, rounding as AR steps do."""
         def run_layers(h, ctx):
+            caps = []
             for layer, state in zip(self.layers, self.states):
                 h = layer(h, ctx, state)
-            return h
+                caps.append(h)
+            return h, caps
         options = {"guard_filter_fn": _static_model_guards}
         if self.device.type == "cpu":
             options["cpp_wrapper"] = True
@@ -147,8 +150,12 @@ class LocalStage:
         if self.pool is not None:
             self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
         caps = {}
-        if self._decode_fn is not None and T == 1 and not capture and not ctx.record and ctx.slots is None:
-            h = self._decode_fn(h, ctx)
+        if self._decode_fn is not None and T == 1 and not ctx.record and ctx.slots is None:
+            # every layer's output comes back (30 vectors of H: nothing next to the weights),
+            # so steps with captures (DFlash's plain steps) and without run one graph and
+            # round alike; a graph per capture set fused differently (bf16 logits differed)
+            h, outs = self._decode_fn(h, ctx)
+            caps = {layer.index: o for layer, o in zip(self.layers, outs) if layer.index in capture}
         else:
             for layer, state in zip(self.layers, self.states):
                 h = layer(h, ctx, state)
