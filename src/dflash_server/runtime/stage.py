@@ -118,7 +118,9 @@ class LocalStage:
                 h = layer(h, ctx, state)
                 caps.append(h)
             return h, caps
-        options = {"guard_filter_fn": _static_model_guards}
+        options = {}
+        if hasattr(torch.compiler, "skip_guard_on_globals_unsafe"):  # guard filters: torch >= 2.8
+            options["guard_filter_fn"] = _static_model_guards
         if self.device.type == "cpu":
             options["cpp_wrapper"] = True
         self._decode_fn = torch.compile(run_layers, dynamic=None, options=options)
