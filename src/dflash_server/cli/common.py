@@ -287,8 +287,8 @@ def open_disk_cache(args, fp: str):
 def resolve_draft_path(args):
     """--draft PATH, or ``--draft default`` for the draft shipped with the built-in model;
     None with --no-draft. The shipped draft is not switched on by itself: measured on the
-    reference CPU (benchmarks/spec.py) its acceptance length is 1.35-1.65 and DFlash runs at
-    0.91-0.96x of plain decoding even with the adaptive block size, so plain decoding stays
+    reference CPU (benchmarks/spec.py) its acceptance length is 1.37-1.80 and DFlash runs at
+    0.88-1.04x of plain decoding even with the adaptive block size, so plain decoding stays
     the default until a better draft ships."""
     from ..weights.default_model import default_draft_path
 
