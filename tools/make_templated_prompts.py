@@ -270,7 +270,7 @@ def make(seed: int) -> list[dict]:
         if text in seen:
             continue
         seen.add(text)
-        out.append({"kind": kind, "messages": [{"role": "user", "content": text}], "id": f"tt_{len(out):04d}", "split": "train"})
+        out.append({"kind": kind, "messages": [{"role": "user", "content": text}], "split": "train"})
     return out
 
 
@@ -288,8 +288,8 @@ def main() -> None:
     rows = make(args.seed)
     kept = [p for p in rows if not (shingles(p["messages"][0]["content"]) & banned)
             and not (shingles(p["messages"][0]["content"], strip=True) & own)]
-    for i, p in enumerate(kept):
-        p["id"] = f"tt_{i:04d}"
+    kept = [{"kind": p["kind"], "messages": p["messages"], "id": f"tt_{i:04d}", "split": "train"}
+            for i, p in enumerate(kept)]
     Path(args.out).write_text("".join(json.dumps(p) + "\n" for p in kept))
     kinds = {}
     for p in kept:

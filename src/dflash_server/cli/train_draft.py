@@ -214,22 +214,24 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
         del pipe
     t_data = time.time() - t0
-    samples = []
-    if args.samples:
-        man, samples = load_dataset(data_dir, limit=args.samples)
-        if tuple(man["target_layer_ids"]) != cfg.target_layer_ids:
-            raise UserError(f"{data_dir} was sampled with target layers {man['target_layer_ids']}; "
-                            f"pass --target-layers to match or use another --data dir")
+
+    def load_checked(data, limit, flag):
+        """A dataset's samples, refused unless made from this target with the draft's taps."""
+        try:
+            man, got = load_dataset(data, limit=limit)
+        except ValueError as e:
+            raise UserError(f"{flag}: {e}") from None
+        if tuple(man["target_layer_ids"]) != cfg.target_layer_ids or man["hidden_size"] != mc.hidden_size or \
+                (man.get("model") and man["model"] != source.fingerprint()):
+            raise UserError(f"{data} holds features of target layers {man['target_layer_ids']} (hidden "
+                            f"{man['hidden_size']}) of model {man.get('model')}; the draft taps "
+                            f"{list(cfg.target_layer_ids)} of {source.fingerprint()}: pass --target-layers to "
+                            f"match or use another {flag} dir")
+        return got
+
+    samples = load_checked(data_dir, args.samples, "--data") if args.samples else []
     for extra in args.more_data:
-        if read_manifest(extra) is None:
-            raise UserError(f"--more-data {extra}: no dataset there (no {extra}/dataset.json)")
-        xman, more = load_dataset(extra)
-        if tuple(xman["target_layer_ids"]) != cfg.target_layer_ids or xman["hidden_size"] != mc.hidden_size:
-            raise UserError(f"--more-data {extra} was sampled with target layers {xman['target_layer_ids']} "
-                            f"(hidden {xman['hidden_size']}); the draft taps {list(cfg.target_layer_ids)}")
-        if xman.get("model") and xman["model"] != source.fingerprint():
-            raise UserError(f"--more-data {extra} was sampled from another target")
-        samples += more
+        samples += load_checked(extra, None, "--more-data")
     print(f"dataset: {len(samples)} sequences, {sum(len(s.ids) for s in samples)} tokens "
           f"({t_data:.0f} s sampling)")
     n_sampled = len(samples)
@@ -247,10 +249,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise UserError(str(e)) from None
             del pipe
-        tman, text = load_dataset(text_dir, limit=-(-args.text_tokens // text_len))
-        if tuple(tman["target_layer_ids"]) != cfg.target_layer_ids:
-            raise UserError(f"{text_dir} was captured with target layers {tman['target_layer_ids']}; "
-                            f"pass --target-layers to match or use another --text-data dir")
+        text = load_checked(text_dir, -(-args.text_tokens // text_len), "--text-data")
         samples += text
         print(f"text dataset: {len(text)} windows, {sum(len(s.ids) for s in text)} tokens "
               f"({time.time() - t0:.0f} s capturing)")
