@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_server.cli import main
-from dflash_server.cli.train_draft import acceptance
+from dflash_server.cli.train_draft import acceptance, grow_layers
 from dflash_server.engine.generate import Engine, GenerationRequest
 from dflash_server.runtime.pipeline import build_pipeline
 from dflash_server.runtime.placement import plan_placement
@@ -302,6 +302,15 @@ def test_train_draft_command_end_to_end(tiny_dir, tmp_path, capsys):
     assert tuned.cfg == trained.cfg
     for (k, a), b in zip(trained.zlab_state_dict().items(), tuned.zlab_state_dict().values()):
         assert (a - b).abs().max() < 1e-3, k
+    # --layers above the --init draft's grows it: old weights kept, new layers' outputs near zero
+    grow = again[:again.index("--out") + 1] + [str(tmp_path / "grow")] + again[again.index("--out") + 2:]
+    assert main(grow + ["--layers", "2"]) == 0
+    grown = DFlashDraft.load(tmp_path / "grow", dtype=torch.float32).zlab_state_dict()
+    assert DFlashDraft.load(tmp_path / "grow", dtype=torch.float32).cfg.num_layers == 2
+    for k, a in trained.zlab_state_dict().items():
+        assert (a - grown[k]).abs().max() < 1e-3, k
+    for k in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+        assert grown[k].abs().max() < 1e-3, k
 
 
 def test_hidden_size_must_match_target(tiny_dir, tmp_path, capsys):
@@ -323,6 +332,15 @@ def test_init_from_a_draft(tiny_dir, tmp_path, capsys):
     tr = DraftTrainer(cfg, [_samples(path, 1)[1][0]], pipe.stages[0].embed, pipe.stages[0].embed.weight,
                       TrainConfig(steps=1, seed=0), head_dtype=torch.float32, init=init)
     assert all(torch.equal(tr.tensors()[k], v) for k, v in init.items())
+    # a grown draft computes the same function as the one it grew from
+    gcfg, gtensors = grow_layers(cfg, init, 3, seed=1)
+    assert gcfg.num_layers == 3 and len(gcfg.layer_attention) == 3
+    grown = DraftTrainer(gcfg, [_samples(path, 1)[1][0]], pipe.stages[0].embed, pipe.stages[0].embed.weight,
+                         TrainConfig(steps=1, seed=0), head_dtype=torch.float32, init=gtensors)
+    sample = tr.samples[0]
+    anchors = tr.anchors_for(sample, 0, 0)
+    assert torch.allclose(grown._blocks(sample, anchors), tr._blocks(sample, anchors), atol=1e-6)
+    assert not torch.allclose(grown.tensors()["layers.2.self_attn.q_proj.weight"], torch.zeros(1))
     base = ["train-draft", "--model", str(path), "--out", str(tmp_path / "o"), "--init"]
     assert main(base + [str(tmp_path / "d"), "--block-size", "4"]) == 2
     assert "--block-size 4 differs from the --init draft's block_size 8" in capsys.readouterr().err

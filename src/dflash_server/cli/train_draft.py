@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
     a.add_argument("--init", metavar="DRAFT",
                    help="start from this draft's weights (z-lab dir or GGUF); its architecture, tapped layers, "
                         "block size and MASK id are used (architecture flags must agree or be left out)")
-    a.add_argument("--layers", type=positive_int, help="draft decoder layers (default 1)")
+    a.add_argument("--layers", type=positive_int,
+                   help="draft decoder layers (default 1; with --init, more than its layers grows the draft)")
     a.add_argument("--hidden-size", type=positive_int,
                    help="must equal the target's (the draft uses the target's embedding and LM head)")
     a.add_argument("--intermediate-size", type=positive_int, help="MLP size (default: the target's)")
@@ -142,7 +143,8 @@ ARCH_FLAGS = {"layers": "num_layers", "hidden_size": "hidden_size", "intermediat
 
 
 def init_draft(args, mc) -> tuple:
-    """(config, fp32 tensors) of the ``--init`` draft, checked against the target and the flags."""
+    """(config, fp32 tensors) of the ``--init`` draft, checked against the target and the flags.
+    ``--layers`` above the draft's count grows it: see ``grow_layers``."""
     from ..spec.draft import DFlashDraft
 
     try:
@@ -152,12 +154,38 @@ def init_draft(args, mc) -> tuple:
         raise UserError(f"--init: {e}") from None
     for flag, field in ARCH_FLAGS.items():
         v = getattr(args, flag)
+        if flag == "layers" and v is not None and v > d.cfg.num_layers:
+            continue
         if v is not None and v != getattr(d.cfg, field):
             raise UserError(f"--{flag.replace('_', '-')} {v} differs from the --init draft's {field} "
                             f"{getattr(d.cfg, field)}")
     if args.target_layers and args.target_layers != d.cfg.target_layer_ids:
         raise UserError(f"--target-layers differs from the --init draft's {list(d.cfg.target_layer_ids)}")
-    return d.cfg, {k: v.detach().clone() for k, v in d.zlab_state_dict().items()}
+    tensors = {k: v.detach().clone() for k, v in d.zlab_state_dict().items()}
+    if args.layers and args.layers > d.cfg.num_layers:
+        return grow_layers(d.cfg, tensors, args.layers, args.seed)
+    return d.cfg, tensors
+
+
+def grow_layers(cfg, tensors: dict, layers: int, seed: int) -> tuple:
+    """Append decoder layers to a draft so that it still computes the same function: each new
+    layer gets random weights but zero output projections (``o_proj``, ``down_proj``), so its
+    residual branches add nothing until training moves them. New layers take the attention
+    type of the last existing one."""
+    from dataclasses import replace
+
+    from ..spec.draft import DFlashDraft
+
+    grown = replace(cfg, num_layers=layers,
+                    layer_attention=cfg.layer_attention + (cfg.layer_attention[-1],) * (layers - cfg.num_layers))
+    fresh = DFlashDraft.random_tensors(grown, seed)
+    out = dict(tensors)
+    for i in range(cfg.num_layers, layers):
+        p = f"layers.{i}."
+        out.update({k: v for k, v in fresh.items() if k.startswith(p)})
+        out[p + "self_attn.o_proj.weight"].zero_()
+        out[p + "mlp.down_proj.weight"].zero_()
+    return grown, out
 
 
 def acceptance(pipe, draft, prompts: list[list[int]], max_tokens: int) -> dict:
