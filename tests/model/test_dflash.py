@@ -228,6 +228,67 @@ def test_fast_int4_draft_head_is_lossless(tiny_dir):
     assert DFlashProposer(draft, pipe, fast_head=False).head is None
 
 
+def with_vocab(draft, ids):
+    """The same draft, proposing only ``ids``."""
+    t = {**draft.zlab_state_dict(), "vocab_ids": torch.as_tensor(ids)}
+    return DFlashDraft(draft.cfg, t, "cpu", draft.dtype, draft.max_ctx)
+
+
+@pytest.mark.parametrize("dtype,stages", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 1)])
+def test_draft_vocab_restricts_proposals_and_stays_lossless(tiny_dir, dtype, stages):
+    """A draft with ``vocab_ids`` proposes exactly the best of those tokens under the full
+    head's logits (fp32: dense head of those rows), never another token, and the output is
+    still plain decoding's; in bf16 on a CPU its own head is int4 with only those rows."""
+    pipe = pipeline(tiny_dir("llama"), stages=stages, dtype=dtype)
+    V = pipe.config.vocab_size
+    ids = prompt_ids(pipe, 20)
+    ref = run(pipe, ids, max_tokens=30).token_ids
+    full = random_draft(pipe, seed=2)
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:V // 3].sort().values
+    vocab = torch.unique(torch.cat([vocab, torch.tensor(ref[:10])]))   # some proposals can be right
+    draft = with_vocab(full, vocab)
+    prop = DFlashProposer(draft, pipe, block_size=4)
+    assert prop.head.out_features == len(prop.head_ids) and set(prop.head_ids.tolist()) == set(vocab.tolist())
+    assert prop.head.mode == ("int4" if dtype == torch.bfloat16 else "dense")
+    res = run(pipe, ids, prop, max_tokens=30)
+    assert res.token_ids == ref and res.extra["spec"]["steps"] > 0
+    # the proposals: argmax over the vocabulary's columns of the pipeline's own head
+    pipe.reset()
+    feats = pipe.prefill(ids, capture=prop.taps).captures
+    prop.reset()
+    prop.add_context(feats, 0)
+    got = prop.propose(ids[-1], len(ids), 4)
+    if dtype == torch.float32:
+        emb = pipe.embed(torch.tensor([[ids[-1]] + [prop.mask_id] * 3]))
+        logits = pipe.project(draft.draft_hidden(emb, len(ids))[:, 1:])[0, :, :V]
+        assert got == vocab[logits[:, vocab].argmax(-1)].tolist()
+    assert len(got) == 3 and set(got) <= set(vocab.tolist())
+
+
+def test_draft_vocab_checked_and_round_trips(tiny_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    pipe = pipeline(tiny_dir("llama"))
+    V = pipe.config.vocab_size
+    draft = random_draft(pipe, seed=4)
+    assert draft.vocab_ids is None and "vocab_ids" not in draft.zlab_state_dict()
+    (tmp_path / "config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    for bad, match in [(torch.tensor([[1, 2]]), "1-D"), (torch.tensor([], dtype=torch.long), "non-empty"),
+                       (torch.tensor([1.0, 2.0]), "integers"), (torch.tensor([3, 2]), "sorted"),
+                       (torch.tensor([2, 2]), "distinct"), (torch.tensor([-1, 2]), "negative")]:
+        save_file({**draft.zlab_state_dict(), "vocab_ids": bad}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            DFlashDraft.load(tmp_path, "cpu", torch.float32, 64)
+    save_file({**draft.zlab_state_dict(), "vocab_ids": torch.tensor([0, V])}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        DFlashProposer(DFlashDraft.load(tmp_path, "cpu", torch.float32, 64), pipe)
+    ids32 = torch.arange(0, V, 2, dtype=torch.int32)     # any integer dtype is taken
+    save_file({**draft.zlab_state_dict(), "vocab_ids": ids32}, str(tmp_path / "model.safetensors"))
+    again = DFlashDraft.load(tmp_path, "cpu", torch.float32, 64)
+    assert again.vocab_ids.dtype == torch.int64 and torch.equal(again.vocab_ids, ids32.long())
+    assert torch.equal(again.zlab_state_dict()["vocab_ids"], ids32.long())
+
+
 def test_int8_draft_linears_lossless_and_close(tiny_dir):
     """Weight-only int8 draft linears (the CLI's choice on a CPU with a quantized target):
     the output still equals plain decoding, and the draft's hidden states stay close to the

@@ -182,7 +182,9 @@ def test_draft_in_its_own_worker(tiny_dir, tmp_path, closing):
     local = pipeline(path)
     draft = random_draft(local, block_size=4, taps=(1, 4), seed=3)
     (tmp_path / "config.json").write_text(json.dumps(draft.cfg.to_dict()))
-    save_file(draft.zlab_state_dict(), str(tmp_path / "model.safetensors"))
+    # with a draft vocabulary: the worker hands it over and the proposer projects onto it locally
+    vocab = torch.randperm(local.config.vocab_size, generator=torch.Generator().manual_seed(0))[:50].sort().values
+    save_file({**draft.zlab_state_dict(), "vocab_ids": vocab}, str(tmp_path / "model.safetensors"))
     ids = prompt_ids(local, 30)
 
     def run(pipe, d, slots=0, prompt=ids):
@@ -194,6 +196,7 @@ def test_draft_in_its_own_worker(tiny_dir, tmp_path, closing):
         rd = RemoteDraft(tmp_path, device="cpu", home="cpu", dtype=torch.float32, max_ctx=target.max_ctx,
                          options=RemoteOptions(timeout_s=5))
         closing(rd)
+        assert torch.equal(rd.vocab_ids, vocab)
         got = run(target, rd)
         assert got.token_ids == ref.token_ids and got.extra["spec"] == ref.extra["spec"]
     # prefix cache: the draft context is exported from the worker and imported back on a hit

@@ -311,6 +311,29 @@ def test_train_draft_command_end_to_end(tiny_dir, tmp_path, capsys):
         assert (a - grown[k]).abs().max() < 1e-3, k
     for k in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
         assert grown[k].abs().max() < 1e-3, k
+    # --draft-vocab K: the draft proposes only the K most frequent labels of the responses
+    capsys.readouterr()
+    vocab_run = again[:again.index("--out") + 1] + [str(tmp_path / "v")] + again[again.index("--out") + 2:]
+    assert main(vocab_run + ["--draft-vocab", "4"]) == 0
+    assert "draft vocabulary: 4 tokens" in capsys.readouterr().out
+    assert json.loads((tmp_path / "v" / "train_summary.json").read_text())["draft_vocab"] == 4
+    v = DFlashDraft.load(tmp_path / "v", dtype=torch.float32, max_ctx=pipe.max_ctx)
+    counts = torch.bincount(torch.cat([s.targets[s.prompt_len:] for s in load_dataset(out / "data")[1]]),
+                            minlength=pipe.config.vocab_size)
+    chosen = torch.zeros_like(counts, dtype=torch.bool)
+    chosen[v.vocab_ids] = True
+    assert chosen.sum() == 4 and counts[chosen].min() >= counts[~chosen].max() and counts[chosen].min() > 0
+    spec = Engine(pipe, proposer=DFlashProposer(v, pipe))
+    for ids in held[:2]:
+        req = GenerationRequest(tuple(ids), max_tokens=32, ignore_eos=True)
+        assert spec.generate(req).token_ids == plain.generate(req).token_ids
+    # fine-tuning keeps the --init draft's vocabulary unless told otherwise (0: the whole one)
+    keep = again[:again.index("--init") + 1] + [str(tmp_path / "v")] + again[again.index("--init") + 2:]
+    keep[keep.index("--out") + 1] = str(tmp_path / "v2")
+    assert main(keep) == 0
+    assert torch.equal(DFlashDraft.load(tmp_path / "v2", dtype=torch.float32).vocab_ids, v.vocab_ids)
+    assert main(keep + ["--draft-vocab", "0"]) == 0
+    assert DFlashDraft.load(tmp_path / "v2", dtype=torch.float32).vocab_ids is None
 
 
 def test_hidden_size_must_match_target(tiny_dir, tmp_path, capsys):
@@ -355,6 +378,7 @@ def test_shipped_draft_loads_and_is_lossless_on_the_default_model():
     assert path is not None and (path / "model.safetensors").stat().st_size < 40 * 2**20
     draft = DFlashDraft.load(path, dtype=torch.float32, max_ctx=512)
     assert draft.cfg.hidden_size == 576 and draft.cfg.mask_token_id == 16 and draft.cfg.block_size == 8
+    assert len(draft.vocab_ids) == 8192                       # its draft vocabulary
     pipe = pipeline(default_model_path())                     # fp32 dense: exact comparison
     ids = render(pipe.tokenizer, load_prompts(split="heldout")[0])
     req = GenerationRequest(tuple(ids), max_tokens=40, ignore_eos=True)

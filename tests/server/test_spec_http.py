@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import torch
 from safetensors.torch import save_file
 
 from dflash_server.spec.config import DraftConfig
@@ -18,7 +19,9 @@ def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp
     cfg = DraftConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1, 2), num_target_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    save_file(DFlashDraft.random_tensors(cfg, 0, 0.05), str(tmp_path / "model.safetensors"))
+    # with a draft vocabulary (every third token id)
+    save_file({**DFlashDraft.random_tensors(cfg, 0, 0.05), "vocab_ids": torch.arange(0, 49152, 3)},
+              str(tmp_path / "model.safetensors"))
     srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path))
     try:
         body = {"model": "tiny", "max_tokens": 40, "temperature": 0,
@@ -31,6 +34,7 @@ def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp
         assert {"acceptance_length", "accept_rate", "mean_block_size"} <= set(spec)
         props = httpx.get(srv.url + "/props").json()["speculative"]
         assert props["enabled"] and props["adaptive_block_size"] and props["block_size"] == 4
+        assert props["draft_vocab_size"] == 16384
         assert props["block_sizer"]["candidates"] == [1, 2, 3, 4] and props["block_sizer"]["cost_ms"]
         metrics = httpx.get(srv.url + "/metrics").text
         assert "dflash_spec_plain_steps_total" in metrics and "dflash_spec_verify_steps_total" in metrics

@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
     a.add_argument("--target-layers", type=layer_ids,
                    help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
     a.add_argument("--mask-token-id", type=int, help="MASK id (default: an id the target never generates)")
+    a.add_argument("--draft-vocab", type=non_negative_int, metavar="K",
+                   help="the draft proposes only the K most frequent tokens of the training responses: its LM-head "
+                        "projection shrinks to K rows (0: the whole vocabulary; default: the --init draft's, "
+                        "else the whole vocabulary)")
     d = p.add_argument_group("data (sampled from the target)")
     d.add_argument("--samples", "--data-size", dest="samples", type=non_negative_int, default=1024,
                    help="training sequences to sample (0: none, with --text)")
@@ -302,6 +306,16 @@ def run(args: argparse.Namespace) -> int:
                                norm_weight=pipe.stages[-1].final_norm.weight, init=init)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.draft_vocab is not None:
+        trainer.draft.vocab_ids = None
+        if args.draft_vocab:
+            from ..spec.train_data import top_tokens
+            try:
+                ids, covered = top_tokens(samples, args.draft_vocab)
+            except ValueError as e:
+                raise UserError(f"--draft-vocab: {e}") from None
+            trainer.draft.vocab_ids = ids
+            print(f"draft vocabulary: {len(ids)} tokens, {100 * covered:.2f}% of the training labels")
     held_ids = [render(source.tokenizer, p) for p in held]
 
     def evaluate(tr):
@@ -314,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {"draft": str(out), "samples": n_sampled, "text_windows": len(samples) - n_sampled,
                "tokens": sum(len(s.ids) for s in samples),
                "sampling_s": round(t_data), "training_s": round(time.time() - t1), "steps": trainer.step,
+               "draft_vocab": None if trainer.draft.vocab_ids is None else len(trainer.draft.vocab_ids),
                "heldout_prompts": len(held_ids), **{f"heldout_{k}": round(v, 3) for k, v in ev.items()}}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))

@@ -19,6 +19,9 @@ def _speculative(engine) -> dict:
         v = getattr(proposer, key, None)
         if isinstance(v, (int, str)) or (isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v)):
             out[key] = list(v) if isinstance(v, tuple) else v
+    vocab = getattr(proposer, "vocab", None)
+    # tokens the draft can propose (null: the whole vocabulary)
+    out["draft_vocab_size"] = int(vocab.numel()) if hasattr(vocab, "numel") else None
     sizer = getattr(proposer, "sizer", None)
     out["adaptive_block_size"] = sizer is not None
     if sizer is not None:

@@ -6,6 +6,8 @@ It has no embedding and no LM head (it borrows the target's). Every layer's keys
 k/v projections (no input norm) and cached; the block is ``[anchor, MASK x (B-1)]``.
 Queries come only from the block, which attends bidirectionally (full layers) or causally
 within a window (sliding layers). Output position k predicts the token at position k.
+An optional ``vocab_ids`` tensor (our extension of the z-lab format) limits the proposals
+to a subset of the vocabulary, so the borrowed LM head projects onto fewer rows.
 """
 from __future__ import annotations
 
@@ -84,6 +86,28 @@ class DraftContext:
     length: int = 0
 
 
+# Optional tensor (1-D int64, sorted distinct token ids): the draft only proposes these tokens
+# (e.g. the few thousand its target actually generates), so its LM-head projection covers a
+# fraction of the vocabulary. Lossless either way: the target verifies every proposal.
+VOCAB_IDS = "vocab_ids"
+
+
+def check_vocab_ids(ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The draft vocabulary as sorted int64 ids, or a clear error (None: the whole vocabulary)."""
+    if ids is None:
+        return None
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"draft weights: {VOCAB_IDS} must be a non-empty 1-D tensor, got shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"draft weights: {VOCAB_IDS} must hold integers, got {ids.dtype}")
+    ids = ids.detach().to("cpu", torch.int64)
+    if int(ids.min()) < 0:
+        raise ValueError(f"draft weights: {VOCAB_IDS} holds a negative id ({int(ids.min())})")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"draft weights: {VOCAB_IDS} must be sorted and distinct")
+    return ids
+
+
 class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], device="cpu",
                  dtype=torch.bfloat16, max_ctx: int = 4096, quantize: str = "dense"):
@@ -95,6 +119,7 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"draft quantization must be dense, int8 or int4, got {quantize!r}")
         self.cfg, self.device, self.dtype, self.max_ctx = cfg, torch.device(device), dtype, max_ctx
         self.quantize = quantize
+        self.vocab_ids = check_vocab_ids(tensors.get(VOCAB_IDS))
 
         def get(name):
             if name not in tensors:
@@ -187,7 +212,10 @@ class DFlashDraft(nn.Module):
                         p + "mlp.gate_proj.weight": layer.mlp.gate_up.weight[:layer.mlp.inter],
                         p + "mlp.up_proj.weight": layer.mlp.gate_up.weight[layer.mlp.inter:],
                         p + "mlp.down_proj.weight": layer.mlp.down.weight})
-        return {k: v.detach().contiguous() for k, v in out.items()}
+        out = {k: v.detach().contiguous() for k, v in out.items()}
+        if self.vocab_ids is not None:
+            out[VOCAB_IDS] = self.vocab_ids.clone()
+        return out
 
     def check_target(self, num_target_layers: int, hidden_size: int, vocab_size: int) -> None:
         """Clear errors for a draft that does not fit the target."""
@@ -199,6 +227,9 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"draft target_layer_ids {bad} outside the target's {num_target_layers} layers")
         if not 0 <= c.mask_token_id < vocab_size:
             raise ValueError(f"draft mask_token_id {c.mask_token_id} outside the target vocabulary ({vocab_size})")
+        ids = getattr(self, "vocab_ids", None)
+        if ids is not None and int(ids[-1]) >= vocab_size:
+            raise ValueError(f"draft vocab_ids reach {int(ids[-1])}, outside the target vocabulary ({vocab_size})")
 
     # --- context (committed tokens' features) -------------------------------------------
     def _empty_context(self) -> DraftContext:

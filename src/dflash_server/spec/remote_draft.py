@@ -2,7 +2,7 @@
 
 ``DraftOps`` adds the draft operations to a worker; ``RemoteDraft`` is the client and
 quacks like ``DFlashDraft`` for the proposer (config, context length, append, draft
-hidden states, context export / import). Target captures go to the worker as they are
+hidden states, context export / import, the draft vocabulary). Target captures go to the worker as they are
 committed; the draft hidden states come back for the LM head. A worker failure fails the
 request (ShardError) and the worker restarts; the proposer re-fills the context on the
 next request (prefix-cache hits restore it from the snapshot the server holds).
@@ -14,7 +14,7 @@ import torch
 from ..runtime.ipc_codec import DTYPE_NAMES, DTYPES
 from ..runtime.worker_link import RemoteOptions, WorkerLink
 from .config import DraftConfig
-from .draft import DFlashDraft
+from .draft import DFlashDraft, check_vocab_ids
 
 
 class DraftOps:
@@ -40,6 +40,10 @@ class DraftOps:
             self.key = key
         self.draft.reset()
         return {"config": self.draft.cfg.to_dict(), "nbytes": self.draft.nbytes()}, {}
+
+    def op_draft_vocab(self, a, t):
+        ids = self._need().vocab_ids
+        return {}, ({} if ids is None else {"vocab_ids": ids})
 
     def op_draft_reset(self, a, t):
         self._need().reset()
@@ -79,6 +83,8 @@ class RemoteDraft:
         res = self.link.setup_results[0]
         self.cfg = DraftConfig.from_dict(res["config"])
         self._nbytes = int(res["nbytes"])
+        ids = self.link.call("draft_vocab")[1].get("vocab_ids")
+        self.vocab_ids = check_vocab_ids(ids)   # the proposer projects onto these rows locally
 
     check_target = DFlashDraft.check_target
 

@@ -81,7 +81,7 @@ class DraftTrainer:
         if resume and self.ckpt_dir and (self.ckpt_dir / "state.json").is_file():
             state, tensors = self._read_checkpoint()
         elif init is not None:
-            tensors = {k: v.float() for k, v in init.items()}
+            tensors = {k: v.float() if v.is_floating_point() else v for k, v in init.items()}
         else:
             tensors = DFlashDraft.random_tensors(cfg, tc.seed)
             if norm_weight is not None:
@@ -255,7 +255,8 @@ class DraftTrainer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
-        save_file({k: v.to(dtype).contiguous() for k, v in self.tensors().items()}, str(out / "model.safetensors"))
+        save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.tensors().items()},
+                  str(out / "model.safetensors"))
         return out
 
     def save_checkpoint(self) -> None:

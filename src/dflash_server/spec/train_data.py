@@ -212,6 +212,21 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
     return man
 
 
+def top_tokens(samples: list[Sample], k: int) -> tuple[torch.Tensor, float]:
+    """The ``k`` most frequent labels of the samples' responses (the target's argmax where
+    stored, else the data tokens), as sorted ids, and the fraction of labels they cover.
+    Only tokens that occur are taken, so fewer than ``k`` may come back."""
+    labels = [s.targets[s.prompt_len:] if s.targets is not None else s.ids[s.prompt_len:] for s in samples]
+    labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
+    labels = labels[labels >= 0]
+    if labels.numel() == 0:
+        raise ValueError("no response tokens to choose a draft vocabulary from")
+    counts = torch.bincount(labels)
+    order = torch.argsort(counts, descending=True, stable=True)[:k]   # ties: lower id first
+    order = order[counts[order] > 0]
+    return order.sort().values, float(counts[order].sum()) / labels.numel()
+
+
 def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, list[Sample]]:
     """The manifest and its samples (features kept in their stored dtype)."""
     from safetensors.torch import load_file
