@@ -378,7 +378,7 @@ def test_shipped_draft_loads_and_is_lossless_on_the_default_model():
     assert path is not None and (path / "model.safetensors").stat().st_size < 40 * 2**20
     draft = DFlashDraft.load(path, dtype=torch.float32, max_ctx=512)
     assert draft.cfg.hidden_size == 576 and draft.cfg.mask_token_id == 16 and draft.cfg.block_size == 8
-    assert len(draft.vocab_ids) == 8192                       # its draft vocabulary
+    assert len(draft.vocab_ids) == 15048                      # its draft vocabulary
     pipe = pipeline(default_model_path())                     # fp32 dense: exact comparison
     ids = render(pipe.tokenizer, load_prompts(split="heldout")[0])
     req = GenerationRequest(tuple(ids), max_tokens=40, ignore_eos=True)

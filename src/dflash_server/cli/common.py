@@ -287,9 +287,10 @@ def open_disk_cache(args, fp: str):
 def resolve_draft_path(args):
     """--draft PATH, or ``--draft default`` for the draft shipped with the built-in model;
     None with --no-draft. The shipped draft is not switched on by itself: measured on the
-    reference CPU (benchmarks/spec.py) its acceptance length is 1.37-1.80 and DFlash runs at
-    0.88-1.04x of plain decoding even with the adaptive block size, so plain decoding stays
-    the default until a better draft ships."""
+    reference CPU (benchmarks/spec.py) its acceptance length is 1.38-1.82 and DFlash with the
+    adaptive block size runs at 0.95-1.17x of plain decoding greedy but ~0.9-1.0x at
+    temperature 1 (and below a --compile'd plain step), so plain decoding stays the default
+    until a better draft ships."""
     from ..weights.default_model import default_draft_path
 
     if args.no_draft or args.draft is None:
