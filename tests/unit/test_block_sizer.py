@@ -82,6 +82,26 @@ def test_request_acceptance_overrides_history():
     assert s.req_reach[1] == 0 and 0.3 < s.q(1) < 0.95
 
 
+def test_greedy_and_sampled_requests_keep_separate_histories():
+    """Sampled requests accept far less than greedy ones; after many greedy requests a
+    sampled one starts from the neutral prior (not from the greedy rates), and sampled
+    requests do not drag the greedy history down. Step costs are shared (the machine's)."""
+    s = BlockSizer(8)
+    for seed in range(3):
+        s.begin_request("greedy")
+        simulate(s, 0.9, cpu_int4, steps=100, seed=seed)
+    assert s.q(1) > 0.8 and s.kind == "greedy"
+    greedy = [list(x) for x in s.history["greedy"]]
+    s.begin_request("sampled")
+    assert s.q(1) == 0.5 and s.cost                        # prior, and the measured costs kept
+    for seed in range(3):
+        s.begin_request("sampled")
+        simulate(s, 0.05, cpu_int4, steps=100, seed=seed)
+    assert s.q(1) < 0.2 and s.choose() in (1, 2)
+    s.begin_request("greedy")
+    assert [list(x) for x in s.history["greedy"]] == greedy and s.q(1) > 0.8 and s.to_dict()["kind"] == "greedy"
+
+
 def test_early_stop_is_not_a_rejection():
     s = BlockSizer(4)
     s.observe(4, None, 0.01)                           # the step ended at a stop string

@@ -69,7 +69,7 @@ def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: in
     the logits that predicted the newest (not yet cached) token."""
     taps, sizer = proposer.taps, getattr(proposer, "sizer", None)
     if sizer is not None:
-        sizer.begin_request()
+        sizer.begin_request("greedy" if sampler.params.greedy else "sampled")
     while True:
         want = sizer.choose() if sizer is not None else proposer.block_size
         block = min(want, max_tokens - len(out.tokens), pipe.max_ctx - pos)

@@ -10,7 +10,10 @@ the draft's acceptance for this request (code vs chat) and on the machine, and b
 measured rather than assumed:
 
 - ``q_k``: accepted / reached counts per draft position, per request, shrunk towards the
-  running counts of earlier requests (which start from a neutral prior);
+  running counts of earlier requests of the same kind (which start from a neutral prior).
+  Kinds are kept apart because acceptance differs by far more between greedy and sampled
+  requests than between requests of one kind (sampling draws off the draft's argmax), and
+  a server mixes them;
 - ``c(B)``: a moving average of the measured wall time of steps with block B.
 
 Every candidate is tried once before it is judged, and every ``explore_every`` steps the
@@ -34,14 +37,19 @@ class BlockSizer:
         self.prior, self.prior_weight, self.request_weight = prior, prior_weight, request_weight
         self.cost: dict[int, float] = {}          # B -> seconds per step (moving average)
         self.measured: dict[int, int] = {}        # B -> step counter when last measured
-        self.reach = [0.0] * max_block            # earlier requests, decayed; index k = draft position
-        self.hits = [0.0] * max_block
-        self.req_reach = [0] * max_block          # this request
-        self.req_hits = [0] * max_block
+        # earlier requests' counts per kind, decayed; index k = draft position
+        self.history: dict[str, tuple[list[float], list[float]]] = {}
         self.steps = 0
+        self.begin_request()
 
-    def begin_request(self) -> None:
-        self.req_reach = [0] * self.max_block
+    def begin_request(self, kind: str = "greedy") -> None:
+        """Start a request of ``kind`` (e.g. greedy / sampled): its acceptance is shrunk
+        towards earlier requests of that kind only."""
+        if kind not in self.history:
+            self.history[kind] = ([0.0] * self.max_block, [0.0] * self.max_block)
+        self.kind = kind
+        self.reach, self.hits = self.history[kind]
+        self.req_reach = [0] * self.max_block     # this request
         self.req_hits = [0] * self.max_block
 
     def acceptance(self) -> list[float]:
@@ -104,6 +112,6 @@ class BlockSizer:
             self.req_hits[k] += hit
 
     def to_dict(self) -> dict:
-        return {"candidates": list(self.candidates),
+        return {"candidates": list(self.candidates), "kind": self.kind,
                 "cost_ms": {b: round(c * 1e3, 3) for b, c in sorted(self.cost.items())},
                 "acceptance": [round(q, 4) for q in self.acceptance()]}
