@@ -2,10 +2,11 @@
 
 ``DraftOps`` adds the draft operations to a worker; ``RemoteDraft`` is the client and
 quacks like ``DFlashDraft`` for the proposer (config, context length, append, draft
-hidden states, context export / import, the draft vocabulary). Target captures go to the worker as they are
-committed; the draft hidden states come back for the LM head. A worker failure fails the
-request (ShardError) and the worker restarts; the proposer re-fills the context on the
-next request (prefix-cache hits restore it from the snapshot the server holds).
+hidden states, context export / import, the draft vocabulary). Target captures go to the
+worker as they are committed; the draft hidden states come back for the LM head. A worker
+failure fails the request (ShardError) and the worker restarts; the proposer re-fills the
+context on the next request (prefix-cache hits restore it from the snapshot the server
+holds).
 """
 from __future__ import annotations
 
