@@ -50,3 +50,31 @@ def test_compiled_step_returns_the_same_captures(tiny_dir):
             assert torch.allclose(a.captures[k], b.captures[k], atol=1e-5, rtol=1e-5)
     # per stage: a static graph for the first position and a dynamic one, whatever is captured
     assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
+@pytest.mark.parametrize("family,max_graphs", [("llama", 4), ("qwen3_5", 2)])
+def test_compiled_dflash_equals_eager_plain_decoding(tiny_dir, family, max_graphs):
+    """--compile with a draft: verify blocks run the compiled layer loop too (attention-only
+    stages: a static graph, then one with the block length symbolic; plus the two of the
+    single-token step), and the output is still plain
+    decoding's, token for token, for a useless and for a perfect draft. Gated DeltaNet
+    stages compile single-token steps only (their block form would compile per length)."""
+    import torch._dynamo
+
+    from dflash_server.spec.proposer import DFlashProposer
+    from .test_dflash import OracleProposer, random_draft, run
+
+    path = tiny_dir(family)
+    eager, compiled = pipeline(path), pipeline(path)
+    compiled.compile_decode()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids = prompt_ids(eager, 30)
+    ref = greedy(eager, ids, max_tokens=40)
+    for block in (3, 8):
+        res = run(compiled, ids, DFlashProposer(random_draft(compiled), compiled, block_size=block), max_tokens=40)
+        assert res.token_ids == ref, block
+    res = run(compiled, ids, OracleProposer(random_draft(compiled), compiled, 8, ids, ref), max_tokens=40)
+    assert res.token_ids == ref and res.extra["spec"]["acceptance_length"] > 7
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= max_graphs

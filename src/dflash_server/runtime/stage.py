@@ -18,6 +18,9 @@ from ..layers.rope import RotaryTable
 from .kv_pool import KvPool
 
 
+COMPILED_MAX_ROWS = 32  # verify blocks of up to this many positions run the compiled graph (--compile)
+
+
 def _static_model_guards(entries) -> list[bool]:
     """Which of dynamo's guards the compiled step keeps: not those on the layer modules and
     on module globals. Both are fixed once a stage is built (weights are quantized and
@@ -98,11 +101,13 @@ class LocalStage:
         self.length = 0
         self._ckpt_length: int | None = None
         self._decode_fn = None
+        self._compiled_rows = 0
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
 
     def compile_decode(self) -> None:
-        """Use a torch.compile'd layer loop for single-token steps (fuses the small
-        elementwise ops between the matmuls).
+        """Use a torch.compile'd layer loop for single-token steps and for DFlash verify
+        blocks of up to ``COMPILED_MAX_ROWS`` positions (fuses the small elementwise ops
+        between the matmuls). Prefill and KV Flash pools stay eager.
 
         Shapes are left to dynamo's automatic dynamism: the first step compiles a static
         graph, the second (another position) one where only the position is symbolic, and
@@ -111,7 +116,15 @@ class LocalStage:
         instead of 108 tok/s on the default model (2-core CPU). On CPU the graph also gets
         inductor's C++ wrapper (the kernel calls leave Python: 117 tok/s; the first compile
         takes ~90 s instead of ~20 s). The graph returns every layer's output, so DFlash's
-        plain steps (which capture the draft's taps) use it too, rounding as AR steps do."""
+        plain steps (which capture the draft's taps) use it too, rounding as AR steps do.
+        Verify blocks (T > 1 rows under a checkpoint) get graphs of their own the same way:
+        a static one at the first drafted step, then, at the second block size, one in which
+        T is symbolic too, shared by every later block size (dynamo specialises sizes 0 and
+        1, so single-token steps keep theirs). Marking T dynamic up front would save the
+        static graph, but T also enters as plain ints (positions, slices). A stage with
+        recurrent (Gated DeltaNet) layers verifies eagerly: their block form picks its chunk
+        size from T, so every block size would be another graph (dynamo's recompile limit
+        was reached within one request)."""
         def run_layers(h, ctx):
             caps = []
             for layer, state in zip(self.layers, self.states):
@@ -124,6 +137,8 @@ class LocalStage:
         if self.device.type == "cpu":
             options["cpp_wrapper"] = True
         self._decode_fn = torch.compile(run_layers, dynamic=None, options=options)
+        recurrent = any(s.kind == "recurrent" for s in self.states)
+        self._compiled_rows = 1 if recurrent else COMPILED_MAX_ROWS
 
     def _linears(self):
         mods = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
@@ -152,10 +167,11 @@ class LocalStage:
         if self.pool is not None:
             self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
         caps = {}
-        if self._decode_fn is not None and T == 1 and not ctx.record and ctx.slots is None:
-            # every layer's output comes back (30 vectors of H: nothing next to the weights),
-            # so steps with captures (DFlash's plain steps) and without run one graph and
-            # round alike; a graph per capture set fused differently (bf16 logits differed)
+        if self._decode_fn is not None and ctx.slots is None and (
+                (T == 1 and not ctx.record) or (ctx.record and T <= self._compiled_rows)):
+            # every layer's output comes back (T x 30 vectors of H: nothing next to the
+            # weights), so steps with captures (DFlash's plain steps, verify blocks) and without
+            # run one graph and round alike; a graph per capture set fused differently
             h, outs = self._decode_fn(h, ctx)
             caps = {layer.index: o for layer, o in zip(self.layers, outs) if layer.index in capture}
         else:

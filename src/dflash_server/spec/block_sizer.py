@@ -14,9 +14,11 @@ measured rather than assumed:
   Kinds are kept apart because acceptance differs by far more between greedy and sampled
   requests than between requests of one kind (sampling draws off the draft's argmax), and
   a server mixes them;
-- ``c(B)``: a moving average of the measured wall time of steps with block B.
+- ``c(B)``: a moving average of the measured wall time of steps with block B. The first
+  step of a block size may carry one-off costs (with ``--compile`` it compiled the verify
+  graph: 16.8 s instead of ~60 ms on the dev CPU), so its time is replaced by the second's.
 
-Every candidate is tried once before it is judged, and every ``explore_every`` steps the
+Every candidate is tried twice before it is judged, and every ``explore_every`` steps the
 least recently measured candidate runs again, so costs follow the machine's load and deep
 positions keep being observed. Output does not depend on the choice: every block size
 verifies against the same target distribution.
@@ -37,6 +39,7 @@ class BlockSizer:
         self.prior, self.prior_weight, self.request_weight = prior, prior_weight, request_weight
         self.cost: dict[int, float] = {}          # B -> seconds per step (moving average)
         self.measured: dict[int, int] = {}        # B -> step counter when last measured
+        self.samples: dict[int, int] = {}         # B -> steps measured
         # earlier requests' counts per kind, decayed; index k = draft position
         self.history: dict[str, tuple[list[float], list[float]]] = {}
         self.steps = 0
@@ -83,7 +86,7 @@ class BlockSizer:
         return e
 
     def choose(self) -> int:
-        fresh = [b for b in self.candidates if b not in self.cost]
+        fresh = [b for b in self.candidates if self.samples.get(b, 0) < 2]
         if fresh:
             return fresh[-1]
         if self.steps % self.explore_every == self.explore_every - 1:
@@ -96,9 +99,11 @@ class BlockSizer:
         the step ended early, e.g. at a stop string: acceptance not observed)."""
         self.steps += 1
         if block in self.candidates:
-            old = self.cost.get(block)
-            self.cost[block] = seconds if old is None else old + self.cost_alpha * (seconds - old)
+            old, n = self.cost.get(block), self.samples.get(block, 0)
+            # the first measurement is only a placeholder: the second replaces it
+            self.cost[block] = seconds if n < 2 else old + self.cost_alpha * (seconds - old)
             self.measured[block] = self.steps
+            self.samples[block] = n + 1
         if accepted is None or block < 2:
             return
         for k in range(1, self.max_block):
