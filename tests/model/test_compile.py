@@ -78,3 +78,28 @@ def test_compiled_dflash_equals_eager_plain_decoding(tiny_dir, family, max_graph
     assert res.token_ids == ref and res.extra["spec"]["acceptance_length"] > 7
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= max_graphs
+
+
+def test_warm_up_builds_every_graph_before_the_first_request(tiny_dir):
+    """``serve --compile`` runs Engine.warm_up before it reports ready: afterwards a request
+    with the adaptive block size compiles nothing new (and decodes exactly)."""
+    import torch._dynamo
+
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.spec.proposer import DFlashProposer
+    from .test_dflash import random_draft
+
+    path = tiny_dir("llama")
+    eager, compiled = pipeline(path), pipeline(path)
+    compiled.compile_decode()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engine = Engine(compiled, proposer=DFlashProposer(random_draft(compiled), compiled, adaptive=True))
+    engine.warm_up()
+    assert engine.proposer.sizer.cost == {}   # its step times included the compiles
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 3                         # decode step(s) and the verify graphs
+    ids = prompt_ids(eager, 25, seed=4)
+    res = engine.generate(GenerationRequest(tuple(ids), max_tokens=30, ignore_eos=True))
+    assert res.token_ids == greedy(eager, ids, max_tokens=30)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -53,6 +53,24 @@ def test_candidates_and_exploration_order():
         BlockSizer(1)
 
 
+def test_one_off_step_times_do_not_stick():
+    """Under --compile the first two steps of a block size both compiled a graph (the second
+    for another position): a later time under a quarter of the average replaces it at once
+    instead of decaying by the moving average; reset() forgets everything (after a warm-up)."""
+    s = BlockSizer(8)
+    for seconds in (87.0, 40.0):
+        s.observe(8, 0, seconds)
+    assert s.cost[8] == 40.0
+    s.observe(8, 0, 0.06)
+    assert s.cost[8] == 0.06
+    s.observe(8, 0, 0.10)                       # ordinary noise still averages
+    assert s.cost[8] == pytest.approx(0.06 + 0.25 * 0.04)
+    s.observe(2, 1, 0.03)
+    s.reset()
+    assert s.cost == {} and s.samples == {} and s.steps == 0 and s.acceptance() == BlockSizer(8).acceptance()
+    assert s.choose() == 8
+
+
 @pytest.mark.parametrize("q,cost,lo,hi", [
     (0.05, cpu_int4, 1, 1),      # a useless draft: plain decoding
     (0.5, cpu_int4, 2, 4),       # a weak draft on a CPU: short blocks

@@ -140,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         try:
             source, pipeline, engine = load_engine(args, progress=False)
+            if args.compile:  # compile now (minutes on a cold cache), not in the first request
+                t1 = time.monotonic()
+                engine.warm_up()
+                log.info("compiled in %.1f s", time.monotonic() - t1)
             state.attach(engine, _model_info(args, source, pipeline))
             log.info("model %s ready in %.1f s (%s, context %d, speculative: %s)", config.model_name,
                      time.monotonic() - t0, source.path, pipeline.max_ctx,

@@ -127,6 +127,20 @@ class Engine:
             self.prefix_cache.discard(pre.pending)
         return res
 
+    def warm_up(self, max_tokens: int = 64) -> GenerationResult:
+        """One throwaway greedy generation with the prefix cache off, so that lazily built
+        things (``torch.compile``'s graphs: the decode step and, with a draft, the verify
+        blocks, which the adaptive block size tries all of in its first steps) are built
+        before the first real request rather than during it."""
+        ids = self.tokenizer.encode("Count from one to twenty, one number per line.")
+        room = self.pipeline.max_ctx - len(ids) - 1
+        res = self.generate(GenerationRequest(tuple(ids), max_tokens=max(1, min(max_tokens, room)),
+                                              ignore_eos=True, cache_scope="off"))
+        sizer = getattr(self.proposer, "sizer", None)
+        if sizer is not None:       # its step times included the compiles
+            sizer.reset()
+        return res
+
     def close(self) -> None:
         """Graceful shutdown: persist prefix snapshots to the disk cache, stop shard workers."""
         try:

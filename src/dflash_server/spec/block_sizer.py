@@ -15,8 +15,9 @@ measured rather than assumed:
   requests than between requests of one kind (sampling draws off the draft's argmax), and
   a server mixes them;
 - ``c(B)``: a moving average of the measured wall time of steps with block B. The first
-  step of a block size may carry one-off costs (with ``--compile`` it compiled the verify
-  graph: 16.8 s instead of ~60 ms on the dev CPU), so its time is replaced by the second's.
+  steps of a block size may carry one-off costs (with ``--compile`` they compiled verify
+  graphs: 16.8 s, and 87 s on a cold cache, instead of ~60 ms on the dev CPU), so the
+  second time replaces the first, and a time under a quarter of the average replaces it.
 
 Every candidate is tried twice before it is judged, and every ``explore_every`` steps the
 least recently measured candidate runs again, so costs follow the machine's load and deep
@@ -40,6 +41,13 @@ class BlockSizer:
         self.cost: dict[int, float] = {}          # B -> seconds per step (moving average)
         self.measured: dict[int, int] = {}        # B -> step counter when last measured
         self.samples: dict[int, int] = {}         # B -> steps measured
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every measurement (e.g. those of a warm-up that compiled graphs)."""
+        self.cost.clear()
+        self.measured.clear()
+        self.samples.clear()
         # earlier requests' counts per kind, decayed; index k = draft position
         self.history: dict[str, tuple[list[float], list[float]]] = {}
         self.steps = 0
@@ -100,8 +108,12 @@ class BlockSizer:
         self.steps += 1
         if block in self.candidates:
             old, n = self.cost.get(block), self.samples.get(block, 0)
-            # the first measurement is only a placeholder: the second replaces it
-            self.cost[block] = seconds if n < 2 else old + self.cost_alpha * (seconds - old)
+            # the first measurement is only a placeholder, and a far shorter one means the
+            # average holds a one-off (a compile): both are replaced outright
+            if n < 2 or seconds * 4 < old:
+                self.cost[block] = seconds
+            else:
+                self.cost[block] = old + self.cost_alpha * (seconds - old)
             self.measured[block] = self.steps
             self.samples[block] = n + 1
         if accepted is None or block < 2:
