@@ -90,9 +90,8 @@ def main():
         return DFlashProposer(load_draft(draft_dir), pipe, args.block_size, adaptive=adaptive)
     engines = {"ar": Engine(pipe), "fixed": Engine(pipe, proposer=proposer(False)),
                "adaptive": Engine(pipe, proposer=proposer(True))}
-    warm = GenerationRequest(tuple(src.tokenizer.encode("Hello")), max_tokens=8, ignore_eos=True)
-    for e in engines.values():
-        e.generate(warm)
+    for e in engines.values():   # as `serve` does: builds compiled graphs, then the block sizer starts afresh
+        e.warm_up()
     rows = []
     for name, file in SETS.items():
         tps = {k: [] for k in engines}
