@@ -56,9 +56,9 @@ def test_compiled_step_returns_the_same_captures(tiny_dir):
 def test_compiled_dflash_equals_eager_plain_decoding(tiny_dir, family, max_graphs):
     """--compile with a draft: verify blocks run the compiled layer loop too (attention-only
     stages: a static graph, then one with the block length symbolic; plus the two of the
-    single-token step), and the output is still plain
-    decoding's, token for token, for a useless and for a perfect draft. Gated DeltaNet
-    stages compile single-token steps only (their block form would compile per length)."""
+    single-token step), and the output is still plain decoding's, token for token, for a
+    useless and for a perfect draft. Gated DeltaNet stages compile single-token steps only
+    (their block form would compile a graph per block length)."""
     import torch._dynamo
 
     from dflash_server.spec.proposer import DFlashProposer
