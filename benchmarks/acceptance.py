@@ -30,10 +30,11 @@ def main():
     ap.add_argument("--prompts", type=int, default=10, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, ...")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "acceptance.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    src, pipe, load_draft = serving_setup()
+    src, pipe, load_draft = serving_setup(args.device)
     from dflash_server.engine.generate import Engine, GenerationRequest
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.weights.default_model import default_draft_path

@@ -2,9 +2,10 @@
 default model and its shipped draft, in one run.
 
     python benchmarks/spec.py [--draft DIR] [--prompts 5] [--max-tokens 128] [--block-size 8]
-                              [--threads 2] [--compile] [--out FILE]
+                              [--threads 2] [--device cpu] [--compile] [--out FILE]
 
-All runs use the serving configuration (int4 layers + int8 LM head on CPU, int8 draft linears). Per prompt set:
+All runs use the serving configuration (int4 layers + int8 LM head on CPU, int8 draft linears;
+bf16 on a GPU). Per prompt set:
 AR tokens/s, DFlash tokens/s with the fixed trained block and with the adaptive block size
 (the server's default), speedups over AR (geometric mean over prompts of each prompt's
 DFlash / AR tokens/s; the three modes run each prompt back to back in rotating order, so the
@@ -39,11 +40,12 @@ def load_prompts(file: Path, n: int) -> list[list[dict]]:
     return out
 
 
-def serving_setup():
-    """(source, pipeline, load_draft) in the serving configuration of the default model on a
-    CPU: int4 layers + int8 LM head, int8 draft linears (``load_draft(path)``)."""
+def serving_setup(device: str = "cpu"):
+    """(source, pipeline, load_draft) in the serving configuration of the default model on
+    ``device``, as the CLI builds it with ``--quantize auto``: on a CPU int4 layers + int8 LM
+    head and int8 draft linears, on a GPU bf16 throughout (``load_draft(path)``)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from dflash_server.cli.common import draft_quantize
+    from dflash_server.cli.common import draft_quantize, quantize_plan
     from dflash_server.runtime.pipeline import build_pipeline
     from dflash_server.runtime.placement import plan_placement
     from dflash_server.spec.draft import DFlashDraft
@@ -51,11 +53,12 @@ def serving_setup():
     from dflash_server.weights.loader import open_model
 
     src = open_model(default_model_path())
-    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=4096,
-                          quantize=("int4", "int8"), progress=False)
+    quantize = quantize_plan(src, "auto", device == "cpu")
+    pipe = build_pipeline(src, plan_placement(src.config.num_layers, [device]), dtype=torch.bfloat16, max_ctx=4096,
+                          quantize=quantize, progress=False)
 
     def load_draft(path):
-        return DFlashDraft.load(path, "cpu", torch.bfloat16, 4096, quantize=draft_quantize("int4", "cpu"))
+        return DFlashDraft.load(path, device, torch.bfloat16, 4096, quantize=draft_quantize(quantize[0], device))
     return src, pipe, load_draft
 
 
@@ -70,12 +73,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, ...")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the one-token step (AR, and DFlash's plain steps)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    src, pipe, load_draft = serving_setup()
+    src, pipe, load_draft = serving_setup(args.device)
     if args.compile:
         pipe.compile_decode()
     from dflash_server.engine.generate import Engine, GenerationRequest
@@ -127,7 +131,7 @@ def main():
         rows.append(row)
         print(row, file=sys.stderr)
     out = {"model": src.path.name, "draft": str(draft_dir), "block_size": engines["fixed"].proposer.block_size,
-           "threads": args.threads, "max_tokens": args.max_tokens, "compile": args.compile, "time": time.strftime("%Y-%m-%d %H:%M"),
+           "device": args.device, "threads": args.threads, "max_tokens": args.max_tokens, "compile": args.compile, "time": time.strftime("%Y-%m-%d %H:%M"),
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
