@@ -101,7 +101,7 @@ class LocalStage:
         self.length = 0
         self._ckpt_length: int | None = None
         self._decode_fn = None
-        self._compiled_rows = 0
+        self._compiled_verify_rows = 0  # verify blocks up to this length run the compiled graph
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
 
     def compile_decode(self) -> None:
@@ -138,7 +138,7 @@ class LocalStage:
             options["cpp_wrapper"] = True
         self._decode_fn = torch.compile(run_layers, dynamic=None, options=options)
         recurrent = any(s.kind == "recurrent" for s in self.states)
-        self._compiled_rows = 1 if recurrent else COMPILED_MAX_ROWS
+        self._compiled_verify_rows = 0 if recurrent else COMPILED_MAX_ROWS
 
     def _linears(self):
         mods = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
@@ -168,7 +168,7 @@ class LocalStage:
             self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
         caps = {}
         if self._decode_fn is not None and ctx.slots is None and (
-                (T == 1 and not ctx.record) or (ctx.record and T <= self._compiled_rows)):
+                (T == 1 and not ctx.record) or (ctx.record and T <= self._compiled_verify_rows)):
             # every layer's output comes back (T x 30 vectors of H: nothing next to the
             # weights), so steps with captures (DFlash's plain steps, verify blocks) and without
             # run one graph and round alike; a graph per capture set fused differently

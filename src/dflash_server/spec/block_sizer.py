@@ -38,16 +38,13 @@ class BlockSizer:
         self.candidates = tuple(sorted({b for b in CANDIDATES if b <= max_block} | {max_block}))
         self.explore_every, self.decay, self.cost_alpha = explore_every, decay, cost_alpha
         self.prior, self.prior_weight, self.request_weight = prior, prior_weight, request_weight
-        self.cost: dict[int, float] = {}          # B -> seconds per step (moving average)
-        self.measured: dict[int, int] = {}        # B -> step counter when last measured
-        self.samples: dict[int, int] = {}         # B -> steps measured
         self.reset()
 
     def reset(self) -> None:
         """Forget every measurement (e.g. those of a warm-up that compiled graphs)."""
-        self.cost.clear()
-        self.measured.clear()
-        self.samples.clear()
+        self.cost: dict[int, float] = {}          # B -> seconds per step (moving average)
+        self.measured: dict[int, int] = {}        # B -> step counter when last measured
+        self.samples: dict[int, int] = {}         # B -> steps measured
         # earlier requests' counts per kind, decayed; index k = draft position
         self.history: dict[str, tuple[list[float], list[float]]] = {}
         self.steps = 0
