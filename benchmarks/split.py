@@ -1,13 +1,19 @@
 """Layer split: unsplit vs in-process split vs local + remote split (shard worker over
 shared memory, and over TCP with inline frames), on the default model, in one run.
 
-    python benchmarks/split.py [--prompts 3] [--max-tokens 64] [--reps 3] [--threads 2] [--no-draft] [--out FILE]
+    python benchmarks/split.py [--prompts 3] [--max-tokens 64] [--reps 3] [--steps 200] [--threads 2] [--no-draft] [--out FILE]
 
 Per placement: TTFT (prefill of the prompt, cache off), AR decode tokens/s, DFlash
 tokens/s with the shipped draft, whether the output equals unsplit AR, and the pure IPC
 round trip of the shard protocol (an empty ``health`` call). Prompts: the first user
-turns of ../shared/eval/mt_bench.jsonl. Writes JSON (default
-benchmarks/results/split.json) and prints a Markdown table.
+turns of ../shared/eval/mt_bench.jsonl.
+
+Then paired decode steps (the goal's measure): every placement decodes the same prompt
+greedily, one step each in turn (rotating order), ``--steps`` steps; the median step time
+of each placement vs unsplit. Whole generations, even interleaved, still see this VM's
+speed drift by tens of percent between them; adjacent steps see the same machine.
+
+Writes JSON (default benchmarks/results/split.json) and prints Markdown tables.
 """
 from __future__ import annotations
 
@@ -22,10 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("GOMP_SPINCOUNT", "3000")  # as the CLI does for remote splits (cli/__init__.py)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from dflash_server.runtime.openmp import tune_for_split  # noqa: E402 - torch-free
+
+tune_for_split()  # as the CLI does for remote splits, for every placement alike (see runtime/openmp.py)
 import torch  # noqa: E402 - libgomp reads GOMP_SPINCOUNT when torch loads it
 
-ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT.parent / "shared" / "eval" / "mt_bench.jsonl"
 
 
@@ -35,17 +44,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def paired_steps(pipes: dict, ids: list[int], n: int) -> dict:
+    """Greedy decode steps of ``ids`` on every pipeline, one step each in turn (rotating
+    order): per placement the step times (s) and the tokens."""
+    out, names = {}, list(pipes)
+    with torch.inference_mode():
+        for name, pipe in pipes.items():
+            pipe.reset()
+            out[name] = {"s": [], "tokens": [int(pipe.prefill(ids).logits[-1].argmax())]}
+        for i in range(n):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                row = out[name]
+                t0 = time.perf_counter()
+                logits = pipes[name].forward([row["tokens"][-1]], len(ids) + i).logits
+                row["tokens"].append(int(logits[-1].argmax()))
+                row["s"].append(time.perf_counter() - t0)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="rounds over all prompts and placements")
+    ap.add_argument("--steps", type=int, default=200, help="paired decode steps per placement")
     ap.add_argument("--no-draft", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "split.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(ROOT / "src"))
     from dflash_server.cli.common import draft_quantize, quantize_plan
     from dflash_server.engine.generate import Engine, GenerationRequest
     from dflash_server.runtime.pipeline import build_pipeline
@@ -139,6 +166,12 @@ def main():
             results[name] = {k: (round(statistics.median(v), 4) if isinstance(v, list) and v else v)
                              for k, v in row.items() if v != []}
             print(name, results[name], flush=True)
+        steps = paired_steps({name: pipe for name, (pipe, _) in setups.items()}, prompts[0], args.steps)
+        base_step = statistics.median(steps["unsplit"]["s"])
+        for name, st in steps.items():
+            med = statistics.median(st["s"])
+            results[name].update(step_ms=round(med * 1e3, 3), step_vs_unsplit=round(base_step / med, 3),
+                                 step_same_tokens=st["tokens"] == steps["unsplit"]["tokens"])
     finally:
         for pipe, _ in setups.values():
             pipe.close()
@@ -147,7 +180,8 @@ def main():
     base = results["unsplit"]["ar_tps"]
     for r in results.values():
         r["ar_vs_unsplit"] = round(r["ar_tps"] / base, 3)
-    meta = {"prompts": args.prompts, "reps": args.reps, "max_tokens": args.max_tokens, "threads": args.threads, "quantize": list(quant),
+    meta = {"prompts": args.prompts, "reps": args.reps, "max_tokens": args.max_tokens, "steps": args.steps,
+            "threads": args.threads, "quantize": list(quant), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
             "torch": torch.__version__, "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -159,6 +193,11 @@ def main():
               f"{r.get('dflash_tps', float('nan')):.1f} | {r.get('tau', float('nan')):.2f} | "
               f"{r.get('ipc_round_trip_us', '-')} | {r.get('ipc_overhead_ms_per_token', '-')} | "
               f"{r['same_as_unsplit']} |")
+    print(f"\nPaired decode steps ({args.steps} per placement, rotating order):\n")
+    print("| placement | median step (ms) | vs unsplit | same tokens |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['step_ms']:.2f} | {r['step_vs_unsplit']:.2f}x | {r['step_same_tokens']} |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..errors import UserError
@@ -28,18 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# A local + remote split on one host alternates two processes on the same cores. OpenMP
-# (libgomp) spins ~300k iterations after each parallel region by default, so the idle
-# process steals cores from the busy one: measured on 2 cores (benchmarks/split.py), the
-# remote split ran at 0.54x of unsplit by default and 0.88x with 3000, while unsplit
-# itself did not change measurably (74.7 vs 73.4 tok/s). libgomp reads the variable when
-# torch loads it, so this must happen before the first torch import.
-OPENMP_SPIN = "3000"
-
-
 def _tune_openmp(argv: list[str]) -> None:
-    if "torch" not in sys.modules and (any("remote:" in a for a in argv) or "shard-worker" in argv):
-        os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN)
+    """A remote split or a shard worker: set libgomp's spin-wait before torch loads it
+    (runtime/openmp.py says why and what was measured)."""
+    if any("remote:" in a for a in argv) or "shard-worker" in argv:
+        from ..runtime.openmp import tune_for_split
+
+        tune_for_split()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import ShardError
 from .ipc_channel import RemoteOpError, ShardClient
+from .openmp import tune_for_split
 
 SECRET_ENV = "DFLASH_SHARD_SECRET"
 
@@ -45,7 +46,7 @@ class WorkerProcess:
         self.dir = tempfile.mkdtemp(prefix="dflash-shard-")
         address = f"ipc://{self.dir}/worker.sock"
         env = dict(os.environ, **{SECRET_ENV: secret.decode()})
-        env.setdefault("GOMP_SPINCOUNT", "3000")  # see cli/__init__.py: OPENMP_SPIN
+        tune_for_split(env)
         self.proc = subprocess.Popen([self.python, "-m", "dflash_server", "shard-worker", "--bind", address,
                                       "--parent-pid", str(os.getpid())], env=env, stdin=subprocess.DEVNULL,
                                      stdout=2)  # our stdout may be machine-readable output
