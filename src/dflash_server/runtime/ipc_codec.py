@@ -23,6 +23,7 @@ MAX_RANK = 6
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i64": torch.int64,
           "i32": torch.int32, "u8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_SIZES = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 
 class ProtocolError(Exception):
@@ -31,7 +32,8 @@ class ProtocolError(Exception):
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 CPU view of ``t``'s bytes (copies only if it is not contiguous on CPU)."""
-    t = t.detach().to("cpu").contiguous()
+    if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().to("cpu").contiguous()  # only then: each torch call costs tens of us on a cold decode step
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -55,7 +57,7 @@ def check_spec(spec, max_bytes: int) -> tuple[str, torch.dtype, tuple[int, ...],
             not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
         raise ProtocolError(f"tensor {name}: bad shape {shape!r}")
     dt = DTYPES[dtype]
-    want = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+    want = math.prod(shape) * DTYPE_SIZES[dtype]
     if not isinstance(nbytes, int) or nbytes != want:
         raise ProtocolError(f"tensor {name}: {nbytes!r} bytes for shape {shape} {dtype} (expected {want})")
     if nbytes > max_bytes:
