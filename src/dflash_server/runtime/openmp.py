@@ -5,16 +5,19 @@ The two processes take turns on the same cores. After each parallel region libgo
 threads spin before they sleep: 300,000 iterations by default (milliseconds), so the idle
 process keeps a core the busy one needs. Too short a spin is bad too: the threads fall
 asleep between the ops of one step and every op pays a wake-up. Measured on 2 cores (AMD
-EPYC VM, 2026-11-23; default model, 2 threads per process; decode steps alternating
-between the placements inside one run, so machine drift hits both alike; median step per
-run, several runs per setting):
+EPYC VM, 2026-11-23; default model, 2 threads per process; greedy decode steps of the two
+placements alternating one by one inside a run, so machine drift hits both alike; median
+of 100-200 steps per run, 2-3 runs per setting; "alone": runs of unsplit by itself):
 
-    GOMP_SPINCOUNT      unsplit step   local + remote step   remote vs unsplit
-    3,000               40-55 ms       46-48 ms              0.91-1.00x (both slow)
-    10,000              36-37 ms       39-41 ms              0.91-0.92x
-    30,000              32-35 ms       34-38 ms              0.90-0.96x
-    100,000             34-35 ms       39-41 ms              0.86-0.88x
-    300,000 (default)   35-40 ms       46-53 ms              0.76x
+    GOMP_SPINCOUNT      unsplit step              local + remote step   remote vs unsplit
+    3,000               44-90 ms (alone 40-55)    46-93 ms              0.91-1.00x (both slow)
+    10,000              36-37 ms                  39-41 ms              0.91-0.92x
+    30,000              32-35 ms (alone 33-43)    34-38 ms              0.90-0.96x
+    100,000             34-35 ms                  39-41 ms              0.86-0.88x
+    300,000 (default)   35-40 ms (alone 28-38)    46-53 ms              0.76x
+
+Alternating every step flatters the split (unsplit loses the cache reuse between its own
+steps); whole generations at 30,000 (benchmarks/split.py) give 0.82-0.89x.
 """
 from __future__ import annotations
 
