@@ -55,7 +55,7 @@ def test_worker_fault_fails_one_request_then_recovers(tiny_dir, fault):
     assert new.pid != old.pid and new.poll() is None
     eng.close()
     assert new.poll() is not None and stage.proc.dir is None
-    assert shm_files() == shm_before
+    assert shm_files() <= shm_before  # nothing new (an orphan of a killed server may be swept)
 
 
 def test_failed_start_is_a_clear_error(tiny_dir, tmp_path):

@@ -56,4 +56,4 @@ def test_remote_split_server_survives_a_killed_worker(tiny_dir):
         raise AssertionError("the shard worker outlived the server")
     except ProcessLookupError:
         pass
-    assert {f for f in os.listdir(shm_dir()) if f.startswith("dflash-shm-")} == shm_before
+    assert {f for f in os.listdir(shm_dir()) if f.startswith("dflash-shm-")} <= shm_before  # nothing new

@@ -120,8 +120,9 @@ def test_duplicate_tensor_names_are_rejected():
 
 
 def test_shared_area_refuses_foreign_paths(tmp_path):
-    for path in ["/etc/passwd", str(tmp_path / ("dflash-shm-" + "0" * 32)), os.path.join(shm_dir(), "x"),
-                 os.path.join(shm_dir(), "..", "dflash-shm-" + "0" * 32)]:
+    name = f"dflash-shm-{os.getpid()}-" + "0" * 32
+    for path in ["/etc/passwd", str(tmp_path / name), os.path.join(shm_dir(), "x"),
+                 os.path.join(shm_dir(), "..", name), os.path.join(shm_dir(), "dflash-shm-" + "0" * 32)]:
         with pytest.raises(codec.ProtocolError):
             SharedArea.attach(path, 64)
     a = SharedArea.create(64)
@@ -136,6 +137,34 @@ def test_shared_area_refuses_foreign_paths(tmp_path):
         b.close()
     finally:
         a.close()
+
+
+def test_create_sweeps_areas_of_exited_creators():
+    """A server killed mid-handshake leaves a named area; the next create removes it, and
+    only names of exited creators."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    names = {"dead": f"dflash-shm-{dead}-" + "a" * 32, "live": f"dflash-shm-{os.getpid()}-" + "b" * 32,
+             "other": "dflash-shm-" + "c" * 32}
+    for n in names.values():
+        with open(os.path.join(shm_dir(), n), "wb") as f:
+            f.write(b"x")
+    a = SharedArea.create(64)
+    try:
+        left = set(os.listdir(shm_dir()))
+        assert names["dead"] not in left
+        assert names["live"] in left and names["other"] in left
+        assert os.path.basename(a.path).startswith(f"dflash-shm-{os.getpid()}-")
+    finally:
+        a.close()
+        for n in names.values():
+            try:
+                os.unlink(os.path.join(shm_dir(), n))
+            except FileNotFoundError:
+                pass
 
 
 # --- the worker's message handling (no sockets) ------------------------------------------

@@ -2,7 +2,9 @@
 
 The server creates a file under ``/dev/shm`` (or the temp dir), the worker maps it during
 the handshake, and the server then unlinks the name at once: the memory lives exactly as
-long as the two mappings, so a crash of either process cannot leave a segment behind.
+long as the two mappings, so a crash of either process after the handshake cannot leave a
+segment behind. A server killed during the handshake (milliseconds) can: the name carries
+the creator's pid, and every ``create`` removes the names of creators that are gone.
 """
 from __future__ import annotations
 
@@ -17,12 +19,41 @@ import torch
 
 from .ipc_codec import ProtocolError, from_bytes
 
-NAME_RE = re.compile(r"^dflash-shm-[0-9a-f]{32}$")
+NAME_RE = re.compile(r"^dflash-shm-(\d+)-[0-9a-f]{32}$")
 
 
 def shm_dir() -> str:
     d = "/dev/shm"
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; not a pid: leave it
+        pass
+    return True
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink areas whose creator has exited (left by a server killed mid-handshake); the
+    names of live processes, other users' files and other names are left alone."""
+    removed, d = [], shm_dir()
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for name in names:
+        m = NAME_RE.match(name)
+        if m and not _alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(d, name))
+                removed.append(name)
+            except OSError:  # gone meanwhile, or not ours
+                pass
+    return removed
 
 
 class SharedArea:
@@ -35,7 +66,8 @@ class SharedArea:
 
     @classmethod
     def create(cls, size: int) -> SharedArea:
-        path = os.path.join(shm_dir(), f"dflash-shm-{secrets.token_hex(16)}")
+        sweep_orphans()
+        path = os.path.join(shm_dir(), f"dflash-shm-{os.getpid()}-{secrets.token_hex(16)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
