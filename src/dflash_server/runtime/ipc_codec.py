@@ -23,7 +23,6 @@ MAX_RANK = 6
 DTYPES = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i64": torch.int64,
           "i32": torch.int32, "u8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-DTYPE_SIZES = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 
 class ProtocolError(Exception):
@@ -57,7 +56,7 @@ def check_spec(spec, max_bytes: int) -> tuple[str, torch.dtype, tuple[int, ...],
             not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
         raise ProtocolError(f"tensor {name}: bad shape {shape!r}")
     dt = DTYPES[dtype]
-    want = math.prod(shape) * DTYPE_SIZES[dtype]
+    want = math.prod(shape) * dt.itemsize
     if not isinstance(nbytes, int) or nbytes != want:
         raise ProtocolError(f"tensor {name}: {nbytes!r} bytes for shape {shape} {dtype} (expected {want})")
     if nbytes > max_bytes:

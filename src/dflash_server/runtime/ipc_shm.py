@@ -37,23 +37,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_orphans() -> list[str]:
+def sweep_orphans() -> None:
     """Unlink areas whose creator has exited (left by a server killed mid-handshake); the
     names of live processes, other users' files and other names are left alone."""
-    removed, d = [], shm_dir()
+    d = shm_dir()
     try:
         names = os.listdir(d)
     except OSError:
-        return removed
+        return
     for name in names:
         m = NAME_RE.match(name)
         if m and not _alive(int(m.group(1))):
             try:
                 os.unlink(os.path.join(d, name))
-                removed.append(name)
             except OSError:  # gone meanwhile, or not ours
                 pass
-    return removed
 
 
 class SharedArea:
