@@ -5,7 +5,9 @@ hit. Writes happen on one background thread (snapshot tensors are immutable copi
 a response never waits for the disk. Anything wrong with a file (truncated, corrupt,
 foreign version or fingerprint, tensors that do not fit the model, a full disk) is a miss
 plus one warning line; the bad file is removed. File names are hashes of token ids, never
-request data.
+request data. A cache folder the server may not write is used read-only (one warning):
+hits are served, nothing is written, removed or touched. What is the cache's own inside
+the folder, and how folders are created, is ``disk_layout``'s business.
 """
 from __future__ import annotations
 
@@ -18,22 +20,20 @@ from pathlib import Path
 
 from .disk_format import SUFFIX, SnapshotFormatError, read_header, read_tensors, write_snapshot
 from .disk_index import DiskEntry, DiskIndex
+from .disk_layout import open_model_dir, snapshot_files, temp_files
 from .prefix_index import prefix_key
 
 log = logging.getLogger("dflash_server.cache")
 
 
-def ensure_private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path
-
-
 class DiskCache:
     def __init__(self, root: str | Path, fingerprint: str, budget_bytes: int, min_tokens: int = 0):
-        self.root = ensure_private_dir(Path(root))
+        self.root = Path(root)
         self.fingerprint = fingerprint
-        self.dir = ensure_private_dir(self.root / fingerprint)
+        self.dir, writable = open_model_dir(self.root, fingerprint)
+        self.read_only = not writable
+        if self.read_only:
+            log.warning("kv cache: %s is not writable: its snapshots are read, none are written", self.dir)
         self.index = DiskIndex(budget_bytes)
         self.min_tokens = min_tokens
         self.counters = {"hits": 0, "misses": 0, "reads": 0, "writes": 0, "evictions": 0, "errors": 0}
@@ -48,15 +48,19 @@ class DiskCache:
     def _bad(self, path: Path, why: str) -> None:
         log.warning("kv cache: ignoring %s: %s", path.name, why)
         self.counters["errors"] += 1
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        if not self.read_only:
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
     def scan(self) -> None:
-        for tmp in self.dir.glob(".*.tmp"):  # left by a crash mid-write
-            tmp.unlink(missing_ok=True)
-        for path in sorted(self.dir.glob(f"*{SUFFIX}")):
+        if not self.dir.is_dir():
+            return  # read-only root without a folder for this model
+        if not self.read_only:
+            for tmp in temp_files(self.dir):  # left by a crash mid-write
+                tmp.unlink(missing_ok=True)
+        for path in snapshot_files(self.dir):
             try:
                 rec = read_header(path, self.fingerprint)
             except SnapshotFormatError as e:
@@ -92,7 +96,11 @@ class DiskCache:
             return None
         with self._lock:
             self.index.touch(e.key)
-        os.utime(path)
+        if not self.read_only:
+            try:
+                os.utime(path)  # the eviction order survives a restart
+            except OSError:
+                pass
         self.counters["hits"] += 1
         self.counters["reads"] += 1
         return e, tensors
@@ -109,6 +117,8 @@ class DiskCache:
     def save(self, token_ids, tensors: dict, force: bool = False) -> Future | None:
         """Queue a write (skipped if too short, already present or over budget)."""
         token_ids = tuple(token_ids)
+        if self.read_only:
+            return None
         if (len(token_ids) < self.min_tokens and not force) or self.contains(token_ids):
             return None
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -147,5 +157,5 @@ class DiskCache:
         self._writer.shutdown(wait=True)
 
     def stats(self) -> dict:
-        return {"dir": str(self.dir), "files": len(self.index.entries), "bytes": self.index.total_bytes,
+        return {"dir": str(self.dir), "read_only": self.read_only, "files": len(self.index.entries), "bytes": self.index.total_bytes,
                 "budget_bytes": self.index.budget, **self.counters}

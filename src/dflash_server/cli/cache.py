@@ -1,9 +1,14 @@
-"""``dflash-server cache ls|stats|clear --kv-cache-dir DIR``: inspect the disk prefix cache
-without loading a model."""
+"""``dflash-server cache ls|stats|clear --kv-cache-dir DIR``: inspect or clear the disk
+prefix cache without loading a model.
+
+Only the cache's own files are ever read or removed (``cache.disk_layout``); a folder that
+is not a cache is refused with a message, whatever it holds. ``ls`` and ``stats`` check
+each file's tensor data against its checksum, as a server would before using it
+(``--quick``: headers only).
+"""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -15,34 +20,50 @@ def add_parser(sub) -> None:
     p.add_argument("action", choices=["ls", "stats", "clear"])
     p.add_argument("--kv-cache-dir", required=True)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="ls/stats: check headers only, not the tensor data")
     p.set_defaults(func=run)
 
 
-def _files(root: Path):
-    from ..cache.disk_format import SUFFIX, SnapshotFormatError, read_header
+def _check(path: Path, quick: bool) -> tuple[int | None, bool]:
+    from ..cache.disk_format import SnapshotFormatError, read_header, read_tensors
 
-    for model_dir in sorted(d for d in root.iterdir() if d.is_dir()):
-        for f in sorted(model_dir.glob(f"*{SUFFIX}")):
-            try:
-                rec = read_header(f, None)
-                tokens, ok = rec["position"], True
-            except SnapshotFormatError:
-                tokens, ok = None, False
+    try:
+        rec = read_header(path, None)
+        if not quick:
+            read_tensors(path, rec)  # layout and sha256 of the data
+        return rec["position"], True
+    except (SnapshotFormatError, OSError):
+        return None, False
+
+
+def _files(root: Path, quick: bool):
+    from ..cache.disk_layout import model_dirs, snapshot_files
+
+    for model_dir in model_dirs(root):
+        for f in snapshot_files(model_dir):
+            tokens, ok = _check(f, quick)
             st = f.stat()
             yield {"model": model_dir.name, "file": f.name, "tokens": tokens, "bytes": st.st_size,
                    "modified": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime)), "valid": ok}
 
 
 def run(args) -> int:
+    from ..cache.disk_layout import NotACache, check_root, clear
+
     root = Path(args.kv_cache_dir)
-    if not root.is_dir():
-        raise UserError(f"{root}: no such directory")
-    rows = list(_files(root))
-    if args.action == "clear":
-        for d in (d for d in root.iterdir() if d.is_dir()):
-            shutil.rmtree(d)
-        print(f"removed {len(rows)} snapshot files")
-        return 0
+    try:
+        check_root(root)
+        if args.action == "clear":
+            files, dirs, kept = clear(root)
+            print(f"removed {files} snapshot files and {dirs} model folders from {root}")
+            if kept:
+                print(f"left {len(kept)} files that are not the cache's, e.g. {kept[0]}")
+            return 0
+    except NotACache as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"--kv-cache-dir {root}: {e}") from None
+    rows = list(_files(root, args.quick))
     if args.action == "stats":
         models = {}
         for r in rows:
