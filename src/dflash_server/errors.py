@@ -14,3 +14,9 @@ class ModelLoadError(UserError):
 class ShardError(RuntimeError):
     """A shard worker crashed, hung, or broke the protocol. The request fails (5xx); the
     worker is restarted and later requests can succeed."""
+
+
+class Cancelled(Exception):
+    """The caller gave up (client gone, server shutting down) during work that checks for
+    it between pieces, such as prefill chunks. The engine's state is left for the next
+    request to reset; the request ends with finish_reason "cancelled"."""

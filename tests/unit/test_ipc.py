@@ -1,6 +1,7 @@
 """Shard-worker IPC: codec round trips and bounds, shared memory, handshake, bad peers."""
 import os
 import threading
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -165,6 +166,35 @@ def test_create_sweeps_areas_of_exited_creators():
                 os.unlink(os.path.join(shm_dir(), n))
             except FileNotFoundError:
                 pass
+
+
+def test_worker_start_sweeps_socket_folders_of_killed_servers(tmp_path, monkeypatch):
+    """A server killed with SIGKILL leaves its worker's socket folder; the next worker
+    start removes it: only folders of exited creators, only with nothing but the socket."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from dflash_server.runtime.worker_link import WorkerProcess
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    gone = tmp_path / f"dflash-shard-{dead}-ab_c1234"
+    live = tmp_path / f"dflash-shard-{os.getpid()}-zz999999"
+    busy = tmp_path / f"dflash-shard-{dead}-q0000000"
+    for d in (gone, live, busy):
+        d.mkdir()
+        (d / "worker.sock").write_text("")
+    (busy / "notes.txt").write_text("not the worker's")
+    (tmp_path / "dflash-shard-notapid").mkdir()
+    w = WorkerProcess("/bin/true")  # exits at once: only the folder handling runs
+    w.start(b"secret")
+    mine = Path(w.dir)
+    assert mine.name.startswith(f"dflash-shard-{os.getpid()}-")
+    w.stop()
+    assert not gone.exists() and not mine.exists()
+    assert live.exists() and (busy / "notes.txt").exists() and (tmp_path / "dflash-shard-notapid").exists()
 
 
 # --- the worker's message handling (no sockets) ------------------------------------------

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+from ..errors import Cancelled
 from ..runtime.kv_pool import merge_stats
 from .output import OutputBuilder, ThinkBudget, TokenEvent
 from .sampling import Sampler, SamplingParams
@@ -100,15 +101,19 @@ class Engine:
     def generate(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
         """Run one request to completion. ``on_event`` gets each token as it is produced
-        (``token_id == -1`` marks a final text-only flush); ``cancelled`` is polled once per
-        decode step and ends generation with finish_reason "cancelled"."""
+        (``token_id == -1`` marks a final text-only flush); ``cancelled`` is polled between
+        prefill chunks and once per decode step and ends generation with finish_reason
+        "cancelled"."""
         pipe, prompt = self.pipeline, list(req.prompt_ids)
         if len(prompt) >= pipe.max_ctx:
             raise ValueError(f"prompt has {len(prompt)} tokens; the context size is {pipe.max_ctx}")
         sampler = Sampler(req.sampling, pipe.config.vocab_size, pipe.device, prompt)
         out = OutputBuilder(self.tokenizer, req, on_event)
         t0 = time.perf_counter()
-        pre = self.prefix_cache.prefill(prompt, self.chunk, req.cache_scope)
+        try:
+            pre = self.prefix_cache.prefill(prompt, self.chunk, req.cache_scope, cancelled)
+        except Cancelled:
+            return self._result(out, "cancelled", req, t0, time.perf_counter())
         logits = pre.logits
         t1 = time.perf_counter()
         try:

@@ -37,9 +37,10 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.index.enabled or self.disk is not None
 
-    def _run(self, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    def _run(self, ids: list[int], start: int, chunk: int, cancelled=None) -> torch.Tensor:
         spec = self.proposer
-        out = self.pipeline.prefill(ids, start=start, chunk=chunk, capture=spec.taps if spec else ())
+        out = self.pipeline.prefill(ids, start=start, chunk=chunk, capture=spec.taps if spec else (),
+                                    cancelled=cancelled)
         if spec:
             spec.add_context(out.captures, start)
         return out.logits[-1]
@@ -75,7 +76,9 @@ class PrefixCache:
         self.extras[slot] = {"logits": tensors.get("logits"), "draft": draft or None}
         return entry.token_ids, slot
 
-    def prefill(self, prompt: list[int], chunk: int, scope: str | None = None) -> Prefilled:
+    def prefill(self, prompt: list[int], chunk: int, scope: str | None = None, cancelled=None) -> Prefilled:
+        """``cancelled``: polled between prefill chunks (raises errors.Cancelled; nothing is
+        committed to the cache)."""
         pipe, spec = self.pipeline, self.proposer
         if pipe.epoch != self.epoch:
             self.drop_memory()
@@ -105,14 +108,14 @@ class PrefixCache:
         save_at = max((b for b in bounds if b > start), default=None)
         pending = None
         if save_at is not None and not self.index.contains(prompt[:save_at]):
-            logits = self._run(prompt[start:save_at], start, chunk)
+            logits = self._run(prompt[start:save_at], start, chunk, cancelled)
             slot = self.index.new_slot()
             pipe.snapshot_save(slot)
             self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if spec else None}
             pending = (tuple(prompt[:save_at]), slot, scope)
             start = save_at
         try:
-            logits = self._run(prompt[start:], start, chunk)
+            logits = self._run(prompt[start:], start, chunk, cancelled)
         except BaseException:
             self.discard(pending)
             raise

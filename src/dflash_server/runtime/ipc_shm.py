@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .ipc_codec import ProtocolError, from_bytes
+from .orphans import sweep
 
 NAME_RE = re.compile(r"^dflash-shm-(\d+)-[0-9a-f]{32}$")
 
@@ -27,31 +28,10 @@ def shm_dir() -> str:
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # another user's process; not a pid: leave it
-        pass
-    return True
-
-
 def sweep_orphans() -> None:
     """Unlink areas whose creator has exited (left by a server killed mid-handshake); the
     names of live processes, other users' files and other names are left alone."""
-    d = shm_dir()
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return
-    for name in names:
-        m = NAME_RE.match(name)
-        if m and not _alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(d, name))
-            except OSError:  # gone meanwhile, or not ours
-                pass
+    sweep(shm_dir(), NAME_RE, os.unlink)
 
 
 class SharedArea:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import Cancelled
 from .placement import ShardSpec, split_local_remote
 from .stage import LocalStage
 
@@ -85,10 +86,17 @@ class TargetPipeline:
         return PipelineOutput(out.logits, caps)
 
     def prefill(self, ids: list[int], start: int = 0, chunk: int = 512,
-                capture: tuple[int, ...] = ()) -> PipelineOutput:
-        """Chunked prefill; returns the last position's logits and all captured rows."""
+                capture: tuple[int, ...] = (), cancelled=None) -> PipelineOutput:
+        """Chunked prefill; returns the last position's logits and all captured rows.
+        ``cancelled`` (a callable) is polled before every chunk: when it says so, raises
+        ``Cancelled`` and leaves the state half-written (the next request resets it)."""
         if not ids:
             raise ValueError("prefill needs at least one token")
+
+        def check():
+            if cancelled is not None and cancelled():
+                raise Cancelled()
+
         chunk = max(1, min(chunk, self.max_forward))
         caps: dict[int, list[torch.Tensor]] = {}
         # KV Flash score policy: the prompt's last tokens run as their own forward so that their
@@ -98,12 +106,14 @@ class TargetPipeline:
         body = ids[:len(ids) - tail]
         out, off = None, 0
         while off < len(body):
+            check()
             n = self._piece(start + off, min(chunk, len(body) - off))
             out = self.forward(body[off:off + n], start + off, logits="last", capture=capture)
             for k, v in out.captures.items():
                 caps.setdefault(k, []).append(v)
             off += n
         if tail > 0:
+            check()
             pos = start + len(body)
             self.checkpoint()
             out = self.forward(ids[len(body):], pos, logits="last", capture=capture)

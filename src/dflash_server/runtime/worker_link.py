@@ -9,6 +9,7 @@ background. ``epoch`` counts restarts: state the worker held is gone after one.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -20,8 +21,22 @@ from dataclasses import dataclass
 from ..errors import ShardError
 from .ipc_channel import RemoteOpError, ShardClient
 from .openmp import tune_for_split
+from .orphans import sweep
 
 SECRET_ENV = "DFLASH_SHARD_SECRET"
+SOCKET_DIR_RE = re.compile(r"dflash-shard-(\d+)-[a-z0-9_]+")
+SOCKET = "worker.sock"
+
+
+def _remove_socket_dir(path: str) -> None:
+    """A dead server's worker socket folder: its socket, then the folder (only ours, and
+    only if nothing else is in it)."""
+    if os.lstat(path).st_uid != os.geteuid():
+        return
+    sock = os.path.join(path, SOCKET)
+    if os.path.lexists(sock):
+        os.unlink(sock)
+    os.rmdir(path)
 
 
 @dataclass(frozen=True)
@@ -43,8 +58,10 @@ class WorkerProcess:
         self.dir = self.proc = None
 
     def start(self, secret: bytes) -> str:
-        self.dir = tempfile.mkdtemp(prefix="dflash-shard-")
-        address = f"ipc://{self.dir}/worker.sock"
+        # named with our pid, so the next server removes it if we are killed (SIGKILL)
+        sweep(tempfile.gettempdir(), SOCKET_DIR_RE, _remove_socket_dir)
+        self.dir = tempfile.mkdtemp(prefix=f"dflash-shard-{os.getpid()}-")
+        address = f"ipc://{self.dir}/{SOCKET}"
         env = dict(os.environ, **{SECRET_ENV: secret.decode()})
         tune_for_split(env)
         self.proc = subprocess.Popen([self.python, "-m", "dflash_server", "shard-worker", "--bind", address,

@@ -99,7 +99,7 @@ def create_app(state, on_shutdown=None):
             ids = (await state.render_chat(hf_messages(body.messages))).ids
         else:
             text = body.content if body.content is not None else (body.prompt or "")
-            ids = state.tokenizer.encode(text, add_bos=body.add_special)
+            ids = await state.encode(text, add_bos=body.add_special)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.service.max_ctx}
 
     @api.post("/detokenize")

@@ -15,7 +15,7 @@ class ServerConfig:
     default_max_tokens: int = 4096          # when a request gives none (clamped to what fits)
     default_temperature: float = 1.0        # when a request gives none (the APIs' own default)
     max_queue: int = 64                     # requests waiting behind the running one
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024    # requests are rejected by size before tokenizing too
     chat_template: str | None = None        # overrides the model's template
     shutdown_grace_s: float = 10.0          # SIGTERM: in-flight work gets this long, then is cancelled
     log_requests: bool = False

@@ -47,8 +47,13 @@ def _args_obj(arguments):
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, template: str | None = None):
+    def __init__(self, tokenizer, template: str | None = None, max_tokens: int | None = None):
+        """``max_tokens``: the context size; text too long to fit in it is refused before it
+        is tokenized (tokenizing tens of MB takes the better part of a minute and leaves
+        the process gigabytes larger)."""
         self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.max_chars = tokenizer.max_chars(max_tokens) if max_tokens is not None else None
         self.template = template if template is not None else tokenizer.chat_template
         self.template_tools = bool(self.template) and "tools" in self.template
         self.tool_format = tool_format(self.template) if self.template_tools else "json"
@@ -59,6 +64,8 @@ class PromptBuilder:
             raise bad_request("this model has no chat template; start the server with --chat-template-file")
         if not messages:
             raise bad_request("messages must not be empty", "messages")
+        self.check_size(sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages),
+                        "messages")
         msgs = [dict(m) for m in messages]
         for m in msgs:
             if m.get("tool_calls"):
@@ -82,13 +89,26 @@ class PromptBuilder:
         if prefix and think_open:
             text, think_open = text + CLOSE_TEXT.lstrip("\n"), False
         text += prefix
+        self.check_size(len(text), "messages")
         return Prompt(self.tokenizer.encode(text, add_bos=False), text, think_open, prefix)
+
+    def check_size(self, chars: int, param: str) -> None:
+        """400 when ``chars`` characters of text cannot fit in the context."""
+        if self.max_chars is not None and chars > self.max_chars:
+            raise bad_request(f"the prompt has {chars} characters: more than the context of {self.max_tokens} "
+                              f"tokens can hold (one token of this model spans at most "
+                              f"{self.tokenizer.max_token_chars - 1} characters)", param)
+
+    def encode(self, text: str, add_bos: bool | None = None, param: str = "prompt") -> list[int]:
+        """Plain text to ids, refused by size first (see check_size)."""
+        self.check_size(len(text), param)
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def raw(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
-            return Prompt(self.tokenizer.encode(prompt), prompt)
+            return Prompt(self.encode(prompt), prompt)
         vocab = self.tokenizer.vocab_size
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")

@@ -23,6 +23,7 @@ import threading
 import time
 
 from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
+from ..errors import ShardError
 
 log = logging.getLogger("dflash_server.scheduler")
 
@@ -130,16 +131,21 @@ class Scheduler:
         threading.Thread(target=expire, name="dflash-shutdown", daemon=True).start()
 
     def close(self, cancel_running: bool = True, timeout: float = 30.0) -> None:
-        """Stop taking work, fail queued jobs, optionally cancel the running one, join."""
+        """Stop taking work, fail queued jobs, optionally cancel the running one, join.
+        A cancelled running job is failed at once (its client gets its 503 now, not when
+        the engine reaches its next check); what the engine still sends it is dropped."""
         with self._cv:
             self._closing = True
             dropped = list(self._waiting)
             self._waiting.clear()
             if cancel_running and self.running is not None:
                 self.running.cancel()
+                dropped.append(self.running)
             self._cv.notify_all()
         for job in dropped:
             job._put(ShuttingDown("the server is shutting down"))
+        if self.hooks:
+            self.hooks.queue_changed(0, self.running is not None)
         self._thread.join(timeout)
 
     # --- worker thread ----------------------------------------------------------------
@@ -155,6 +161,7 @@ class Scheduler:
                     job._put(GenerationResult([], "", "cancelled", len(job.req.prompt_ids)))
                     if self.hooks:
                         self.hooks.skipped(job)
+                        self.hooks.queue_changed(self.queue_depth, self.running is not None)
                     continue
                 self.running = job
             if self.hooks:
@@ -182,7 +189,9 @@ class Scheduler:
         try:
             result = self.engine.generate(job.req, on_event=on_event, cancelled=job._cancel.is_set)
         except Exception as e:  # noqa: BLE001 - reported to the request, the worker lives on
-            if not isinstance(e, ValueError):
+            if isinstance(e, ShardError):  # expected and handled: the worker restarts
+                log.warning("generation failed: %s", e)
+            elif not isinstance(e, ValueError):
                 log.exception("generation failed")
             if hooks:
                 hooks.failed(job)

@@ -18,6 +18,7 @@ from .reasoning import Thinking, think_tokens
 from .scheduler import Scheduler
 
 log = logging.getLogger("dflash_server")
+PARSE_INLINE_BYTES = 256 << 10  # bodies at least this large are parsed on a worker thread
 
 
 class ServerState:
@@ -37,7 +38,8 @@ class ServerState:
         """The model is loaded: start the worker and open for requests (any thread)."""
         tok = engine.tokenizer
         self.tokenizer = tok
-        self.prompts = PromptBuilder(tok, self.config.chat_template)
+        max_ctx = int(info.get("max_ctx") or engine.pipeline.max_ctx)
+        self.prompts = PromptBuilder(tok, self.config.chat_template, max_ctx)
         self.think = think_tokens(tok)
         self.token_texts = TokenTexts(tok)
         self.info = dict(info)
@@ -45,8 +47,7 @@ class ServerState:
         self.engine = engine
         self.scheduler = Scheduler(engine, max_queue=self.config.max_queue, hooks=self.metrics)
         self.metrics.cache.engine = engine
-        self.service = Service(self.config, tok, self.scheduler, self.prompts, self.think,
-                               int(info.get("max_ctx") or engine.pipeline.max_ctx))
+        self.service = Service(self.config, tok, self.scheduler, self.prompts, self.think, max_ctx)
         self.status = "ready"
 
     def fail(self, message: str) -> None:
@@ -93,7 +94,9 @@ class ServerState:
         self.require_ready()
         body = await self.read_body(request)
         try:
-            return model_cls.model_validate_json(body)
+            if len(body) < PARSE_INLINE_BYTES:
+                return model_cls.model_validate_json(body)
+            return await to_thread.run_sync(model_cls.model_validate_json, body)  # keep the loop free
         except ValidationError as e:
             raise from_validation(e) from None
 
@@ -104,3 +107,6 @@ class ServerState:
 
     async def render_raw(self, prompt) -> Prompt:
         return await to_thread.run_sync(partial(self.prompts.raw, prompt))
+
+    async def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return await to_thread.run_sync(partial(self.prompts.encode, text, add_bos, "content"))

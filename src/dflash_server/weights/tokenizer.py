@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -88,6 +89,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (special tokens included), plus one
+        for a decoder that drops a word-start space (the first ``▁word`` piece)."""
+        return max(len(self.tok.decode([i], skip_special_tokens=False)) for i in range(self.vocab_size)) + 1
+
+    def max_chars(self, n_tokens: int) -> int:
+        """No text longer than this encodes to ``n_tokens`` tokens or fewer, so a longer
+        prompt can be refused without tokenizing it. A normalizer may shorten text before
+        it is split (NFC composes a base and its marks into one character): 4x margin."""
+        return n_tokens * self.max_token_chars * (1 if self.tok.normalizer is None else 4)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
