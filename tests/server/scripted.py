@@ -29,10 +29,12 @@ class ScriptedEngine:
         self.tokenizer, self.scripts, self.delay_s = tokenizer, scripts, delay_s
         self.pipeline = SimpleNamespace(max_ctx=max_ctx)
         self.prompts: list[str] = []
+        self.requests: list = []
 
     def generate(self, req, on_event=None, cancelled=None):
         prompt = self.tokenizer.decode(list(req.prompt_ids))
         self.prompts.append(prompt)
+        self.requests.append(req)
         names = re.findall(r"SCRIPT=(\w+)", prompt)
         script = self.scripts[names[-1]] if names else "Hello."
         if script == "FAIL_EARLY":
@@ -78,11 +80,11 @@ class ScriptedEngine:
 class ThreadServer:
     """The real ASGI app (routes, middleware, scheduler) on loopback, in this process."""
 
-    def __init__(self, engine, **config):
+    def __init__(self, engine, info: dict | None = None, **config):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = ServerState(ServerConfig(port=self.port, model_name="scripted", **config))
-        self.state.attach(engine, {"max_ctx": engine.pipeline.max_ctx})
+        self.state.attach(engine, {"max_ctx": engine.pipeline.max_ctx, **(info or {})})
         app = create_app(self.state, on_shutdown=lambda: self.state.close())
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -5,12 +5,13 @@ from dflash_server.server.app import create_app
 from dflash_server.server.config import ServerConfig
 from dflash_server.server.state import ServerState
 
+LOCAL = "http://localhost"  # the server answers loopback Host names only (DNS rebinding)
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def test_loading_then_failed():
     state = ServerState(ServerConfig(model_name="m"))
-    with TestClient(create_app(state)) as c:
+    with TestClient(create_app(state), base_url=LOCAL) as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "loading"}
         r = c.post("/v1/chat/completions", json=CHAT)
@@ -25,10 +26,11 @@ def test_loading_then_failed():
 
 
 def test_cors_off_by_default_and_on_when_asked():
-    with TestClient(create_app(ServerState(ServerConfig()))) as c:
+    with TestClient(create_app(ServerState(ServerConfig())), base_url=LOCAL) as c:
         r = c.get("/health", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in r.headers
-    with TestClient(create_app(ServerState(ServerConfig(cors_origins=("http://ok.example",))))) as c:
+    with TestClient(create_app(ServerState(ServerConfig(cors_origins=("http://ok.example",)))),
+                    base_url=LOCAL) as c:
         r = c.options("/v1/chat/completions", headers={"Origin": "http://ok.example",
                                                        "Access-Control-Request-Method": "POST"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"

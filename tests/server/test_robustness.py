@@ -12,6 +12,7 @@ from .conftest import start_tiny
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+RAW = {**AUTH, "Content-Type": "application/json"}  # raw bodies (json= sets the type itself)
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 
 
@@ -76,7 +77,7 @@ def test_auth(srv):
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}',
 ])
 def test_bad_chat_requests_are_400(srv, body):
-    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers=AUTH, timeout=60)
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers=RAW, timeout=60)
     assert r.status_code == 400, (body[:80], r.status_code, r.text[:300])
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -116,14 +117,14 @@ def test_routes_and_methods(srv):
 
 def test_oversized_body_is_413(srv):
     big = b'{"model": "tiny", "prompt": "' + b"a" * (2 << 20) + b'"}'
-    r = httpx.post(srv.url + "/v1/completions", content=big, headers=AUTH)
+    r = httpx.post(srv.url + "/v1/completions", content=big, headers=RAW)
     assert r.status_code == 413 and r.json()["error"]["message"]
 
     def chunks():  # no Content-Length: the limit is enforced while reading
         for _ in range(40):
             yield b"a" * (64 << 10)
 
-    r = httpx.post(srv.url + "/v1/messages", content=chunks(), headers=AUTH)
+    r = httpx.post(srv.url + "/v1/messages", content=chunks(), headers=RAW)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     healthy(srv)
 

@@ -44,12 +44,18 @@ def add_parser(sub) -> None:
     g.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
     g.add_argument("--api-key-file", help="read the API key from this file (keeps it out of the process list)")
     g.add_argument("--cors", nargs="?", const="*", help="enable CORS for these comma-separated origins (no value: any)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names to answer besides loopback ones ('.example.com': and its "
+                        "subdomains; '*': any). Bound to loopback, other names are refused (DNS rebinding); "
+                        "bound elsewhere, any name is accepted unless this lists them")
     g.add_argument("--chat-template-file", help="Jinja chat template to use instead of the model's own")
     g.add_argument("--default-max-tokens", type=positive_int, default=C.default_max_tokens,
                    help=f"max new tokens when a request sets none (default {C.default_max_tokens}; "
                         "clamped to what fits in the context)")
-    g.add_argument("--default-temperature", type=float, default=C.default_temperature,
-                   help=f"temperature when a request sets none (default {C.default_temperature})")
+    for flag, kind, what in (("temperature", float, 0.8), ("top-p", float, 0.95), ("top-k", int, 40),
+                             ("min-p", float, 0.05), ("repetition-penalty", float, 1.0)):
+        g.add_argument(f"--default-{flag}", type=kind, help=f"{flag} when a request sets none (default: the "
+                       f"model's generation_config.json / GGUF metadata, else llama.cpp's {what})")
     g.add_argument("--max-queue", type=_non_negative_int, default=C.max_queue,
                    help="requests that may wait behind the running one; beyond: 503 + Retry-After "
                         f"(default {C.max_queue})")
@@ -82,10 +88,14 @@ def _config(args):
             raise UserError(f"--chat-template-file: {e}") from None
     name = args.model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else "SmolLM2-135M-Instruct")
     cors = tuple(o.strip() for o in args.cors.split(",") if o.strip()) if args.cors else ()
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     try:
         return ServerConfig(host=args.host, port=args.port, model_name=name, model_aliases=tuple(args.model_alias),
-                            api_key=api_key or None, cors_origins=cors, default_max_tokens=args.default_max_tokens,
-                            default_temperature=args.default_temperature, max_queue=args.max_queue,
+                            api_key=api_key or None, cors_origins=cors, allowed_hosts=hosts,
+                            default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
+                            default_top_p=args.default_top_p, default_top_k=args.default_top_k,
+                            default_min_p=args.default_min_p,
+                            default_repetition_penalty=args.default_repetition_penalty, max_queue=args.max_queue,
                             max_body_bytes=args.max_body_mb << 20, chat_template=template,
                             shutdown_grace_s=args.shutdown_grace)
     except ValueError as e:
@@ -99,6 +109,7 @@ def _model_info(args, source, pipeline) -> dict:
     return {
         "max_ctx": pipeline.max_ctx,
         "fingerprint": source.fingerprint(),
+        "sampling": source.sampling_defaults(),
         "model": {"path": str(source.path), "format": source.format, "family": cfg.family,
                   "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                   "max_position_embeddings": cfg.max_position_embeddings},
@@ -114,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server.app import create_app
+    from ..server.hosts import is_loopback
     from ..server.state import ServerState
     from .common import load_engine
 
@@ -121,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model and not Path(args.model).exists():
         raise UserError(f"{args.model}: no such file or directory")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_loopback(config.host) and config.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this address can use the model "
+                    "and read /props and /metrics", config.host)
     state = ServerState(config)
     app = create_app(state, on_shutdown=lambda: state.close(cancel_running=True))
     class Server(uvicorn.Server):

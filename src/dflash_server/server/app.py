@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import protocol_anthropic, protocol_completions, protocol_openai, protocol_responses
-from .errors import APIError, error_body, is_anthropic_path
+from .errors import APIError, error_body, is_anthropic_path, redact_paths
 from .metrics import CONTENT_TYPE_LATEST
 from .middleware import Gate
 from .props import props
@@ -65,6 +65,11 @@ def create_app(state, on_shutdown=None):
         msg = "unknown route" if exc.status_code == 404 else str(exc.detail)
         return _error_response(APIError(exc.status_code, f"{msg}: {request.method} {request.url.path}"),
                                request.url.path)
+
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # a bug, not a bad request: JSON in the API's shape (the Gate logs the traceback)
+        return _error_response(APIError(500, f"internal server error ({type(exc).__name__})"), request.url.path)
 
     @api.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -137,16 +142,17 @@ def create_app(state, on_shutdown=None):
             raise APIError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
         return model_card()
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        # public (no API key): nothing here names a file or socket path
         code = {"ready": 200, "loading": 503}.get(state.status, 500)
         body = {"status": "ok" if code == 200 else state.status}
         if state.error:
-            body["error"] = state.error
+            body["error"] = redact_paths(state.error)
         if code == 200 and hasattr(state.engine, "health"):
             h = state.engine.health()
             if h.get("status") != "ok":  # a shard worker is restarting: requests fail meanwhile
-                code, body = 503, {"status": "degraded", "error": h.get("error")}
+                code, body = 503, {"status": "degraded", "error": redact_paths(h.get("error"))}
         return JSONResponse(body, status_code=code)
 
     @api.get("/props")

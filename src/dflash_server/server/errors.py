@@ -6,6 +6,8 @@ Inside a started SSE stream the same payload goes out as an error event instead.
 """
 from __future__ import annotations
 
+import re
+
 from pydantic import ValidationError
 
 # status -> (OpenAI error type, Anthropic error type)
@@ -16,6 +18,7 @@ _TYPES = {
     404: ("not_found_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
     503: ("server_error", "overloaded_error"),
@@ -57,3 +60,16 @@ def from_validation(e: ValidationError, limit: int = 5) -> APIError:
     if more > 0:
         parts.append(f"(+{more} more)")
     return APIError(400, "invalid request: " + "; ".join(parts), param=first)
+
+
+_IPC = re.compile(r"ipc://[^\s'\"]+")
+_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s'\"/,;:()]+/)*([^\s'\"/,;:()]*)")
+
+
+def redact_paths(text: str | None) -> str | None:
+    """File and socket paths out of a message for answers anyone may read (a path tells
+    where the model and its worker live): ``/srv/models/m.gguf`` -> ``.../m.gguf``."""
+    if text is None:
+        return None
+    text = _IPC.sub("ipc://...", text)
+    return _PATH.sub(lambda m: ".../" + m.group(1) if m.group(1) else "...", text)

@@ -6,17 +6,20 @@ then either iterate the ``Run`` (streaming) or ``collect`` it; both paths feed t
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
 from ..engine.sampling import SamplingParams
 from ..errors import ShardError
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, redact_paths
 from .output_parser import Delta, OutputParser
 from .prompt import Prompt
 from .reasoning import Thinking, budget_fields
 from .scheduler import QueueFull, ShuttingDown
 from .tools import ToolSet
+
+log = logging.getLogger("dflash_server")
 
 
 @dataclass
@@ -44,10 +47,28 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, ShuttingDown):
         return APIError(503, str(e), headers={"Retry-After": "5"})
     if isinstance(e, ShardError):
-        return APIError(503, str(e), headers={"Retry-After": "5"})
+        return APIError(503, redact_paths(str(e)), headers={"Retry-After": "5"})
     if isinstance(e, ValueError):
         return bad_request(str(e))
     return APIError(500, f"generation failed: {type(e).__name__}")
+
+
+def stream_failure(app, e: Exception, api: str) -> APIError:
+    """A streamed response failed after its 200 went out: the APIError for its error event
+    (an unexpected exception is logged with its traceback and becomes a 500), counted in
+    ``dflash_stream_errors_total``."""
+    if not isinstance(e, APIError):
+        log.exception("streaming a %s response failed", api)
+        e = APIError(500, f"internal error while streaming the response ({type(e).__name__})")
+    app.metrics.stream_errors.labels(api, str(e.status)).inc()
+    return e
+
+
+def _merge(out: list[Delta], d: Delta) -> None:
+    if out and d.kind == out[-1].kind and d.kind != "tool_call":
+        out[-1] = Delta(d.kind, out[-1].text + d.text)
+    else:
+        out.append(d)
 
 
 class Run:
@@ -60,6 +81,7 @@ class Run:
             self.parser.push(prompt.prefix)  # already in the prompt; opens the tool-call block
         self.stop_ids = stop_ids
         self.result: GenerationResult | None = None
+        self.blocks: list[Delta] = []   # the output in order: runs of one kind merged, calls apart
         self.text_parts: list[str] = []
         self.reasoning_tokens = 0
         self._pending = None
@@ -89,11 +111,13 @@ class Run:
                     texts.extend(self.parser.push(ev.text))
         deltas: list[Delta] = []
         for d in texts:  # merge neighbours of one kind (a burst becomes one chunk)
-            if deltas and d.kind == deltas[-1].kind and d.kind != "tool_call":
-                deltas[-1] = Delta(d.kind, deltas[-1].text + d.text)
-            else:
-                deltas.append(d)
+            _merge(deltas, d)
+        self._record(deltas)
         return Step(deltas, lps)
+
+    def _record(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            _merge(self.blocks, Delta(d.kind, d.text, d.call))
 
     def __aiter__(self):
         return self._iterate()
@@ -121,6 +145,7 @@ class Run:
                 if self.parser is not None:
                     tail = self.parser.finish()
                     if tail:
+                        self._record(tail)
                         yield Step(tail, [])
                 return
 
@@ -154,8 +179,9 @@ class Run:
 
     @property
     def stop_string(self) -> str | None:
+        """The client's stop sequence that ended the output (not the server's own stops)."""
         s = self.result.stop_reason
-        return s if isinstance(s, str) else None
+        return s if isinstance(s, str) and s in self.opts.stop else None
 
 
 class Service:
@@ -166,7 +192,7 @@ class Service:
     def request(self, prompt: Prompt, opts: GenOptions, seed_offset: int = 0) -> GenerationRequest:
         n, ctx = len(prompt.ids), self.max_ctx
         if n >= ctx:
-            raise bad_request(f"the prompt has {n} tokens; the context size is {ctx} tokens", "messages")
+            raise bad_request(f"the prompt has {n} tokens; the context size is {ctx} tokens", prompt.param)
         room = ctx - n
         if opts.max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, room)
@@ -181,11 +207,20 @@ class Service:
             sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + seed_offset) % 2**63})
         try:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
-                                     stop=opts.stop, logprobs=opts.logprobs, cache_scope=opts.cache_scope,
+                                     stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs, cache_scope=opts.cache_scope,
                                      **budget_fields(opts.thinking, prompt.think_open, max_tokens,
                                                      self.think_tokens))
         except ValueError as e:
             raise bad_request(str(e)) from None
+
+    def _call_end(self, opts: GenOptions) -> tuple[str, ...]:
+        """A stop at the end of the first tool call when only one may be made (tool_choice
+        names a function, or parallel_tool_calls is false): the model would otherwise go
+        on writing after it. The parser completes a block cut at its closing tag."""
+        tools = opts.tools
+        if tools is None or not tools.active or (tools.forced_name is None and tools.parallel):
+            return ()
+        return ("</tool_call>",)
 
     def start(self, prompt: Prompt, opts: GenOptions, n: int = 1, label: str = "") -> list[Run]:
         """Queue ``n`` generations of one prompt back to back (all or none)."""

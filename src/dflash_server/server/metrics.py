@@ -65,6 +65,8 @@ class Metrics:
                                 registry=r)
         self.generations = Counter(p + "generations", "finished generations by finish reason",
                                    ["finish_reason"], registry=r)
+        self.stream_errors = Counter(p + "stream_errors", "streamed responses that ended with an error event",
+                                     ["api", "status"], registry=r)
         self.rejected_requests = Counter(p + "rejected_requests", "requests refused because the queue was full",
                                 registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "requests waiting for the engine", registry=r)

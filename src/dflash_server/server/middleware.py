@@ -1,5 +1,7 @@
-"""The ASGI gate in front of every route: request metrics, API key, body size, and a last
-line of defence that turns any unhandled exception into a JSON 500."""
+"""The ASGI gate in front of every route: request metrics, the Host name (DNS rebinding),
+API key, Content-Type of POST bodies (a web page cannot send ``application/json`` to
+another origin without a CORS preflight, which this server refuses unless ``--cors``),
+body size, and a last line of defence that turns any unhandled exception into a JSON 500."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,7 @@ import logging
 
 from .auth import PUBLIC_PATHS, authorized
 from .errors import APIError, error_body, is_anthropic_path
+from .hosts import HostPolicy
 
 log = logging.getLogger("dflash_server.http")
 
@@ -25,9 +28,14 @@ async def send_error(send, err: APIError, path: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def media_type(value: bytes | None) -> str:
+    return (value or b"").split(b";", 1)[0].strip().lower().decode("latin-1")
+
+
 class Gate:
     def __init__(self, app, state):
         self.app, self.state = app, state
+        self.hosts = HostPolicy(state.config.host, state.config.allowed_hosts)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -45,8 +53,18 @@ class Gate:
         cfg = self.state.config
         headers = dict(scope.get("headers") or [])
         try:
+            host = headers.get(b"host")
+            if not self.hosts.allows(None if host is None else host.decode("latin-1")):
+                await send_error(send_wrapped, APIError(403, f"host {host.decode('latin-1')[:100]!r} is not allowed; "
+                                                        "start the server with --allowed-hosts NAME to accept it"), path)
+                return
             if scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS and not authorized(headers, cfg.api_key):
                 await send_error(send_wrapped, APIError(401, "invalid or missing API key"), path)
+                return
+            if scope["method"] == "POST" and media_type(headers.get(b"content-type")) != "application/json":
+                got = media_type(headers.get(b"content-type")) or "none"
+                await send_error(send_wrapped, APIError(415, f"Content-Type must be application/json, got {got[:100]}"),
+                                 path)
                 return
             length = headers.get(b"content-length")
             if length is not None:

@@ -33,6 +33,7 @@ class Prompt:
     text: str = ""
     think_open: bool = False   # the prompt ends inside an open <think> block
     prefix: str = ""           # assistant text already in the prompt (forced tool call start)
+    param: str = "messages"    # the request field it came from (named in errors)
 
 
 def _args_obj(arguments):
@@ -108,13 +109,13 @@ class PromptBuilder:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
-            return Prompt(self.encode(prompt), prompt)
+            return Prompt(self.encode(prompt), prompt, param="prompt")
         vocab = self.tokenizer.vocab_size
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if any(not 0 <= t < vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return Prompt(list(prompt), "")
+        return Prompt(list(prompt), "", param="prompt")
 
     @staticmethod
     def _inline_tools(msgs: list[dict], specs: list[dict]) -> list[dict]:

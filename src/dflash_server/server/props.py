@@ -2,6 +2,7 @@
 decoding, cache, capabilities, limits, live status)."""
 from __future__ import annotations
 
+from .errors import redact_paths
 from .middleware import ROUTES
 from .reasoning import EFFORT_BUDGETS
 
@@ -71,13 +72,13 @@ def props(state) -> dict:
         "placement": info.get("placement", []),
         "limits": {"max_queue": cfg.max_queue, "max_body_bytes": cfg.max_body_bytes,
                    "default_max_tokens": cfg.default_max_tokens, "max_ctx": info.get("max_ctx")},
-        "default_generation_settings": {"temperature": cfg.default_temperature, "top_p": 1.0, "top_k": 0,
-                                        "min_p": 0.0, "repetition_penalty": 1.0,
+        # what a request that sets no sampling field gets, and where each value comes from
+        "default_generation_settings": {**state.sampling_defaults, "sources": dict(state.sampling_sources),
                                         "max_tokens": cfg.default_max_tokens, "n_ctx": info.get("max_ctx")},
         "api": {"endpoints": sorted(ROUTES), "auth": cfg.api_key is not None, "cors": bool(cfg.cors_origins)},
     }
     if state.status != "ready":
-        return out
+        return _redacted(out, cfg)
     try:
         spec, cache = _speculative(state.engine), _cache(state.engine)
     except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
@@ -100,5 +101,21 @@ def props(state) -> dict:
         "shards": _shards(state.engine),
         "kvflash": _kvflash(state.engine),
     })
+    return _redacted(out, cfg)
+
+
+def _redacted(out: dict, cfg) -> dict:
+    """Without an API key nobody who reads /props was authenticated: no file or socket
+    paths then (with a key, the operator sees them)."""
+    if cfg.api_key is not None:
+        return out
+    model = out.get("model", {})
+    if isinstance(model.get("path"), str):
+        model["path"] = redact_paths(model["path"])
+    disk = out.get("cache", {}).get("disk", {})
+    if isinstance(disk.get("dir"), str):
+        disk["dir"] = redact_paths(disk["dir"])
+    for shard in out.get("shards", []):
+        shard["error"] = redact_paths(shard.get("error"))
     return out
 

@@ -7,8 +7,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .errors import APIError, error_body
-from .generation import GenOptions, Run
+from .errors import error_body
+from .generation import GenOptions, Run, stream_failure
 from .schemas_anthropic import CountTokensRequest, MessagesRequest
 from .schemas_common import SamplingFields, stop_list
 
@@ -48,29 +48,32 @@ async def handle(app, request: Request):
     thinking = body.thinking_mode(body.max_tokens)
     prompt = await app.render_chat(body.hf_messages(), tools, thinking)
     sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    opts = GenOptions(max_tokens=body.max_tokens, sampling=sampling.sampling(app.config.default_temperature),
+    opts = GenOptions(max_tokens=body.max_tokens, sampling=sampling.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop_sequences, 16, "stop_sequences"), thinking=thinking, tools=tools,
                       cache_scope=body.cache_scope)
     runs = app.service.start(prompt, opts, 1, label="messages")
     run, mid = runs[0], "msg_" + secrets.token_hex(12)
     model = body.model or app.config.model_name
     if body.stream:
-        return await sse.start_stream(request, runs, _stream(run, mid, model, len(prompt.ids)))
+        return await sse.start_stream(request, runs, _stream(app, run, mid, model, len(prompt.ids)))
     await sse.collect(request, runs)
-    content = []
-    if run.reasoning:
-        content.append({"type": "thinking", "thinking": run.reasoning, "signature": ""})
-    if run.content or not (run.reasoning or run.tool_calls):
-        content.append({"type": "text", "text": run.content})
-    for c in run.tool_calls:
-        content.append({"type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": c.input})
+    # blocks in the order the model wrote them, as the stream sends them
+    content = [_block(b) for b in run.blocks] or [{"type": "text", "text": ""}]
     reason, seq = stop_reason(run)
     return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
                          "stop_reason": reason, "stop_sequence": seq,
                          "usage": _usage(run, run.result.prompt_tokens, run.result.completion_tokens)})
 
 
-async def _stream(run: Run, mid: str, model: str, prompt_tokens: int):
+def _block(d) -> dict:
+    if d.kind == "reasoning":
+        return {"type": "thinking", "thinking": d.text, "signature": ""}
+    if d.kind == "content":
+        return {"type": "text", "text": d.text}
+    return {"type": "tool_use", "id": tool_use_id(d.call), "name": d.call.name, "input": d.call.input}
+
+
+async def _stream(app, run: Run, mid: str, model: str, prompt_tokens: int):
     start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": _usage(run, prompt_tokens, 0)}
     yield sse.event("message_start", {"type": "message_start", "message": start})
@@ -114,5 +117,6 @@ async def _stream(run: Run, mid: str, model: str, prompt_tokens: int):
                                           "usage": _usage(run, run.result.prompt_tokens,
                                                           run.result.completion_tokens)})
         yield sse.event("message_stop", {"type": "message_stop"})
-    except APIError as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an error event
+        e = stream_failure(app, e, "messages")
         yield sse.event("error", error_body(e, anthropic=True))

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse
 
 from . import sse
 from .errors import APIError, error_body
-from .generation import GenOptions, Run
+from .generation import GenOptions, Run, stream_failure
 from .logprobs import completion_logprobs
 from .schemas_common import stop_list
 from .schemas_openai import CompletionRequest
@@ -28,7 +28,7 @@ async def handle(app, request: Request):
     app.check_model(body.model)
     body.check_supported()
     n = body.n or 1
-    opts = GenOptions(max_tokens=body.max_tokens, sampling=body.sampling(app.config.default_temperature),
+    opts = GenOptions(max_tokens=body.max_tokens, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.logprobs, ignore_eos=bool(body.ignore_eos),
                       parse_output=False, cache_scope=body.cache_scope)
     prompts = [await app.render_raw(p) for p in body.prompts()]
@@ -89,5 +89,6 @@ async def _stream(app, groups, runs: list[Run], echo: list[str], cid, created, m
         if include_usage:
             yield sse.data({**base, "choices": [], "usage": _usage(groups)})
         yield sse.data("[DONE]")
-    except APIError as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an error event
+        e = stream_failure(app, e, "completions")
         yield sse.data(error_body(e, anthropic=False))

@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .errors import APIError, error_body
-from .generation import GenOptions, Run
+from .errors import error_body
+from .generation import GenOptions, Run, stream_failure
 from .logprobs import chat_entries
 from .reasoning import Thinking
 from .schemas_common import stop_list
@@ -55,7 +55,7 @@ async def handle(app, request: Request):
     thinking = chat_thinking(body)
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.max_completion_tokens or body.max_tokens,
-                      sampling=body.sampling(app.config.default_temperature), stop=stop_list(body.stop, 4),
+                      sampling=body.sampling(app.sampling_defaults), stop=stop_list(body.stop, 4),
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                       ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools,
                       cache_scope=body.cache_scope)
@@ -113,5 +113,6 @@ async def _stream(app, runs: list[Run], cid: str, created: int, model: str, incl
         if include_usage:
             yield sse.data({**base, "choices": [], "usage": usage(runs), "timings": timings(runs)})
         yield sse.data("[DONE]")
-    except APIError as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an error event
+        e = stream_failure(app, e, "chat")
         yield sse.data(error_body(e, anthropic=False))

@@ -8,8 +8,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .errors import APIError, error_body
-from .generation import GenOptions, Run
+from .errors import error_body
+from .generation import GenOptions, Run, stream_failure
+from .output_parser import Delta
 from .logprobs import chat_entries
 from .schemas_common import stop_list
 from .schemas_responses import ResponsesRequest
@@ -34,7 +35,7 @@ class _Response:
         b = self.body
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "model": self.model, "output": self.output if output is None else output, "error": None,
-               "incomplete_details": None, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+               "incomplete_details": None, "instructions": b.instructions, "max_output_tokens": b.output_limit,
                "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": self.tool_choice,
                "tools": self.tools, "temperature": b.temperature, "top_p": b.top_p,
                "reasoning": b.reasoning.model_dump() if b.reasoning else None,
@@ -77,7 +78,7 @@ async def handle(app, request: Request):
     body.check_supported()
     tools, thinking = body.toolset(), body.thinking()
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
-    opts = GenOptions(max_tokens=body.max_output_tokens, sampling=body.sampling(app.config.default_temperature),
+    opts = GenOptions(max_tokens=body.output_limit, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools,
                       cache_scope=body.cache_scope)
     runs = app.service.start(prompt, opts, 1, label="responses")
@@ -86,12 +87,15 @@ async def handle(app, request: Request):
         return await sse.start_stream(request, runs, _stream(app, runs[0], resp))
     lps = (await sse.collect(request, runs))[0]
     run = runs[0]
-    if run.reasoning:
-        resp.output.append(reasoning_item(_id("rs"), run.reasoning))
-    if run.content or not run.tool_calls:
-        entries = chat_entries(lps, app.token_texts) if body.top_logprobs is not None else None
-        resp.output.append(message_item(_id("msg"), run.content, logprobs=entries))
-    resp.output.extend(call_item(_id("fc"), c) for c in run.tool_calls)
+    entries = chat_entries(lps, app.token_texts) if body.top_logprobs is not None else None
+    for b in run.blocks or [Delta("content", "")]:  # output items in the order the stream sends them
+        if b.kind == "reasoning":
+            resp.output.append(reasoning_item(_id("rs"), b.text))
+        elif b.kind == "content":
+            resp.output.append(message_item(_id("msg"), b.text, logprobs=entries))
+            entries = None  # all of them on the first message
+        else:
+            resp.output.append(call_item(_id("fc"), b.call))
     return JSONResponse(resp.obj(_status(run), run))
 
 
@@ -169,7 +173,8 @@ async def _stream(app, run: Run, resp: _Response):
         status = _status(run)
         yield ev("response.completed" if status == "completed" else "response.incomplete",
                  response=resp.obj(status, run))
-    except APIError as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an error event
+        e = stream_failure(app, e, "responses")
         err = error_body(e, anthropic=False)["error"]
         yield ev("error", code=err["code"], message=err["message"], param=err["param"])
         failed = resp.obj("failed")

@@ -7,7 +7,8 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import Thinking
-from .schemas_common import MAX_TOKENS_LIMIT, CacheFields, Json, Model, StopString, ToolName, text_of_parts
+from .schemas_common import (MAX_TOKENS_LIMIT, CacheFields, Json, Model, StopString, ToolName, ToolSchema,
+                             text_of_parts)
 from .tools import ToolSet, make_toolset
 
 
@@ -32,7 +33,7 @@ class ToolIn(Model):
     type: str | None = None
     name: ToolName
     description: str | None = None
-    input_schema: Json | None = None
+    input_schema: ToolSchema = None
 
 
 class ToolChoiceIn(Model):

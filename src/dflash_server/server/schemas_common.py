@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from ..engine.sampling import SamplingParams
 from .errors import bad_request
+from .tool_schema import check_parameters
 
 MAX_TOKENS_LIMIT = 10**9
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
 StopString = Annotated[str, StringConstraints(max_length=512)]
 Json = dict[str, Any]
+ToolSchema = Annotated[Json | None, AfterValidator(check_parameters)]  # a function's parameters
 
 
 class Model(BaseModel):
@@ -47,13 +49,17 @@ class SamplingFields(CacheFields):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
 
-    def sampling(self, default_temperature: float = 1.0) -> SamplingParams:
-        top_p = 1.0 if self.top_p is None else max(self.top_p, 1e-6)  # top_p=0: keep the top token
+    def sampling(self, defaults: dict) -> SamplingParams:
+        """The request's sampling; each field it leaves out comes from ``defaults`` (the
+        server's resolved defaults, ServerConfig.sampling_defaults)."""
+        def pick(name):
+            v = getattr(self, name)
+            return defaults[name] if v is None else v
         try:
             return SamplingParams(
-                temperature=default_temperature if self.temperature is None else float(self.temperature),
-                top_p=top_p, top_k=max(0, self.top_k or 0), min_p=self.min_p or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                temperature=float(pick("temperature")), top_p=max(float(pick("top_p")), 1e-6),  # 0: the top token
+                top_k=max(0, int(pick("top_k"))), min_p=float(pick("min_p")),
+                repetition_penalty=float(pick("repetition_penalty")),
                 frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 seed=None if self.seed is None else self.seed % 2**63)
         except ValueError as e:

@@ -7,7 +7,8 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import EFFORTS
-from .schemas_common import MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, text_of_parts
+from .schemas_common import (MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
+                             text_of_parts)
 from .tools import ToolSet, make_toolset
 
 Effort = Literal[EFFORTS]  # type: ignore[valid-type]
@@ -41,7 +42,7 @@ class Message(Model):
 class FunctionDef(Model):
     name: ToolName
     description: str | None = None
-    parameters: Json | None = None
+    parameters: ToolSchema = None
     strict: bool | None = None
 
 

@@ -11,7 +11,8 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import EFFORTS, Thinking
-from .schemas_common import MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, text_of_parts
+from .schemas_common import (MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
+                             text_of_parts)
 from .tools import ToolSet, make_toolset
 
 Effort = Literal[EFFORTS]  # type: ignore[valid-type]
@@ -33,7 +34,7 @@ class ToolIn(Model):
     type: str = Field(max_length=64)
     name: ToolName | None = None
     description: str | None = None
-    parameters: Json | None = None
+    parameters: ToolSchema = None
     strict: bool | None = None
 
 
@@ -60,6 +61,9 @@ class ResponsesRequest(SamplingFields):
     input: str | list[Item]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    # what chat-completions clients send (and some Responses clients too): the same limit
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     stop: StopString | list[StopString] | None = None
     stream: bool | None = False
     tools: list[ToolIn] | None = Field(None, max_length=512)
@@ -74,6 +78,14 @@ class ResponsesRequest(SamplingFields):
     store: bool | None = None
     metadata: Json | None = None
     user: str | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        given = {self.max_output_tokens, self.max_completion_tokens, self.max_tokens} - {None}
+        if len(given) > 1:
+            raise bad_request("max_output_tokens, max_completion_tokens and max_tokens disagree; give one",
+                              "max_output_tokens")
+        return given.pop() if given else None
 
     def check_supported(self) -> None:
         if self.previous_response_id or self.conversation:

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from .config import ServerConfig
-from .errors import APIError, from_validation
+from .errors import APIError, from_validation, redact_paths
 from .generation import Service
 from .logprobs import TokenTexts
 from .metrics import Metrics
@@ -28,6 +28,7 @@ class ServerState:
         self.status = "loading"         # loading | ready | failed
         self.error: str | None = None
         self.info: dict = {}
+        self.sampling_defaults, self.sampling_sources = config.sampling_defaults({})
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.service: Service | None = None
@@ -43,6 +44,7 @@ class ServerState:
         self.think = think_tokens(tok)
         self.token_texts = TokenTexts(tok)
         self.info = dict(info)
+        self.sampling_defaults, self.sampling_sources = self.config.sampling_defaults(info.get("sampling") or {})
         self.fingerprint = "dflash-" + str(info.get("fingerprint", ""))[:12]
         self.engine = engine
         self.scheduler = Scheduler(engine, max_queue=self.config.max_queue, hooks=self.metrics)
@@ -74,7 +76,7 @@ class ServerState:
     def require_ready(self) -> None:
         if self.status != "ready":
             raise APIError(503, "the model is still loading" if self.status == "loading" else
-                           f"the model failed to load: {self.error}", headers={"Retry-After": "5"})
+                           f"the model failed to load: {redact_paths(self.error)}", headers={"Retry-After": "5"})
 
     def check_model(self, name: str | None) -> None:
         if not self.config.accepts_model(name):

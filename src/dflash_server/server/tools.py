@@ -4,20 +4,45 @@ Two output formats are understood, inside ``<tool_call>...</tool_call>``:
 - Hermes / Qwen3 JSON: ``{"name": "f", "arguments": {...}}``
 - Qwen3.5 XML: ``<function=f><parameter=p>value</parameter></function>``; values are
   coerced to the JSON-schema type the tool declares for that parameter.
-A block that does not parse, or names a tool the request did not declare, is not a tool
-call: the caller keeps its raw text as content rather than emitting half of it.
+A block that does not parse, names a tool the request did not declare, or holds values
+JSON cannot carry (``1e999``, ``NaN``) is not a tool call: the caller keeps its raw text
+as content rather than emitting half of it (or invalid JSON).
 """
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 import secrets
 from dataclasses import dataclass
+
+log = logging.getLogger("dflash_server.tools")
 
 # a function must be closed (a call cut off by max_tokens is not a call); inside it a
 # parameter may end at the next <parameter= or </function> (models sometimes omit the tag)
 _FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text} is not a finite number")
+    return v
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(text: str):
+    """json.loads that refuses what JSON cannot carry (NaN, Infinity, 1e999): ValueError."""
+    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+
+
+def dumps_args(args: dict) -> str:
+    return json.dumps(args, ensure_ascii=False, allow_nan=False)
 
 
 def new_call_id() -> str:
@@ -35,7 +60,7 @@ class ToolCall:
 
     @property
     def input(self) -> dict:
-        return json.loads(self.arguments)
+        return loads(self.arguments)
 
 
 @dataclass(frozen=True)
@@ -101,7 +126,7 @@ def coerce_value(raw: str, schema) -> object:
         return int(text)
     if "number" in types:
         try:
-            v = float(text)
+            v = _finite(text)
             return int(v) if v.is_integer() and "." not in text and "e" not in text.lower() else v
         except ValueError:
             pass
@@ -111,7 +136,7 @@ def coerce_value(raw: str, schema) -> object:
         return None
     if types & {"object", "array"} or not types:
         try:
-            return json.loads(text)
+            return loads(text)
         except ValueError:
             pass
     return raw
@@ -124,39 +149,44 @@ def _strip_nl(v: str) -> str:
 
 def parse_tool_block(block: str, tools: dict[str, dict]) -> list[ToolCall] | None:
     """``block``: the text between <tool_call> and </tool_call> (or a bare <function=...>
-    block). Returns the calls it holds, or None when it is not a valid tool call."""
+    block). Returns the calls it holds, or None when it is not a valid tool call. Whatever
+    the model wrote and whatever the schemas say, this never raises."""
+    try:
+        return _parse_tool_block(block, tools)
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        log.warning("tool call not parsed (%s: %s); kept as text", type(e).__name__, e)
+        return None
+
+
+def _parse_tool_block(block: str, tools: dict[str, dict]) -> list[ToolCall] | None:
     text = block.strip()
     if not text:
         return None
     if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return None
+        obj = loads(text)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                return None
+            args = loads(args) if args.strip() else {}
         if not isinstance(args, dict) or obj["name"] not in tools:
             return None
-        return [ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))]
+        return [ToolCall(obj["name"], dumps_args(args))]
     calls = []
     for m in _FUNC_RE.finditer(text):
         name = m.group(1).strip()
         if name not in tools:
             return None
-        props = (tools[name] or {}).get("properties") or {}
+        params = tools[name]
+        props = params.get("properties") if isinstance(params, dict) else None
+        props = props if isinstance(props, dict) else {}
         args = {}
         for p in _PARAM_RE.finditer(m.group(2)):
             key = p.group(1).strip()
             args[key] = coerce_value(_strip_nl(p.group(2)), props.get(key))
         if _PARAM_RE.sub("", m.group(2)).strip():
             return None  # text outside any parameter: not a well-formed call
-        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        calls.append(ToolCall(name, dumps_args(args)))
     if not calls or _FUNC_RE.sub("", text).strip():
         return None  # no function, or stray text around it
     return calls

@@ -50,6 +50,12 @@ class ModelSource:
             return None
         return self._backend.tensor_type(self.family.gguf_tensor(name, self.config)[0])
 
+    def sampling_defaults(self) -> dict:
+        """Sampling settings the model ships with (generation_config.json / GGUF metadata)."""
+        from .generation_config import sampling_defaults
+
+        return sampling_defaults(self.path, self.format, self._backend.meta if self.format == "gguf" else None)
+
     def fingerprint(self, mtime: bool = True) -> str:
         """Identity of the weights: file names, sizes and mtimes (cheap; no hashing of GBs).
         Without ``mtime``: names and sizes only (copies on another host compare equal)."""
