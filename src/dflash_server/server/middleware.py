@@ -63,8 +63,8 @@ class Gate:
                 return
             if scope["method"] == "POST" and media_type(headers.get(b"content-type")) != "application/json":
                 got = media_type(headers.get(b"content-type")) or "none"
-                await send_error(send_wrapped, APIError(415, f"Content-Type must be application/json, got {got[:100]}"),
-                                 path)
+                await send_error(send_wrapped, APIError(415, f"Content-Type must be application/json, got {got[:100]} "
+                                                        "(with curl: -H 'Content-Type: application/json')"), path)
                 return
             length = headers.get(b"content-length")
             if length is not None:
