@@ -76,7 +76,8 @@ def test_errors_in_anthropic_shape(client, llama_server):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nope", max_tokens=4, messages=MSGS)
-    r = httpx.post(llama_server.url + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(llama_server.url + "/v1/messages", content=b"{not json",
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error"
     r = httpx.post(llama_server.url + "/v1/messages", json={"model": "tiny", "messages": MSGS})  # no max_tokens
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]

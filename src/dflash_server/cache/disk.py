@@ -157,5 +157,5 @@ class DiskCache:
         self._writer.shutdown(wait=True)
 
     def stats(self) -> dict:
-        return {"dir": str(self.dir), "read_only": self.read_only, "files": len(self.index.entries), "bytes": self.index.total_bytes,
-                "budget_bytes": self.index.budget, **self.counters}
+        return {"dir": str(self.dir), "read_only": self.read_only, "files": len(self.index.entries),
+                "bytes": self.index.total_bytes, "budget_bytes": self.index.budget, **self.counters}

@@ -207,9 +207,9 @@ class Service:
             sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + seed_offset) % 2**63})
         try:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
-                                     stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs, cache_scope=opts.cache_scope,
-                                     **budget_fields(opts.thinking, prompt.think_open, max_tokens,
-                                                     self.think_tokens))
+                                     stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs,
+                                     cache_scope=opts.cache_scope,
+                                     **budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens))
         except ValueError as e:
             raise bad_request(str(e)) from None
 

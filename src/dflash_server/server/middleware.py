@@ -55,8 +55,9 @@ class Gate:
         try:
             host = headers.get(b"host")
             if not self.hosts.allows(None if host is None else host.decode("latin-1")):
-                await send_error(send_wrapped, APIError(403, f"host {host.decode('latin-1')[:100]!r} is not allowed; "
-                                                        "start the server with --allowed-hosts NAME to accept it"), path)
+                name = host.decode("latin-1")[:100]
+                await send_error(send_wrapped, APIError(403, f"host {name!r} is not allowed; start the server with "
+                                                        "--allowed-hosts NAME to accept it"), path)
                 return
             if scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS and not authorized(headers, cfg.api_key):
                 await send_error(send_wrapped, APIError(401, "invalid or missing API key"), path)
