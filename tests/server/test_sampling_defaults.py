@@ -28,6 +28,9 @@ def test_model_settings_from_hf_and_gguf(tmp_path, caplog):
             "general.sampling.min_p": 0.0, "general.sampling.penalty_repeat": 1.05}
     assert sampling_defaults(tmp_path / "m.gguf", "gguf", meta) == {
         "temperature": 0.7, "top_k": 64, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.05}
+    garbage = {"general.sampling.temp": "hot", "general.sampling.top_k": 2.5, "general.sampling.top_p": float("nan"),
+               "general.sampling.min_p": [0.1], "general.sampling.penalty_repeat": True}
+    assert sampling_defaults(tmp_path / "m.gguf", "gguf", garbage) == {}
     assert sampling_defaults(tmp_path / "none", "hf") == {}
     (tmp_path / "generation_config.json").write_text("{broken")
     assert sampling_defaults(tmp_path, "hf") == {}
@@ -80,3 +83,15 @@ def test_serve_reads_generation_config(tiny_dir, tmp_path):
         got = httpx.get(srv.url + "/props").json()["default_generation_settings"]
     assert (got["temperature"], got["top_p"], got["top_k"], got["min_p"]) == (0.3, 0.5, 7, 0.05)
     assert got["sources"]["temperature"] == "model" and got["sources"]["top_k"] == "flag"
+
+
+@pytest.mark.parametrize("flag", [("--default-top-p", "2"), ("--default-temperature", "-1"), ("--default-top-k", "x"),
+                                  ("--default-min-p", "nan"), ("--default-repetition-penalty", "0")])
+def test_bad_default_flags_are_one_line_errors(flag):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dflash_server", "serve", *flag], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and flag[0].removeprefix("--").replace("-", "_") in \
+        r.stderr.replace("-", "_"), r.stderr
