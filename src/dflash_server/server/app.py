@@ -5,6 +5,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
+from anyio import to_thread
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -110,10 +111,13 @@ def create_app(state, on_shutdown=None):
     @api.post("/detokenize")
     async def detokenize(request: Request):
         body = await state.parse(request, DetokenizeRequest)
-        vocab = state.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        text = state.tokenizer.decode(body.tokens)
+
+        def decode(ids: list[int]) -> str:  # millions of ids fit in a body: off the event loop
+            vocab = state.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+            return state.tokenizer.decode(ids)
+        text = await to_thread.run_sync(decode, body.tokens)
         return {"content": text, "prompt": text}
 
     # --- introspection -------------------------------------------------------------------------
