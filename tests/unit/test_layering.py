@@ -5,6 +5,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "src" / "dflash_server"
 # package -> packages it must never import
 FORBIDDEN = {
+    "kernels": {"layers", "models", "runtime", "engine", "server", "cache", "spec", "cli", "weights"},
     "layers": {"models", "runtime", "engine", "server", "cache", "spec", "cli", "weights"},
     "models": {"runtime", "engine", "server", "cache", "spec", "cli", "weights"},
     "runtime": {"engine", "server", "cache", "spec", "cli"},

@@ -63,6 +63,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--native-kernels", action="store_true",
+                   help="quantized linears on the CPU through the project's C++ kernels (GGUF Q4_0/Q4_1/Q8_0 "
+                        "blocks read as stored, int8 activations, row-count invariant; built at first use). "
+                        "Experimental: not yet faster than the default aten kernels")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--prefix-cache-slots", type=int, default=32,
                    help="in-memory prefix snapshots (chat-turn boundaries); 0 disables")
@@ -133,6 +137,10 @@ def load_engine(args, progress: bool = True):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "native_kernels", False):
+        import os
+
+        os.environ["DFLASH_KERNELS"] = "1"  # read by Linear.quantize_, here and in spawned shard workers
     source = open_model(args.model or default_model_path())
     cfg = source.config
     try:

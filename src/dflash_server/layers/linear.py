@@ -8,12 +8,22 @@ int4 with per-32-group scale and offset halves them again
 (``w = scale * q + min``, q in 0..15), so Q4_0/Q4_1 weights map onto it without new rounding
 of q. Fused projections (QKV, gate+up) are concatenated along the output dimension before
 quantizing.
+
+With the native kernels (``kernels``, opt-in, built at first use) a quantized linear on the CPU
+runs ``dflash::qmm`` instead: a GGUF weight of a type they read (Q4_0, Q4_1, Q8_0) keeps
+its stored blocks (no second rounding), other weights are quantized to Q4_1 (``int4``) or
+Q8_0 (``int8``, per 32 values rather than per channel); activations go to int8 per block
+inside the op, and a row's result does not depend on how many rows are computed with it.
+The weight the loader hands over carries its stored blocks as ``weight.packed`` (a
+``kernels.PackedRows``; ``runtime.stage`` attaches it) until ``quantize_`` uses or drops it.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import kernels
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,10 +57,12 @@ class Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
+        self.packed = getattr(weight, "packed", None)  # GGUF blocks of this weight, if the loader had them
+        self.qtype = 0
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.scales: torch.Tensor | None = None
-        self.mode = "dense"  # | "int8" | "int4"
+        self.mode = "dense"  # | "int8" | "int4" | "native" (dflash::qmm on GGUF blocks)
         self.out_features, self.in_features = weight.shape
 
     @classmethod
@@ -59,14 +71,26 @@ class Linear(nn.Module):
         if biases is not None and any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
                               for w, b in zip(weights, biases)])
-        return cls(torch.cat(weights, dim=0), bias)
+        w = torch.cat(weights, dim=0)
+        parts = [getattr(x, "packed", None) for x in weights]
+        if all(p is not None for p in parts):
+            w.packed = parts[0].cat(parts[1:])
+        return cls(w, bias)
 
     def quantize_(self, mode: str = "int8") -> None:
         """Convert in place to weight-only ``int8`` or ``int4`` (int4 falls back to int8 where
         the kernel's shape rules or the device do not allow it). No-op if already quantized."""
+        packed, self.packed = self.packed, None
         if self.mode != "dense" or mode == "dense":
             return
         dtype = self.weight.dtype
+        if self.weight.device.type == "cpu" and self.in_features % 32 == 0 and kernels.enabled() and kernels.load():
+            if packed is None or packed.qtype not in kernels.QTYPES:
+                packed = (kernels.blocks_q4_1 if mode == "int4" else kernels.blocks_q8_0)(self.weight)
+            self.qtype, blocks = kernels.repack(packed, self.in_features)
+            self.weight = nn.Parameter(blocks, requires_grad=False)
+            self.mode = "native"
+            return
         if mode == "int4" and int4_supported(self.weight):
             q, sz = quantize_int4(self.weight)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -88,7 +112,9 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.mode == "int4":
+        if self.mode == "native":
+            y = torch.ops.dflash.qmm(x2, self.weight, self.qtype, self.out_features, self.in_features)
+        elif self.mode == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, INT4_GROUP, self.scales)
         elif x2.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)

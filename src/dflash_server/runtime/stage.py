@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
 from ..errors import ModelLoadError
 from ..layers.attention import SCORE_QUERY_ROWS
 from ..layers.context import ForwardContext
@@ -64,7 +65,12 @@ class _Weights:
                                  f"model config implies {tuple(want)}")
         if t.is_floating_point():
             t = t.to(self.dtype)
-        return t.to(self.device)
+        t = t.to(self.device)
+        if self.device.type == "cpu" and t.dim() == 2 and kernels.enabled():
+            packed = self.source.packed(name)  # the stored blocks, for the native kernels
+            if packed is not None:
+                t.packed = packed
+        return t
 
 
 class LocalStage:

@@ -43,6 +43,19 @@ class GGUFFile:
 
         return GGMLQuantizationType(self.tensors[name].ggml_type).name
 
+    def raw_rows(self, name: str) -> tuple[str, np.ndarray]:
+        """(type name, the stored bytes of a 2-D tensor as (rows, bytes per row)), a view of
+        the file: blocks exactly as GGUF stores them, for kernels that read them."""
+        from gguf.constants import GGMLQuantizationType
+
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        if len(t.shape) != 2:
+            raise ModelLoadError(f"{self.path}: tensor {name} is not a matrix")
+        raw = self._data[t.offset:t.offset + t.nbytes]
+        return GGMLQuantizationType(t.ggml_type).name, raw.reshape(t.shape[0], t.nbytes // t.shape[0])
+
     def get(self, name: str) -> torch.Tensor:
         """Dequantized tensor (fp32, or fp16 as stored) in PyTorch (out, in) order."""
         import gguf

@@ -5,6 +5,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import ModelLoadError
@@ -43,6 +44,35 @@ class ModelSource:
             raise ModelLoadError(f"{self.path}: no GGUF mapping for weight {name!r}") from None
         t = self._backend.get(gname)
         return transform(t) if transform is not None else t
+
+    def packed(self, name: str):
+        """The stored blocks of a quantized GGUF matrix the native kernels read
+        (``PackedRows``), with the same row order ``get`` gives; None for other weights
+        (HF files, float or unsupported types, or a transform that is not a row permutation)."""
+        from ..kernels import QTYPES, PackedRows
+
+        if self.format != "gguf":
+            return None
+        try:
+            gname, transform = self.family.gguf_tensor(name, self.config)
+            qtype, rows = self._backend.raw_rows(gname)
+        except (KeyError, ModelLoadError):
+            return None
+        if qtype not in QTYPES:
+            return None
+        if transform is not None:  # usable only if it moves whole rows: probe it with indices
+            n, k = self._backend.tensors[gname].shape
+            probe = torch.arange(n * k, dtype=torch.float64).reshape(n, k)
+            try:
+                out = transform(probe)
+            except Exception:  # noqa: BLE001 - any transform we cannot follow: no packed form
+                return None
+            first = out[:, :1]
+            if out.shape != (n, k) or not torch.equal(out, first + torch.arange(k, dtype=torch.float64)) or \
+                    not torch.equal(first % k, torch.zeros_like(first)):
+                return None  # it mixes columns: only the dequantized weight is right
+            rows = rows[(first[:, 0] // k).long().numpy()]
+        return PackedRows(qtype, torch.from_numpy(np.array(rows)))
 
     def source_type(self, name: str) -> str | None:
         """The stored GGUF quantization type of a weight (None for HF safetensors)."""

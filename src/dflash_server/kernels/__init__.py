@@ -1,0 +1,200 @@
+"""Native CPU kernels (C++ PyTorch custom ops, ``torch.ops.dflash.*``), built at first use.
+
+Opt-in for now (``--native-kernels`` or ``DFLASH_KERNELS=1``): they are correct, row-count
+invariant and tested, but not yet faster than aten's int4/int8 kernels, and int8
+activations move greedy output on near-ties (see the README).
+
+The sources ship in the package (``csrc/``); the first call of ``load()`` compiles them
+with the machine's C++ compiler and ninja into a per-user cache keyed by the sources, the
+torch and Python versions (a progress line on stderr, ~1 min on 2 cores), and later runs
+load the cached library at once. Where that cannot work (no compiler, no ninja, a failed
+build) ``load()`` warns once and returns False; callers keep the
+aten path. The ops pick their instruction set at run time (AVX-512 VNNI, AVX-VNNI,
+AVX2+FMA, portable C++), all bit-identical.
+
+Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul, see ``csrc/qmm.cpp``) and
+``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm`` reads).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("dflash_server.kernels")
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("qmm.cpp",)
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}       # ggml type ids the kernels read
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one GGUF block of 32 values
+ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni")
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DFLASH_KERNELS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "dflash-server")
+    return Path(base) / "kernels"
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())
+    return h.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    """Whether quantized linears should use the native kernels (``DFLASH_KERNELS=1``; the
+    CLI's ``--native-kernels`` sets it, so shard workers it spawns inherit it)."""
+    return os.environ.get("DFLASH_KERNELS") == "1"
+
+
+def _why_not() -> str | None:
+    if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
+        return f"no kernels for {sys.platform}/{os.uname().machine} yet"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found)"
+    return None
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    key = _build_key()
+    out = cache_dir() / key
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"dflash_kernels_{key}"
+    lib = out / f"{name}.so"
+    if lib.is_file():
+        torch.ops.load_library(str(lib))
+        return
+    if shutil.which("ninja") is None and not _venv_ninja():
+        raise RuntimeError("ninja not found (pip install ninja)")
+    print(f"dflash-server: building native kernels (once, cached in {out}) ...", file=sys.stderr, flush=True)
+    cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(out),
+                       extra_cflags=["-O3", "-fno-math-errno"], is_python_module=False, verbose=False)
+    print("dflash-server: native kernels built", file=sys.stderr, flush=True)
+
+
+def _venv_ninja() -> bool:
+    """pip's ninja lives next to this interpreter even when the venv is not activated."""
+    candidate = Path(sys.executable).with_name("ninja")
+    if candidate.is_file():
+        os.environ["PATH"] = f"{candidate.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return True
+    return False
+
+
+def load() -> bool:
+    """Build or load the kernels once per process; False (with one warning) when they
+    cannot be had on this machine."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        why = _why_not()
+        if why is None:
+            try:
+                _build()
+                _register_fakes()
+            except Exception as e:  # noqa: BLE001 - any build failure means the fallback
+                why = f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+        if why is not None:
+            log.warning("native kernels unavailable (%s); using the aten kernels", why)
+        _state["ok"] = why is None
+        _state["why"] = why
+        return _state["ok"]
+
+
+def status() -> dict:
+    """For /props and benchmarks: whether the kernels are in use, and which instruction set."""
+    ok = _state.get("ok")
+    out = {"native": bool(ok), "reason": _state.get("why")}
+    if ok:
+        out["isa"] = ISAS[torch.ops.dflash.isa()]
+    return out
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (the ops allocate their outputs)."""
+    if _state.get("fakes"):
+        return
+
+    @torch.library.register_fake("dflash::qmm")
+    def _qmm_fake(x, w, qtype, n, k, isa=-1):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("dflash::repack")
+    def _repack_fake(blocks, qtype, n, k):
+        return blocks.new_empty((n, row_bytes(qtype, k)))
+
+    _state["fakes"] = True
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one repacked row (codes, fp16 scales, fp16 offsets for 4-bit types)."""
+    nb = k // 32
+    four = qtype in (QTYPES["Q4_0"], QTYPES["Q4_1"])
+    return (k // 2 if four else k) + 2 * nb + (2 * nb if four else 0)
+
+
+def supports(qtype_name: str, n: int, k: int) -> bool:
+    return qtype_name in QTYPES and k % 32 == 0 and n > 0
+
+
+# --- weights in the kernels' formats ------------------------------------------------------
+@dataclass(frozen=True)
+class PackedRows:
+    """A weight matrix as stored GGUF blocks: ``rows`` (N, bytes per row) uint8."""
+    qtype: str
+    rows: torch.Tensor
+
+    def cat(self, others: list["PackedRows"]) -> "PackedRows | None":
+        """Rows of several matrices stacked (fused projections); None if the types differ."""
+        if any(o.qtype != self.qtype or o.rows.shape[1] != self.rows.shape[1] for o in others):
+            return None
+        return PackedRows(self.qtype, torch.cat([self.rows, *(o.rows for o in others)]))
+
+
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).contiguous().view(torch.uint8).reshape(*t.shape, 2)
+
+
+def blocks_q4_1(weight: torch.Tensor) -> PackedRows:
+    """The project's own 4-bit format for float weights, as GGUF Q4_1 blocks (w = d * q + m,
+    q in 0..15 per 32 values; the scheme ``--quantize int4`` always used)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    codes = q[..., :16] | (q[..., 16:] << 4)
+    return PackedRows("Q4_1", torch.cat([_halves(d), _halves(lo), codes], dim=-1).reshape(n, -1))
+
+
+def blocks_q8_0(weight: torch.Tensor) -> PackedRows:
+    """Float weights as GGUF Q8_0 blocks (w = d * q, q in -127..127 per 32 values)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    d = w.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    return PackedRows("Q8_0", torch.cat([_halves(d), q], dim=-1).reshape(n, -1))
+
+
+def repack(p: PackedRows, k: int) -> tuple[int, torch.Tensor]:
+    """(qtype id, the layout ``qmm`` reads) of GGUF rows."""
+    qtype = QTYPES[p.qtype]
+    return qtype, torch.ops.dflash.repack(p.rows.contiguous().reshape(-1), qtype, p.rows.shape[0], k)

@@ -1,0 +1,167 @@
+"""Native kernels (dflash::qmm): each GGUF block type against an fp64 reference, row
+counts 1..64 and odd shapes, row-count invariance, every instruction-set path bit-equal,
+torch.compile tracing, hostile arguments, and the fallback when nothing can be built."""
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+
+from dflash_server import kernels
+from dflash_server.layers.linear import Linear
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.load(), kernels.status()  # CI has a compiler: the kernels must build there
+    os.environ["DFLASH_KERNELS"] = "1"  # quantized linears use them (opt-in)
+    yield
+    os.environ.pop("DFLASH_KERNELS")
+
+
+def gguf_rows(qname: str, n: int, k: int, seed: int = 0):
+    """Random weights quantized by gguf's reference quantizer: (dequantized fp64, rows)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    qt = getattr(GGMLQuantizationType, qname)
+    blocks = gguf.quants.quantize(w, qt)
+    deq = torch.from_numpy(gguf.quants.dequantize(blocks, qt).reshape(n, k)).double()
+    return deq, kernels.PackedRows(qname, torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8)).reshape(n, -1))
+
+
+def q8_reference(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    """fp64 of what the op computes: activations rounded to int8 per block of 32."""
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    d = (xb.abs().amax(-1, keepdim=True).float() / 127).double()
+    q = torch.where(d > 0, torch.round(xb / d), torch.zeros_like(xb)).clamp(-127, 127)
+    return (q * d).reshape(x.shape) @ deq.T
+
+
+@pytest.mark.parametrize("qname", TYPES)
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 96), (33, 576), (130, 1536)])
+def test_matches_fp64_reference(qname, n, k):
+    deq, rows = gguf_rows(qname, n, k)
+    qtype, packed = kernels.repack(rows, k)
+    for m in (1, 2, 3, 5, 8, 17, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = torch.ops.dflash.qmm(x, packed, qtype, n, k).double()
+        ref = q8_reference(x, deq)
+        scale = ref.abs().max().clamp(min=1e-6)
+        # same arithmetic up to float rounding (a rare tie in the activation rounding aside)
+        assert ((y - ref).abs().max() / scale).item() < 2e-3, (qname, n, k, m)
+        assert ((y - x.double() @ deq.T).abs().max() / scale).item() < 3e-2  # int8 activations vs exact
+
+
+@pytest.mark.parametrize("qname", TYPES)
+def test_rows_are_invariant_and_paths_identical(qname):
+    n, k = 67, 640
+    _, rows = gguf_rows(qname, n, k, seed=1)
+    qtype, packed = kernels.repack(rows, k)
+    x = torch.randn(64, k) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different scales
+    x[5, 7] = 300.0  # an outlier channel
+    full = torch.ops.dflash.qmm(x, packed, qtype, n, k)
+    for m in (1, 3, 8, 16, 33):
+        part = torch.ops.dflash.qmm(x[:m], packed, qtype, n, k)
+        assert torch.equal(part, full[:m]), m
+    alone = torch.cat([torch.ops.dflash.qmm(x[i:i + 1], packed, qtype, n, k) for i in range(64)])
+    assert torch.equal(alone, full)
+    paths = [i for i in range(len(kernels.ISAS)) if torch.ops.dflash.isa_supported(i)]
+    assert 0 in paths and len(paths) >= 2  # the portable path and at least one SIMD path here
+    for isa in paths:
+        assert torch.equal(torch.ops.dflash.qmm(x, packed, qtype, n, k, isa), full), kernels.ISAS[isa]
+
+
+def test_zero_blocks_bf16_and_batch_dims():
+    _, rows = gguf_rows("Q4_1", 16, 64)
+    qtype, packed = kernels.repack(rows, 64)
+    x = torch.zeros(2, 3, 64)
+    x[1, 2, 40:] = 1.5
+    y = torch.ops.dflash.qmm(x, packed, qtype, 16, 64)
+    assert y.shape == (2, 3, 16) and torch.equal(y[0], torch.zeros(3, 16))
+    yb = torch.ops.dflash.qmm(x.bfloat16(), packed, qtype, 16, 64)
+    assert yb.dtype == torch.bfloat16 and torch.allclose(yb.float(), y, rtol=1e-2, atol=1e-2)
+
+
+def test_hostile_arguments_are_errors_not_crashes():
+    _, rows = gguf_rows("Q8_0", 8, 64)
+    qtype, packed = kernels.repack(rows, 64)
+    x = torch.randn(1, 64)
+    for args in ((x, packed, 99, 8, 64), (x, packed, qtype, 9, 64), (x, packed, qtype, 8, 96),
+                 (x, packed, qtype, 8, 63), (x, packed.float(), qtype, 8, 64), (x, packed[:, :10], qtype, 8, 64),
+                 (torch.randn(1, 32), packed, qtype, 8, 64), (x.int(), packed, qtype, 8, 64)):
+        with pytest.raises(RuntimeError):
+            torch.ops.dflash.qmm(*args)
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.qmm(x, packed, qtype, 8, 64, 7)  # no such instruction set
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.repack(torch.zeros(10, dtype=torch.uint8), qtype, 8, 64)
+
+
+def test_fake_tensor_and_compile():
+    _, rows = gguf_rows("Q4_0", 32, 128)
+    qtype, packed = kernels.repack(rows, 128)
+    x = torch.randn(3, 128)
+    torch.library.opcheck(torch.ops.dflash.qmm.default, (x, packed, qtype, 32, 128))
+    compiled = torch.compile(lambda a: torch.ops.dflash.qmm(a, packed, qtype, 32, 128) * 2, fullgraph=True)
+    assert torch.equal(compiled(x), torch.ops.dflash.qmm(x, packed, qtype, 32, 128) * 2)
+
+
+@pytest.mark.parametrize("mode, qname", [("int4", "Q4_1"), ("int8", "Q8_0")])
+def test_own_quantization_of_float_weights(mode, qname):
+    """HF weights quantized by the project (int4 -> Q4_1, int8 -> Q8_0 blocks) decode to
+    what gguf's reference dequantizer reads from the same bytes."""
+    w = torch.randn(48, 256)
+    rows = (kernels.blocks_q4_1 if mode == "int4" else kernels.blocks_q8_0)(w)
+    deq = gguf.quants.dequantize(rows.rows.numpy(), getattr(GGMLQuantizationType, qname)).reshape(48, 256)
+    blocks = w.reshape(48, 8, 32)
+    levels = 15 if mode == "int4" else 254  # steps across a block's range
+    span = (blocks.amax(-1) - blocks.amin(-1)) if mode == "int4" else 2 * blocks.abs().amax(-1)
+    half_step = (span / levels / 2).repeat_interleave(32, dim=1).numpy()
+    assert (np.abs(deq - w.numpy()) <= half_step * 1.01 + 2e-3).all()  # rounding to the nearest code
+    lin = Linear(w.clone())
+    lin.quantize_(mode)
+    assert lin.mode == "native"
+    x = torch.randn(4, 256)
+    ref = q8_reference(x, torch.from_numpy(deq).double())
+    assert ((lin(x).double() - ref).abs().max() / ref.abs().max()).item() < 2e-3
+
+
+def test_fused_linear_keeps_the_stored_blocks():
+    deqs, parts = zip(*(gguf_rows("Q4_1", n, 96, seed=n) for n in (8, 4, 4)))
+    ws = []
+    for deq, p in zip(deqs, parts):
+        t = deq.float()
+        t.packed = p
+        ws.append(t)
+    lin = Linear.fused(ws)
+    lin.quantize_("int4")
+    x = torch.randn(2, 96)
+    ref = q8_reference(x, torch.cat(deqs))
+    assert ((lin(x).double() - ref).abs().max() / ref.abs().max()).item() < 2e-3
+
+
+def test_no_compiler_means_the_aten_fallback(tmp_path):
+    """No compiler and an empty cache: the package imports, warns once, and a quantized
+    linear runs on the aten kernels with the same results as before the kernels existed."""
+    code = (
+        "import torch, warnings\n"
+        "from dflash_server import kernels\n"
+        "from dflash_server.layers.linear import Linear\n"
+        "assert kernels.load() is False and kernels.load() is False\n"
+        "w = torch.randn(64, 128)\n"
+        "lin = Linear(w.clone()); lin.quantize_('int4')\n"
+        "assert lin.mode == 'int4', lin.mode\n"
+        "x = torch.randn(3, 128)\n"
+        "assert ((lin(x) - x @ w.T).norm() / (x @ w.T).norm()) < 0.1\n"
+        "print('status', kernels.status())\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "DFLASH_KERNELS_CACHE": str(tmp_path / "cache"),
+           "DFLASH_KERNELS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("native kernels unavailable") == 1 and "no C++ compiler" in r.stderr
+    assert "'native': False" in r.stdout
