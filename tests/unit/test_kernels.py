@@ -93,6 +93,7 @@ def test_hostile_arguments_are_errors_not_crashes():
     x = torch.randn(1, 64)
     for args in ((x, packed, 99, 8, 64), (x, packed, qtype, 9, 64), (x, packed, qtype, 8, 96),
                  (x, packed, qtype, 8, 63), (x, packed.float(), qtype, 8, 64), (x, packed[:, :10], qtype, 8, 64),
+                 (x, packed, qtype, 17, 64), (x, packed, qtype, 0, 64),
                  (torch.randn(1, 32), packed, qtype, 8, 64), (x.int(), packed, qtype, 8, 64)):
         with pytest.raises(RuntimeError):
             torch.ops.dflash.qmm(*args)

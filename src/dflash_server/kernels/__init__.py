@@ -32,6 +32,9 @@ log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("qmm.cpp",)
+# -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
+# GOMP symbols resolve to the runtime torch already loaded
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}       # ggml type ids the kernels read
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one GGUF block of 32 values
 ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni")
@@ -50,7 +53,7 @@ def _build_key() -> str:
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((CSRC / name).read_bytes())
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}|{CFLAGS}".encode())
     return h.hexdigest()[:16]
 
 
@@ -84,7 +87,7 @@ def _build() -> None:
         raise RuntimeError("ninja not found (pip install ninja)")
     print(f"dflash-server: building native kernels (once, cached in {out}) ...", file=sys.stderr, flush=True)
     cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(out),
-                       extra_cflags=["-O3", "-fno-math-errno"], is_python_module=False, verbose=False)
+                       extra_cflags=list(CFLAGS), is_python_module=False, verbose=False)
     print("dflash-server: native kernels built", file=sys.stderr, flush=True)
 
 
@@ -137,16 +140,16 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dflash::repack")
     def _repack_fake(blocks, qtype, n, k):
-        return blocks.new_empty((n, row_bytes(qtype, k)))
+        return blocks.new_empty(packed_shape(qtype, n, k))
 
     _state["fakes"] = True
 
 
-def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one repacked row (codes, fp16 scales, fp16 offsets for 4-bit types)."""
-    nb = k // 32
+def packed_shape(qtype: int, n: int, k: int) -> tuple[int, int]:
+    """Shape of the layout ``qmm`` reads: groups of 8 rows, per block of 32 values the 8
+    rows' codes (16 or 32 bytes each) and fp16 scales, plus fp16 offsets for 4-bit types."""
     four = qtype in (QTYPES["Q4_0"], QTYPES["Q4_1"])
-    return (k // 2 if four else k) + 2 * nb + (2 * nb if four else 0)
+    return (n + 7) // 8, (k // 32) * (8 * 16 + 32 if four else 8 * 32 + 16)
 
 
 def supports(qtype_name: str, n: int, k: int) -> bool:

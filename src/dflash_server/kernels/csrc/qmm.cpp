@@ -1,21 +1,24 @@
 // Quantized matmul for 1..64 (or more) rows on GGUF block formats: y = x @ W^T.
 //
-// Weights stay in their GGUF blocks of 32 (Q4_0, Q4_1, Q8_0), repacked once at load into
-// a lossless, kernel-friendly layout per output row: 4-bit codes as bytes 0..15 (or int8),
-// then the fp16 block scales d and offsets e. Activations are quantized to int8 per block
-// of 32 inside the op (scale = max|x| / 127, as llama.cpp's q8 activations).
+// Weights stay in their GGUF blocks of 32 values (Q4_0, Q4_1, Q8_0), repacked once at load
+// (losslessly) so that one vector instruction works on 8 output rows at once: rows are
+// taken 8 at a time (a "group", the last one padded with zero rows) and, per block, the
+// codes are interleaved in 4-value chunks (chunk c of rows 0..7 = 32 bytes), followed by
+// the 8 rows' fp16 scales d and, for 4-bit types, fp16 offsets e. Activations are
+// quantized to int8 per block of 32 inside the op (scale = max|x| / 127, as llama.cpp's
+// q8 activations).
 //
-// Per block b of one (row m, output n):   sum_i w_i x_i  ~=  dx * (dw * dot + e * sx)
-//   Q4_0: w = dw * (q - 8)   -> e = -8 dw     Q4_1: w = dw * q + m  -> e = m
-//   Q8_0: w = dw * q         -> e = 0          dot = sum_i q_i xq_i (exact int32), sx = sum_i xq_i
+// Per block b of one (row m, output n):  sum_i w_i x_i  ~=  dw * dx * dot + e * (dx * sx)
+//   Q4_0: w = dw * (q - 8) -> e = -8 dw     Q4_1: w = dw * q + m -> e = m     Q8_0: w = dw * q, e = 0
+//   dot = sum_i q_i xq_i (exact int32; Q8_0 codes signed), sx = sum_i xq_i
 //
-// Row-count invariance: every (m, n) is computed by the same sequence of operations
-// whatever the number of rows: 8 int32 lanes (4 consecutive products each, exact), a
-// float accumulator per lane updated block by block with one fused multiply-add, a scalar
-// accumulator for the offset term, then a fixed summation order. The row loop only
-// interleaves independent computations; threads split the outputs n, never the reduction.
-// No -ffast-math: the compiler may not reorder. The AVX2, AVX-VNNI, AVX-512 VNNI and
-// portable paths give bit-identical results (same integer lanes, same float sequence).
+// Row-count invariance: every (m, n) is computed by the same operations whatever the number
+// of rows: the exact int32 dot of each block, then acc += dot * (dw * dx) and
+// acc_e += e * (dx * sx) with one fused multiply-add each, block after block, and finally
+// acc + acc_e. Rows and groups are independent computations (threads split the groups,
+// never a reduction). No -ffast-math: the compiler may not reorder. The AVX2, AVX-VNNI,
+// AVX-512 VNNI and portable paths give bit-identical results. Reading a group's weights
+// once serves every row of x, so a call of 8 or 16 rows reads the weights once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,29 +34,28 @@
 namespace {
 
 constexpr int QK = 32;  // values per block
+constexpr int NR = 8;   // output rows per group
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml type ids
 
 bool is_4bit(int64_t t) { return t == Q4_0 || t == Q4_1; }
 
-// bytes of one repacked row: codes, then fp16 d[nb], then fp16 e[nb] (4-bit types only)
-int64_t code_bytes(int64_t qtype, int64_t k) { return is_4bit(qtype) ? k / 2 : k; }
-int64_t row_bytes(int64_t qtype, int64_t k) {
-  int64_t nb = k / QK;
-  return code_bytes(qtype, k) + 2 * nb + (is_4bit(qtype) ? 2 * nb : 0);
-}
+// bytes of one block of a group: codes of 8 rows, their d, their e (4-bit types)
+int64_t group_block_bytes(int64_t qtype) { return is_4bit(qtype) ? NR * 16 + 2 * NR * 2 : NR * QK + NR * 2; }
+int64_t groups(int64_t n) { return (n + NR - 1) / NR; }
 
 float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 uint16_t f2h(float f) { return c10::Half(f).x; }
 
 // ---- activations ------------------------------------------------------------------------
 struct Acts {
-  const int8_t* q;   // (M, K)
-  const float* d;    // (M, nb)
-  const int32_t* s;  // (M, nb): sum of the block's codes
+  const int8_t* q;   // (M, K) int8 codes
+  const float* d;    // (M, nb) block scale
+  const float* ds;   // (M, nb) scale * sum of the block's codes (the offset term)
+  const int32_t* s;  // (M, nb) sum of the block's codes
 };
 
 template <typename T>
-void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, int32_t* s) {
+void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s) {
   const int64_t nb = k / QK;
   at::parallel_for(0, m_rows, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -74,130 +76,131 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, i
           sum += qb[i];
         }
         d[m * nb + b] = db;
+        ds[m * nb + b] = db * static_cast<float>(sum);
         s[m * nb + b] = sum;
       }
     }
   });
 }
 
-// ---- the shared float part -----------------------------------------------------------------
-inline float finish(const float lanes[8], float acc_e) {
-  return (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + acc_e;
-}
-
-// ---- portable path ------------------------------------------------------------------------
-template <int MR>
-void rows_portable(int64_t qtype, const uint8_t* w, int64_t k, const Acts& a, int64_t m0, float* out[MR]) {
-  const int64_t nb = k / QK;
-  const uint8_t* codes = w;
-  const uint16_t* dw = reinterpret_cast<const uint16_t*>(w + code_bytes(qtype, k));
-  const uint16_t* ew = is_4bit(qtype) ? dw + nb : nullptr;
-  float lanes[MR][8] = {};
-  float acc_e[MR] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t wq[QK];
-    if (is_4bit(qtype)) {
-      const uint8_t* p = codes + b * 16;
-      for (int i = 0; i < 16; ++i) { wq[i] = p[i] & 0x0F; wq[i + 16] = p[i] >> 4; }
-    } else {
-      const int8_t* p = reinterpret_cast<const int8_t*>(codes) + b * QK;
-      for (int i = 0; i < QK; ++i) wq[i] = p[i];
-    }
-    const float d = h2f(dw[b]);
-    const float e = ew ? h2f(ew[b]) : 0.f;
-    for (int r = 0; r < MR; ++r) {
-      const int64_t m = m0 + r;
+// ---- portable path: the reference of the arithmetic -------------------------------------------
+template <bool FOUR>
+void group_portable(const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
+  const int64_t nb = k / QK, gb = group_block_bytes(FOUR ? Q4_1 : Q8_0);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    float acc[NR] = {}, acc_e[NR] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * gb;
+      const uint16_t* d = reinterpret_cast<const uint16_t*>(blk + (FOUR ? NR * 16 : NR * QK));
       const int8_t* xq = a.q + m * k + b * QK;
-      const float dx = a.d[m * nb + b];
-      const float scale = d * dx;
-      for (int j = 0; j < 8; ++j) {
-        int32_t lane = 0;
-        for (int i = 0; i < 4; ++i) lane += wq[4 * j + i] * xq[4 * j + i];
-        lanes[r][j] = std::fma(static_cast<float>(lane), scale, lanes[r][j]);
+      for (int r = 0; r < NR; ++r) {
+        int32_t dot = 0;
+        for (int c = 0; c < 8; ++c) {  // chunk c: values 4c..4c+3
+          for (int i = 0; i < 4; ++i) {
+            int32_t w;
+            if (FOUR) {
+              const uint8_t byte = blk[(c % 4) * 32 + r * 4 + i];
+              w = c < 4 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              w = static_cast<int8_t>(blk[c * 32 + r * 4 + i]);
+            }
+            dot += w * xq[4 * c + i];
+          }
+        }
+        acc[r] = std::fma(static_cast<float>(dot), h2f(d[r]) * a.d[m * nb + b], acc[r]);
+        if (FOUR) acc_e[r] = std::fma(h2f(d[NR + r]), a.ds[m * nb + b], acc_e[r]);
       }
-      if (ew) acc_e[r] = std::fma(e * dx, static_cast<float>(a.s[m * nb + b]), acc_e[r]);
     }
+    for (int r = 0; r < NR; ++r) out[m * NR + r] = acc[r] + acc_e[r];
   }
-  for (int r = 0; r < MR; ++r) *out[r] = finish(lanes[r], acc_e[r]);
 }
 
-// ---- x86 paths: one template, three integer dot products ---------------------------------------
+// ---- x86 paths: one body, three integer dot products ---------------------------------------
 enum class Dot { AVX2, AVXVNNI, AVX512VNNI };
 
 #define DFLASH_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define DFLASH_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define DFLASH_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// 8 int32 lanes, lane j = sum of u[4j..4j+3] * s[4j..4j+3] (u unsigned bytes, s signed)
+// acc + lane-wise dot of 4 unsigned bytes u with 4 signed bytes s (u <= 15 here, or
+// |w| <= 128 for AVX2's Q8_0 sign trick, so AVX2's int16 pair sums cannot saturate)
 template <Dot D>
-inline __m256i dot_us(__m256i u, __m256i s);
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s);
 
 template <>
-DFLASH_TARGET_AVX2 inline __m256i dot_us<Dot::AVX2>(__m256i u, __m256i s) {
-  // u <= 255, |s| <= 127 in pairs: 2 * 255 * 127 overflows int16 saturation only for u > 128;
-  // callers pass 4-bit codes or |w| <= 127, so the pair sums are exact
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+DFLASH_TARGET_AVX2 inline __m256i dot_add<Dot::AVX2>(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 template <>
-DFLASH_TARGET_AVXVNNI inline __m256i dot_us<Dot::AVXVNNI>(__m256i u, __m256i s) {
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+DFLASH_TARGET_AVXVNNI inline __m256i dot_add<Dot::AVXVNNI>(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
 }
 template <>
-DFLASH_TARGET_AVX512 inline __m256i dot_us<Dot::AVX512VNNI>(__m256i u, __m256i s) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
 }
 
-#define DFLASH_ROWS_BODY(D)                                                                          \
-  const int64_t nb = k / QK;                                                                         \
-  const uint8_t* codes = w;                                                                          \
-  const uint16_t* dw = reinterpret_cast<const uint16_t*>(w + code_bytes(qtype, k));                 \
-  const bool four = is_4bit(qtype);                                                                  \
-  const uint16_t* ew = four ? dw + nb : nullptr;                                                     \
-  __m256 acc[MR];                                                                                    \
-  float acc_e[MR];                                                                                   \
-  for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); acc_e[r] = 0.f; }                     \
+// MR rows of x against one group (8 outputs): the group's codes are loaded (and unpacked)
+// once per block and serve the MR rows
+#define DFLASH_GROUP_BODY(D)                                                                         \
+  const int64_t nb = k / QK, gb = group_block_bytes(FOUR ? Q4_1 : Q8_0);                            \
+  __m256 acc[MR], acc_e[MR];                                                                         \
+  for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); acc_e[r] = _mm256_setzero_ps(); }     \
   const __m256i low4 = _mm256_set1_epi8(0x0F);                                                       \
   for (int64_t b = 0; b < nb; ++b) {                                                                 \
-    __m256i wv;                                                                                      \
-    if (four) {                                                                                      \
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));           \
-      wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);                        \
+    const uint8_t* blk = g + b * gb;                                                                 \
+    __m256i wv[8];                                                                                   \
+    if (FOUR) {                                                                                      \
+      for (int c = 0; c < 4; ++c) {                                                                  \
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));       \
+        wv[c] = _mm256_and_si256(q, low4);                                                           \
+        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);                                 \
+      }                                                                                              \
     } else {                                                                                         \
-      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * QK));                     \
+      for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32)); \
     }                                                                                                \
-    const __m256i wabs = four ? wv : _mm256_sign_epi8(wv, wv);                                       \
-    const float d = _cvtsh_ss(dw[b]);                                                                \
-    const float e = four ? _cvtsh_ss(ew[b]) : 0.f;                                                   \
+    __m256i wu[8];  /* Q8_0 as unsigned: |w| (AVX2, sign trick) or w + 128 (VNNI) */                 \
+    if (!FOUR) {                                                                                     \
+      for (int c = 0; c < 8; ++c)                                                                    \
+        wu[c] = D == Dot::AVX2 ? _mm256_sign_epi8(wv[c], wv[c])                                      \
+                               : _mm256_xor_si256(wv[c], _mm256_set1_epi8(static_cast<char>(0x80))); \
+    }                                                                                                \
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + (FOUR ? NR * 16 : NR * QK));        \
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh)));        \
+    const __m256 ew = FOUR ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + NR))) \
+                           : _mm256_setzero_ps();                                                    \
     for (int r = 0; r < MR; ++r) {                                                                   \
       const int64_t m = m0 + r;                                                                      \
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * k + b * QK));       \
-      if (!four) xv = _mm256_sign_epi8(xv, wv);                                                      \
-      const __m256i lane = dot_us<D>(wabs, xv);                                                      \
-      const float dx = a.d[m * nb + b];                                                              \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane), _mm256_set1_ps(d * dx), acc[r]);           \
-      if (four) acc_e[r] = std::fma(e * dx, static_cast<float>(a.s[m * nb + b]), acc_e[r]);         \
+      const int8_t* xq = a.q + m * k + b * QK;                                                       \
+      __m256i dot = _mm256_setzero_si256();                                                          \
+      for (int c = 0; c < 8; ++c) {                                                                  \
+        int32_t chunk;                                                                               \
+        std::memcpy(&chunk, xq + 4 * c, 4);                                                          \
+        const __m256i xb = _mm256_set1_epi32(chunk);                                                 \
+        if (FOUR) dot = dot_add<D>(dot, wv[c], xb);                                                  \
+        else if (D == Dot::AVX2) dot = dot_add<D>(dot, wu[c], _mm256_sign_epi8(xb, wv[c]));          \
+        else dot = dot_add<D>(dot, wu[c], xb);                                                       \
+      }                                                                                              \
+      if (!FOUR && D != Dot::AVX2) /* exact: sum (w + 128) x - 128 sum x */                          \
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * a.s[m * nb + b]));                      \
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[m * nb + b]));                       \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);                              \
+      if (FOUR) acc_e[r] = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[m * nb + b]), acc_e[r]);         \
     }                                                                                                \
   }                                                                                                  \
-  for (int r = 0; r < MR; ++r) {                                                                     \
-    float lanes[8];                                                                                  \
-    _mm256_storeu_ps(lanes, acc[r]);                                                                 \
-    *out[r] = finish(lanes, acc_e[r]);                                                               \
-  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (m0 + r) * NR, _mm256_add_ps(acc[r], acc_e[r]));
 
-template <int MR>
-DFLASH_TARGET_AVX2 void rows_avx2(int64_t qtype, const uint8_t* w, int64_t k, const Acts& a, int64_t m0,
-                                  float* out[MR]) {
-  DFLASH_ROWS_BODY(Dot::AVX2)
+template <bool FOUR, int MR>
+DFLASH_TARGET_AVX2 void rows_avx2(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
+  DFLASH_GROUP_BODY(Dot::AVX2)
 }
-template <int MR>
-DFLASH_TARGET_AVXVNNI void rows_avxvnni(int64_t qtype, const uint8_t* w, int64_t k, const Acts& a, int64_t m0,
-                                        float* out[MR]) {
-  DFLASH_ROWS_BODY(Dot::AVXVNNI)
+template <bool FOUR, int MR>
+DFLASH_TARGET_AVXVNNI void rows_avxvnni(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
+  DFLASH_GROUP_BODY(Dot::AVXVNNI)
 }
-template <int MR>
-DFLASH_TARGET_AVX512 void rows_avx512(int64_t qtype, const uint8_t* w, int64_t k, const Acts& a, int64_t m0,
-                                      float* out[MR]) {
-  DFLASH_ROWS_BODY(Dot::AVX512VNNI)
+template <bool FOUR, int MR>
+DFLASH_TARGET_AVX512 void rows_avx512(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
+  DFLASH_GROUP_BODY(Dot::AVX512VNNI)
 }
 
 enum class Isa { Portable, AVX2, AVXVNNI, AVX512VNNI };
@@ -223,109 +226,118 @@ Isa detect() {
 
 Isa active_isa = detect();
 
-template <int MR>
-void rows(Isa isa, int64_t qtype, const uint8_t* w, int64_t k, const Acts& a, int64_t m0, float* out[MR]) {
-  switch (isa) {
-    case Isa::AVX512VNNI: return rows_avx512<MR>(qtype, w, k, a, m0, out);
-    case Isa::AVXVNNI: return rows_avxvnni<MR>(qtype, w, k, a, m0, out);
-    case Isa::AVX2: return rows_avx2<MR>(qtype, w, k, a, m0, out);
-    default: return rows_portable<MR>(qtype, w, k, a, m0, out);
+// all rows of x against one group, MR rows at a time (4 with AVX-512's 32 registers, else 2)
+template <bool FOUR>
+void group(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
+  if (isa == Isa::Portable) return group_portable<FOUR>(g, k, a, m_rows, out);
+  int64_t m = 0;
+  if (isa == Isa::AVX512VNNI) {
+    for (; m + 4 <= m_rows; m += 4) rows_avx512<FOUR, 4>(g, k, a, m, out);
+    for (; m < m_rows; ++m) rows_avx512<FOUR, 1>(g, k, a, m, out);
+  } else if (isa == Isa::AVXVNNI) {
+    for (; m + 2 <= m_rows; m += 2) rows_avxvnni<FOUR, 2>(g, k, a, m, out);
+    for (; m < m_rows; ++m) rows_avxvnni<FOUR, 1>(g, k, a, m, out);
+  } else {
+    for (; m + 2 <= m_rows; m += 2) rows_avx2<FOUR, 2>(g, k, a, m, out);
+    for (; m < m_rows; ++m) rows_avx2<FOUR, 1>(g, k, a, m, out);
   }
 }
 
 void check_args(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dflash::qmm: unsupported block type ", qtype);
   TORCH_CHECK(k > 0 && k % QK == 0, "dflash::qmm: K must be a positive multiple of 32, got ", k);
+  TORCH_CHECK(n > 0, "dflash::qmm: N must be positive");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(),
               "dflash::qmm: weights must be a contiguous CPU uint8 tensor");
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == row_bytes(qtype, k),
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == groups(n) && w.size(1) == (k / QK) * group_block_bytes(qtype),
               "dflash::qmm: weights of shape ", w.sizes(), " do not hold ", n, " rows of ", k, " values");
 }
 
 // y (M, N) = x (M, K) @ dequant(w)^T; x fp32 / bf16 / fp16, y in x's dtype
-at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa_override) {
+at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
+               int64_t isa_override) {
   check_args(w, qtype, n, k);
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.size(-1) == k, "dflash::qmm: x must be (..., ", k, ") on the CPU");
-  auto x = x_in.reshape({-1, k}).contiguous();
-  const int64_t m_rows = x.size(0);
-  const int64_t nb = k / QK;
-  auto q = at::empty({m_rows, k}, x.options().dtype(at::kChar));
-  auto d = at::empty({m_rows, nb}, x.options().dtype(at::kFloat));
-  auto s = at::empty({m_rows, nb}, x.options().dtype(at::kInt));
-  switch (x.scalar_type()) {
-    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                   s.data_ptr<int32_t>()); break;
-    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data_ptr<int8_t>(),
-                                      d.data_ptr<float>(), s.data_ptr<int32_t>()); break;
-    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                  s.data_ptr<int32_t>()); break;
-    default: TORCH_CHECK(false, "dflash::qmm: x must be float32, bfloat16 or float16");
-  }
-  auto y = at::empty({m_rows, n}, x.options().dtype(at::kFloat));
-  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>()};
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t rb = row_bytes(qtype, k);
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1 && x_in.size(-1) == k,
+              "dflash::qmm: x must be (..., ", k, ") on the CPU");
   // another path may be asked for (tests compare them); never one the CPU lacks
   TORCH_CHECK(isa_override < 4, "dflash::qmm: unknown isa ", isa_override);
   const Isa isa = isa_override < 0 ? active_isa : static_cast<Isa>(isa_override);
   TORCH_CHECK(supported(isa), "dflash::qmm: this CPU cannot run isa ", isa_override);
-  // each thread owns whole output columns: the weights of a column are read once per call
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, nb * m_rows));
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t j = n0; j < n1; ++j) {
-      const uint8_t* wr = wp + j * rb;
-      int64_t m = 0;
-      for (; m + 4 <= m_rows; m += 4) {
-        float* o[4] = {yp + m * n + j, yp + (m + 1) * n + j, yp + (m + 2) * n + j, yp + (m + 3) * n + j};
-        rows<4>(isa, qtype, wr, k, a, m, o);
-      }
-      for (; m < m_rows; ++m) {
-        float* o[1] = {yp + m * n + j};
-        rows<1>(isa, qtype, wr, k, a, m, o);
-      }
+  auto x = x_in.reshape({-1, k}).contiguous();
+  const int64_t m_rows = x.size(0), nb = k / QK, ng = groups(n);
+  auto q = at::empty({m_rows, k}, x.options().dtype(at::kChar));
+  auto d = at::empty({m_rows, nb}, x.options().dtype(at::kFloat));
+  auto ds = at::empty({m_rows, nb}, x.options().dtype(at::kFloat));
+  auto s = at::empty({m_rows, nb}, x.options().dtype(at::kInt));
+  switch (x.scalar_type()) {
+    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                                   ds.data_ptr<float>(), s.data_ptr<int32_t>()); break;
+    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data_ptr<int8_t>(),
+                                      d.data_ptr<float>(), ds.data_ptr<float>(), s.data_ptr<int32_t>()); break;
+    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                                  ds.data_ptr<float>(), s.data_ptr<int32_t>()); break;
+    default: TORCH_CHECK(false, "dflash::qmm: x must be float32, bfloat16 or float16");
+  }
+  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), s.data_ptr<int32_t>()};
+  // per group: (M, 8) outputs, then scattered to y; each thread owns whole groups, so the
+  // weights of a group are read once per call whatever M
+  auto yg = at::empty({ng, m_rows, NR}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = yg.data_ptr<float>();
+  const int64_t gbytes = nb * group_block_bytes(qtype);
+  const bool four = is_4bit(qtype);
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, nb * m_rows));
+  at::parallel_for(0, ng, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (four) group<true>(isa, wp + g * gbytes, k, a, m_rows, yp + g * m_rows * NR);
+      else group<false>(isa, wp + g * gbytes, k, a, m_rows, yp + g * m_rows * NR);
     }
   });
+  // (G, M, 8) -> (M, G * 8) -> the first N columns
+  auto y = yg.permute({1, 0, 2}).reshape({m_rows, ng * NR});
+  if (ng * NR != n) y = y.narrow(1, 0, n);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = n;
-  return (x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type())).reshape(out_shape);
+  return y.to(x_in.scalar_type()).contiguous().reshape(out_shape);
 }
 
-// GGUF blocks (N, nb * block bytes) -> the repacked layout (N, row_bytes)
+// GGUF blocks (N rows of nb blocks) -> the group layout (groups of 8 rows, padded with zeros)
 at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dflash::repack: unsupported block type ", qtype);
-  TORCH_CHECK(k > 0 && k % QK == 0, "dflash::repack: K must be a positive multiple of 32, got ", k);
-  const int64_t nb = k / QK;
+  TORCH_CHECK(k > 0 && k % QK == 0 && n > 0, "dflash::repack: K must be a positive multiple of 32, got ", k);
+  const int64_t nb = k / QK, ng = groups(n), gb = group_block_bytes(qtype);
   const int64_t bsize = qtype == Q4_0 ? 18 : (qtype == Q4_1 ? 20 : 34);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.numel() == n * nb * bsize,
               "dflash::repack: expected ", n * nb * bsize, " contiguous CPU bytes");
-  auto out = at::empty({n, row_bytes(qtype, k)}, blocks.options());
+  auto out = at::zeros({ng, nb * gb}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t rb = row_bytes(qtype, k), cb = code_bytes(qtype, k);
   bool overflow = false;
   for (int64_t j = 0; j < n; ++j) {
-    uint8_t* row = dst + j * rb;
-    uint16_t* d = reinterpret_cast<uint16_t*>(row + cb);
-    uint16_t* e = d + nb;
+    const int64_t g = j / NR, r = j % NR;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = src + (j * nb + b) * bsize;
+      uint8_t* gblk = dst + g * nb * gb + b * gb;
       uint16_t dh;
       std::memcpy(&dh, blk, 2);
-      d[b] = dh;
-      if (qtype == Q8_0) {
-        std::memcpy(row + b * QK, blk + 2, QK);
+      uint16_t* dd = reinterpret_cast<uint16_t*>(gblk + (is_4bit(qtype) ? NR * 16 : NR * QK));
+      dd[r] = dh;
+      if (qtype == Q8_0) {  // chunk c of row r: values 4c..4c+3
+        for (int c = 0; c < 8; ++c) std::memcpy(gblk + c * 32 + r * 4, blk + 2 + 4 * c, 4);
         continue;
       }
+      // GGUF byte i holds value i (low nibble) and value i + 16 (high nibble): the same
+      // bytes, placed so that chunk c (c < 4) is the low nibbles and chunk c + 4 the high
+      const uint8_t* qs = blk + (qtype == Q4_1 ? 4 : 2);
+      for (int c = 0; c < 4; ++c) std::memcpy(gblk + c * 32 + r * 4, qs + 4 * c, 4);
       if (qtype == Q4_1) {
-        std::memcpy(&e[b], blk + 2, 2);
+        std::memcpy(&dd[NR + r], blk + 2, 2);
       } else {
         const float eb = -8.f * h2f(dh);
-        e[b] = f2h(eb);
-        overflow |= h2f(e[b]) != eb;
+        dd[NR + r] = f2h(eb);
+        overflow |= h2f(dd[NR + r]) != eb;
       }
-      std::memcpy(row + b * 16, blk + (qtype == Q4_1 ? 4 : 2), 16);
     }
   }
   TORCH_CHECK(!overflow, "dflash::repack: a Q4_0 scale does not fit the fp16 offset");
