@@ -1,0 +1,141 @@
+"""Native kernels vs aten vs llama.cpp, side by side in one run, on the default model's
+GGUF (SmolLM2-135M-Instruct Q4_1 layers, Q8_0 embeddings / LM head), 2 threads:
+
+    python benchmarks/kernels.py [--threads 2] [--runs 3] [--tokens 128] [--no-llama-cpp] [--out FILE]
+
+- llama.cpp (built by ``benchmarks/llama_cpp.py`` from the llama-cpp-python sdist):
+  ``llama-bench`` tg128, pp512, and pp1/2/4/8/16 (the cost of one forward of T rows).
+- ours, each configuration in a fresh process: the default path (aten int4/int8 kernels)
+  and ``--native-kernels``: greedy decode tok/s (``Engine.generate``, EOS ignored), prefill
+  of 512 tokens, and one forward of T = 1, 2, 4, 8, 16 rows at a fixed position (what a
+  DFlash verify block costs), as a ratio to one row.
+
+Writes JSON (default ``benchmarks/results/kernels.json``) and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = (1, 2, 4, 8, 16)
+CONFIGS = {"ours, aten kernels (default)": "0", "ours, --native-kernels": "1"}
+
+
+def timed(f, reps: int) -> float:
+    f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def bench_ours(label: str, threads: int, tokens: int, runs: int) -> dict:
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflash_server import kernels
+    from dflash_server.cli.common import quantize_plan
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+    from dflash_server.weights.default_model import default_model_path
+    from dflash_server.weights.loader import open_model
+
+    torch.set_num_threads(threads)
+    src = open_model(default_model_path())
+    plan = quantize_plan(src, "auto", True)
+    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=2048,
+                          quantize=plan, progress=False)
+    engine = Engine(pipe)
+    ids = src.tokenizer.encode("Once upon a time")
+    req = GenerationRequest(tuple(ids), max_tokens=tokens, ignore_eos=True)
+    engine.generate(GenerationRequest(tuple(ids), max_tokens=8, ignore_eos=True))  # warm-up
+    decode = statistics.median(engine.generate(req).decode_tokens_per_s for _ in range(runs))
+    long = (src.tokenizer.encode(" the river floods every spring and the town rebuilds" * 60))[:512]
+    pipe.reset()
+    prefill = 512 / timed(lambda: (pipe.reset(), pipe.prefill(long, chunk=512)), runs)
+    pipe.reset()
+    pipe.prefill(long[:256], chunk=512)  # the verify rows attend to a 256-token context
+    per_rows = {t: timed(lambda t=t: pipe.forward(long[256:256 + t], 256, logits="all"), max(5, runs * 3))
+                for t in ROWS}
+    return {"name": label, "decode_tok_s": decode, "pp512_tok_s": prefill,
+            "forward_ms": {str(t): per_rows[t] * 1e3 for t in ROWS},
+            "forward_vs_one_row": {str(t): per_rows[t] / per_rows[1] for t in ROWS},
+            "modes": sorted({m.mode for st in pipe.stages for m in st._linears()}),
+            "kernels": kernels.status()}
+
+
+def bench_llama_cpp(threads: int, runs: int, tokens: int) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from llama_cpp import ensure_built
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflash_server.weights.default_model import default_model_path
+
+    bench = ensure_built() / "llama-bench"
+    prompts = ",".join(str(t) for t in (*ROWS, 512))
+    out = subprocess.run([str(bench), "-m", str(default_model_path()), "-t", str(threads), "-p", prompts,
+                          "-n", str(tokens), "-r", str(runs), "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == tokens and r["n_prompt"] == 0)
+    pp = {r["n_prompt"]: r["avg_ts"] for r in rows if r["n_gen"] == 0}
+    per_rows = {t: t / pp[t] for t in ROWS}  # seconds per forward of t rows
+    return {"name": "llama.cpp (llama-bench)", "decode_tok_s": tg, "pp512_tok_s": pp[512],
+            "forward_ms": {str(t): per_rows[t] * 1e3 for t in ROWS},
+            "forward_vs_one_row": {str(t): per_rows[t] / per_rows[1] for t in ROWS},
+            "build_commit": rows[0].get("build_commit")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--config", help=argparse.SUPPRESS)  # internal: one of ours, in this process
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
+    args = ap.parse_args()
+    if args.config:
+        print(json.dumps(bench_ours(args.config, args.threads, args.tokens, args.runs)))
+        return
+    rows = []
+    if not args.no_llama_cpp:
+        rows.append(bench_llama_cpp(args.threads, args.runs, args.tokens))
+        print(rows[-1], file=sys.stderr)
+    for label, flag in CONFIGS.items():
+        env = {**os.environ, "DFLASH_KERNELS": flag}
+        res = subprocess.run([sys.executable, __file__, "--config", label, "--threads", str(args.threads),
+                              "--runs", str(args.runs), "--tokens", str(args.tokens)], env=env,
+                             stdout=subprocess.PIPE, text=True, check=True)
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        print(rows[-1], file=sys.stderr)
+    if not args.no_llama_cpp:
+        base = rows[0]
+        for r in rows[1:]:
+            r["decode_vs_llama_cpp"] = r["decode_tok_s"] / base["decode_tok_s"]
+            r["pp512_vs_llama_cpp"] = r["pp512_tok_s"] / base["pp512_tok_s"]
+    out = {"threads": args.threads, "runs": args.runs, "tokens": args.tokens, "torch": torch.__version__,
+           "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    head = " | ".join(f"{t} rows" for t in ROWS[1:])
+    print(f"| | decode tok/s | pp512 tok/s | one row (ms) | {head} |\n|---|---|---|---|" + "---|" * len(ROWS[1:]))
+    for r in rows:
+        ratios = " | ".join(f"{r['forward_vs_one_row'][str(t)]:.2f}x" for t in ROWS[1:])
+        vs = f" ({r['decode_vs_llama_cpp']:.2f}x)" if "decode_vs_llama_cpp" in r else ""
+        print(f"| {r['name']} | {r['decode_tok_s']:.1f}{vs} | {r['pp512_tok_s']:.0f} | {r['forward_ms']['1']:.2f} | "
+              f"{ratios} |")
+
+
+if __name__ == "__main__":
+    main()
