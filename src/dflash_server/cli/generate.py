@@ -39,6 +39,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     source, pipeline, engine = load_engine(args, progress=not args.json)
+    if args.compile:  # compile in a throwaway generation, so the timings below are decode, not compiling
+        import time
+
+        print("dflash-server: compiling (minutes on a cold cache) ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        engine.warm_up()
+        print(f"dflash-server: compiled in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     tok = source.tokenizer
     if args.prompt is not None:
         ids = tok.encode(args.prompt)
