@@ -166,3 +166,20 @@ def test_no_compiler_means_the_aten_fallback(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("native kernels unavailable") == 1 and "no C++ compiler" in r.stderr
     assert "'native': False" in r.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_matches_and_is_row_invariant(dtype):
+    h = 576
+    w = torch.rand(h) + 0.5
+    x = (torch.randn(37, h) * torch.logspace(-2, 2, 37)[:, None]).to(dtype)
+    y = torch.ops.dflash.rms_norm(x, w, 1e-5)
+    ref = torch.nn.functional.rms_norm(x.double(), (h,), w.double(), 1e-5)
+    assert y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((y.double() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item() < tol
+    assert torch.equal(torch.cat([torch.ops.dflash.rms_norm(x[i:i + 1], w, 1e-5) for i in range(37)]), y)
+    assert torch.ops.dflash.rms_norm(x.reshape(1, 37, h), w, 1e-5).shape == (1, 37, h)
+    torch.library.opcheck(torch.ops.dflash.rms_norm.default, (x, w, 1e-5))
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.rms_norm(x, w[:10], 1e-5)

@@ -12,8 +12,9 @@ build) ``load()`` warns once and returns False; callers keep the
 aten path. The ops pick their instruction set at run time (AVX-512 VNNI, AVX-VNNI,
 AVX2+FMA, portable C++), all bit-identical.
 
-Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul, see ``csrc/qmm.cpp``) and
-``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm`` reads).
+Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul, see ``csrc/qmm.cpp``),
+``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm`` reads) and
+``rms_norm(x, w, eps)`` (``csrc/norms.cpp``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp",)
+SOURCES = ("qmm.cpp", "norms.cpp")
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
@@ -137,6 +138,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::qmm")
     def _qmm_fake(x, w, qtype, n, k, isa=-1):
         return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("dflash::rms_norm")
+    def _rms_norm_fake(x, w, eps):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("dflash::repack")
     def _repack_fake(blocks, qtype, n, k):

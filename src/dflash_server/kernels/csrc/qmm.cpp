@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <vector>
 
 namespace {
 
@@ -265,40 +266,48 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   TORCH_CHECK(supported(isa), "dflash::qmm: this CPU cannot run isa ", isa_override);
   auto x = x_in.reshape({-1, k}).contiguous();
   const int64_t m_rows = x.size(0), nb = k / QK, ng = groups(n);
-  auto q = at::empty({m_rows, k}, x.options().dtype(at::kChar));
-  auto d = at::empty({m_rows, nb}, x.options().dtype(at::kFloat));
-  auto ds = at::empty({m_rows, nb}, x.options().dtype(at::kFloat));
-  auto s = at::empty({m_rows, nb}, x.options().dtype(at::kInt));
+  // the quantized activations live in per-thread scratch (no allocation per call)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, ds;
+  thread_local std::vector<int32_t> s;
+  q.resize(m_rows * k);
+  d.resize(m_rows * nb);
+  ds.resize(m_rows * nb);
+  s.resize(m_rows * nb);
   switch (x.scalar_type()) {
-    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                   ds.data_ptr<float>(), s.data_ptr<int32_t>()); break;
-    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data_ptr<int8_t>(),
-                                      d.data_ptr<float>(), ds.data_ptr<float>(), s.data_ptr<int32_t>()); break;
-    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                                  ds.data_ptr<float>(), s.data_ptr<int32_t>()); break;
+    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data()); break;
+    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data());
+      break;
+    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data()); break;
     default: TORCH_CHECK(false, "dflash::qmm: x must be float32, bfloat16 or float16");
   }
-  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>(), s.data_ptr<int32_t>()};
-  // per group: (M, 8) outputs, then scattered to y; each thread owns whole groups, so the
-  // weights of a group are read once per call whatever M
-  auto yg = at::empty({ng, m_rows, NR}, x.options().dtype(at::kFloat));
+  const Acts a{q.data(), d.data(), ds.data(), s.data()};
+  // each thread owns whole groups of 8 outputs, so a group's weights are read once per call
+  // whatever M; a group writes its (M, 8) outputs straight into y when N is a multiple of 8
+  const bool direct = n % NR == 0;
+  auto y = at::empty({m_rows, direct ? n : ng * NR}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = yg.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ystride = y.size(1);
   const int64_t gbytes = nb * group_block_bytes(qtype);
   const bool four = is_4bit(qtype);
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, nb * m_rows));
   at::parallel_for(0, ng, grain, [&](int64_t g0, int64_t g1) {
+    float tile[64 * NR];
     for (int64_t g = g0; g < g1; ++g) {
-      if (four) group<true>(isa, wp + g * gbytes, k, a, m_rows, yp + g * m_rows * NR);
-      else group<false>(isa, wp + g * gbytes, k, a, m_rows, yp + g * m_rows * NR);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 64) {  // rows in tiles of 64: the tile stays on the stack
+        const int64_t mt = std::min<int64_t>(64, m_rows - m0);
+        const Acts rows{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s + m0 * nb};
+        if (four) group<true>(isa, wp + g * gbytes, k, rows, mt, tile);
+        else group<false>(isa, wp + g * gbytes, k, rows, mt, tile);
+        for (int64_t r = 0; r < mt; ++r) std::memcpy(yp + (m0 + r) * ystride + g * NR, tile + r * NR, NR * 4);
+      }
     }
   });
-  // (G, M, 8) -> (M, G * 8) -> the first N columns
-  auto y = yg.permute({1, 0, 2}).reshape({m_rows, ng * NR});
-  if (ng * NR != n) y = y.narrow(1, 0, n);
+  if (!direct) y = y.narrow(1, 0, n);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = n;
-  return y.to(x_in.scalar_type()).contiguous().reshape(out_shape);
+  return (x_in.scalar_type() == at::kFloat && direct ? y : y.to(x_in.scalar_type()).contiguous()).reshape(out_shape);
 }
 
 // GGUF blocks (N rows of nb blocks) -> the group layout (groups of 8 rows, padded with zeros)
