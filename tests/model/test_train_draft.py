@@ -385,3 +385,37 @@ def test_shipped_draft_loads_and_is_lossless_on_the_default_model():
     res = Engine(pipe, proposer=DFlashProposer(draft, pipe)).generate(req)
     assert res.token_ids == Engine(pipe).generate(req).token_ids
     assert res.extra["spec"]["acceptance_length"] > 1.0
+
+
+def test_native_kernels_make_dflash_lossless_in_the_serving_configuration(monkeypatch):
+    """bf16 activations, GGUF Q4_1/Q8_0 weights (the default serving configuration) with
+    --native-kernels: every op of a verify block is row-count invariant (the quantized
+    matmuls, RMSNorm, the fused attention step), so a block of rows gives bit-identical
+    logits to one-row steps and DFlash with the shipped draft writes exactly what plain
+    decoding writes, on every prompt (with the aten kernels it differs on some)."""
+    from dflash_server import kernels
+    from dflash_server.cli.common import quantize_plan
+    from dflash_server.weights.default_model import default_draft_path, default_model_path
+    from dflash_server.weights.loader import open_model
+
+    monkeypatch.setenv("DFLASH_KERNELS", "1")
+    assert kernels.load()
+    path = default_model_path()
+    pipe = pipeline(path, dtype=torch.bfloat16, quantize=quantize_plan(open_model(path), "auto", True))
+    draft = DFlashDraft.load(default_draft_path(), dtype=torch.bfloat16, max_ctx=512, quantize="int8")
+    ids = pipe.tokenizer.encode("Once upon a time there was a little fox who")
+    block = pipe.tokenizer.encode(" lived in the forest near the river bank")[:8]
+    pipe.reset()
+    pipe.prefill(ids)
+    many = pipe.forward(block, len(ids), logits="all").logits.clone()
+    pipe.reset()
+    pipe.prefill(ids)
+    one = torch.cat([pipe.forward([t], len(ids) + i, logits="all").logits for i, t in enumerate(block)])
+    assert torch.equal(many, one)
+    spec = Engine(pipe, proposer=DFlashProposer(draft, pipe, block_size=8))
+    plain = Engine(pipe)
+    for prompt in load_prompts(split="heldout")[:8]:
+        req = GenerationRequest(tuple(render(pipe.tokenizer, prompt)), max_tokens=32, ignore_eos=True)
+        res = spec.generate(req)
+        assert res.token_ids == plain.generate(req).token_ids, prompt
+        assert res.extra["spec"]["acceptance_length"] > 1.0

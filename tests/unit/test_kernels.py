@@ -183,3 +183,53 @@ def test_rms_norm_matches_and_is_row_invariant(dtype):
     torch.library.opcheck(torch.ops.dflash.rms_norm.default, (x, w, 1e-5))
     with pytest.raises(RuntimeError):
         torch.ops.dflash.rms_norm(x, w[:10], 1e-5)
+
+
+def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
+    """fp64: rotate, write, causal grouped-query attention."""
+    from dflash_server.layers.rope import apply_rope
+
+    T, hd = qkv.shape[1], kc.shape[-1]
+    x = qkv.double()[0]
+    q = x[:, :nh * hd].reshape(T, nh, hd)
+    k = x[:, nh * hd:(nh + nkv) * hd].reshape(T, nkv, hd)
+    v = x[:, (nh + nkv) * hd:].reshape(T, nkv, hd)
+    q, k = apply_rope(q, cos.double()[:, None], sin.double()[:, None]), apply_rope(k, cos.double()[:, None],
+                                                                                  sin.double()[:, None])
+    kc, vc = kc.double().clone(), vc.double().clone()
+    kc[0, :, start:start + T], vc[0, :, start:start + T] = k.transpose(0, 1), v.transpose(0, 1)
+    keys, values = kc[0, :, :start + T].repeat_interleave(nh // nkv, 0), vc[0, :, :start + T].repeat_interleave(nh // nkv, 0)
+    s = torch.einsum("thd,hld->htl", q, keys) * scale
+    causal = torch.arange(start + T)[None, :] <= (start + torch.arange(T))[:, None]
+    p = s.masked_fill(~causal[None], float("-inf")).softmax(-1)
+    return torch.einsum("htl,hld->thd", p, values).reshape(1, T, nh * hd), kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh, nkv, hd, rot", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 1, 16, 16)])
+def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot):
+    from dflash_server.layers.rope import RotaryTable
+
+    max_ctx, start, T = 96, 37, 8
+    table = RotaryTable(hd, rot, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    cos, sin = table.rows(start, T)
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(dtype)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    ref, rk, rv = _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5)
+    k1, v1 = kc.clone(), vc.clone()
+    out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5)
+    assert out.dtype == dtype and out.shape == (1, T, nh * hd)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double() - ref).abs().max().item() < tol
+    assert (k1.double() - rk).abs().max().item() < tol and (v1.double() - rv).abs().max().item() < tol
+    # one row at a time (start + t) == the block; the portable build == the vectorized one
+    k2, v2 = kc.clone(), vc.clone()
+    rows = [torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k2, v2, start + t, nh, nkv,
+                                            hd ** -0.5) for t in range(T)]
+    assert torch.equal(torch.cat(rows, dim=1), out) and torch.equal(k2, k1) and torch.equal(v2, v1)
+    k3, v3 = kc.clone(), vc.clone()
+    assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, k3, v3, start, nh, nkv, hd ** -0.5, True), out)
+    torch.library.opcheck(torch.ops.dflash.attention_step.default,
+                          (qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5))
+    with pytest.raises(RuntimeError):  # rows past the cache
+        torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, max_ctx - 2, nh, nkv, hd ** -0.5)

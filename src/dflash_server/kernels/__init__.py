@@ -13,8 +13,10 @@ aten path. The ops pick their instruction set at run time (AVX-512 VNNI, AVX-VNN
 AVX2+FMA, portable C++), all bit-identical.
 
 Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul, see ``csrc/qmm.cpp``),
-``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm`` reads) and
-``rms_norm(x, w, eps)`` (``csrc/norms.cpp``).
+``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm`` reads),
+``rms_norm(x, w, eps)`` (``csrc/norms.cpp``) and ``attention_step(qkv, cos, sin, k_cache,
+v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
+attention of a decode or verify block in one call).
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp")
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
-# GOMP symbols resolve to the runtime torch already loaded
-CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+# GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
+# is fused behind our back, so the instruction-set builds round alike (fma only where written)
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-ffp-contract=off")
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}       # ggml type ids the kernels read
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one GGUF block of 32 values
 ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni")
@@ -142,6 +145,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::rms_norm")
     def _rms_norm_fake(x, w, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("dflash::attention_step")
+    def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False):
+        return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_cache.shape[-1]))
 
     @torch.library.register_fake("dflash::repack")
     def _repack_fake(blocks, qtype, n, k):

@@ -285,10 +285,30 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   // each thread owns whole groups of 8 outputs, so a group's weights are read once per call
   // whatever M; a group writes its (M, 8) outputs straight into y when N is a multiple of 8
   const bool direct = n % NR == 0;
-  auto y = at::empty({m_rows, direct ? n : ng * NR}, x.options().dtype(at::kFloat));
+  auto y = at::empty({m_rows, direct ? n : ng * NR}, x.options().dtype(direct ? x.scalar_type() : at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   const int64_t ystride = y.size(1);
+  // a group's (rows, 8) tile into y, in y's dtype
+  auto store = [&y, ystride](const float* tile, int64_t m0, int64_t rows, int64_t col) {
+    switch (y.scalar_type()) {
+      case at::kBFloat16: {
+        auto* p = y.data_ptr<c10::BFloat16>();
+        for (int64_t r = 0; r < rows; ++r)
+          for (int i = 0; i < NR; ++i) p[(m0 + r) * ystride + col + i] = c10::BFloat16(tile[r * NR + i]);
+        break;
+      }
+      case at::kHalf: {
+        auto* p = y.data_ptr<c10::Half>();
+        for (int64_t r = 0; r < rows; ++r)
+          for (int i = 0; i < NR; ++i) p[(m0 + r) * ystride + col + i] = c10::Half(tile[r * NR + i]);
+        break;
+      }
+      default: {
+        float* p = y.data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(p + (m0 + r) * ystride + col, tile + r * NR, NR * 4);
+      }
+    }
+  };
   const int64_t gbytes = nb * group_block_bytes(qtype);
   const bool four = is_4bit(qtype);
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, nb * m_rows));
@@ -300,14 +320,14 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
         const Acts rows{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s + m0 * nb};
         if (four) group<true>(isa, wp + g * gbytes, k, rows, mt, tile);
         else group<false>(isa, wp + g * gbytes, k, rows, mt, tile);
-        for (int64_t r = 0; r < mt; ++r) std::memcpy(yp + (m0 + r) * ystride + g * NR, tile + r * NR, NR * 4);
+        store(tile, m0, mt, g * NR);
       }
     }
   });
   if (!direct) y = y.narrow(1, 0, n);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = n;
-  return (x_in.scalar_type() == at::kFloat && direct ? y : y.to(x_in.scalar_type()).contiguous()).reshape(out_shape);
+  return (direct ? y : y.to(x_in.scalar_type()).contiguous()).reshape(out_shape);
 }
 
 // GGUF blocks (N rows of nb blocks) -> the group layout (groups of 8 rows, padded with zeros)

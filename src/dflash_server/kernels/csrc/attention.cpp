@@ -1,0 +1,212 @@
+// One attention step over a position-addressed KV cache, fused: split the fused QKV
+// projection, rotate q and k (NeoX half rotation, full or partial), write k and v at rows
+// [start, start + T) of the fp32 caches, and attend causally (query t sees keys
+// [0, start + t]) with grouped-query heads. For decode and verify blocks (a few rows);
+// prefill keeps aten's flash attention.
+//
+// Every query row runs the same operations whatever T: scores in key order, a max, exps
+// by one polynomial, their sum in key order, the weighted sum of values in key order, 8
+// lanes over the head dimension with explicit fused multiply-adds and fixed-order lane
+// sums. So a row's output does not depend on how many rows are computed with it, and the
+// AVX2 and portable builds of the same code give the same bits (-ffp-contract=off).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define DFLASH_INLINE inline __attribute__((always_inline))
+
+DFLASH_INLINE float sum8(const float a[8]) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2;
+// plain float operations only, so it vectorizes lane-wise and rounds the same everywhere
+DFLASH_INLINE float exp_neg(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693359375f, std::fma(n, 2.12194440e-4f, x));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.f);
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+struct Geometry {
+  int64_t T, nh, nkv, hd, rot, start, max_ctx;
+  float scale;
+};
+
+template <typename T>
+DFLASH_INLINE void rotate(const T* src, const float* cos, const float* sin, int64_t hd, int64_t rot, float* dst) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < rot; ++i) {
+    const float x = static_cast<float>(src[i]);
+    const float partner = static_cast<float>(src[i < half ? i + half : i - half]);
+    dst[i] = std::fma(partner, sin[i], x * cos[i]);  // sin is the signed table: [-sin | sin]
+  }
+  for (int64_t i = rot; i < hd; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// one query row of one head against keys [0, n): out (hd) = softmax(q k^T * scale) v
+DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd, float scale,
+                              float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = kc + j * hd;
+    float acc[8] = {};
+    for (int64_t i = 0; i < hd; i += 8)
+      for (int l = 0; l < 8; ++l) acc[l] = std::fma(q[i + l], k[i + l], acc[l]);
+    scores[j] = sum8(acc) * scale;
+    mx = scores[j] > mx ? scores[j] : mx;
+  }
+  for (int64_t j = 0; j < n; ++j) scores[j] = exp_neg(scores[j] - mx);
+  float denom = 0.f;
+  for (int64_t j = 0; j < n; ++j) denom += scores[j];
+  const float inv = 1.f / denom;
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = scores[j] * inv;
+    const float* v = vc + j * hd;
+    for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p, v[i], out[i]);
+  }
+}
+
+template <typename T>
+struct Step {
+  Geometry g;
+  const T* qkv;
+  const float* cos;
+  const float* sin;
+  float* kc;
+  float* vc;
+  T* out;
+  int64_t qdim() const { return g.nh * g.hd; }
+  int64_t width() const { return (g.nh + 2 * g.nkv) * g.hd; }
+};
+
+// k and v rows of kv head h into the caches (k rotated)
+template <typename T>
+DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
+  const Geometry& g = s.g;
+  const int64_t kvdim = g.nkv * g.hd;
+  for (int64_t t = 0; t < g.T; ++t) {
+    const T* row = s.qkv + t * s.width();
+    float* kd = s.kc + (h * g.max_ctx + g.start + t) * g.hd;
+    float* vd = s.vc + (h * g.max_ctx + g.start + t) * g.hd;
+    rotate(row + s.qdim() + h * g.hd, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, kd);
+    const T* vs = row + s.qdim() + kvdim + h * g.hd;
+    for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
+  }
+}
+
+// query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim
+template <typename T>
+DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
+  const Geometry& g = s.g;
+  const int64_t h = w / g.T, t = w % g.T, kvh = h / (g.nh / g.nkv);
+  float* scores = scratch;
+  float* q = scratch + g.start + g.T;
+  float* o = q + g.hd;
+  rotate(s.qkv + t * s.width() + h * g.hd, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, q);
+  attend_row(q, s.kc + kvh * g.max_ctx * g.hd, s.vc + kvh * g.max_ctx * g.hd, g.start + t + 1, g.hd, g.scale,
+             scores, o);
+  T* dst = s.out + t * s.qdim() + h * g.hd;
+  for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i]);
+}
+
+// the same code compiled twice: with AVX2+FMA (vectorized lanes) and for any x86-64
+template <typename T>
+__attribute__((target("avx2,fma"))) void write_kv_avx2(const Step<T>& s, int64_t h) { write_kv(s, h); }
+template <typename T>
+void write_kv_portable(const Step<T>& s, int64_t h) { write_kv(s, h); }
+template <typename T>
+__attribute__((target("avx2,fma"))) void query_avx2(const Step<T>& s, int64_t w, float* scratch) {
+  query(s, w, scratch);
+}
+template <typename T>
+void query_portable(const Step<T>& s, int64_t w, float* scratch) { query(s, w, scratch); }
+
+template <typename T>
+void run_step(const Step<T>& s, bool fast) {
+  const Geometry& g = s.g;
+  at::parallel_for(0, g.nkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
+  });
+  at::parallel_for(0, g.nh * g.T, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scratch(g.start + g.T + 2 * g.hd);
+    for (int64_t w = w0; w < w1; ++w) fast ? query_avx2(s, w, scratch.data()) : query_portable(s, w, scratch.data());
+  });
+}
+
+bool avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
+                          double scale, bool portable) {
+  TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
+              "dflash::attention_step: qkv must be (1, T, width) on the CPU");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == 1 && k_cache.size(1) == nkv &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "dflash::attention_step: caches must be contiguous fp32 (1, nkv, max_ctx, head_dim)");
+  TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "dflash::attention_step: bad head counts");
+  Geometry g{qkv_in.size(1), nh, nkv, k_cache.size(3), cos_in.size(-1), start, k_cache.size(2),
+             static_cast<float>(scale)};
+  TORCH_CHECK(g.hd % 8 == 0 && g.rot % 2 == 0 && g.rot <= g.hd, "dflash::attention_step: head_dim must be a "
+              "multiple of 8 and the rotary width even and at most head_dim");
+  TORCH_CHECK(qkv_in.size(2) == (nh + 2 * nkv) * g.hd, "dflash::attention_step: qkv width does not match heads");
+  TORCH_CHECK(start >= 0 && start + g.T <= g.max_ctx, "dflash::attention_step: rows past the cache");
+  TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == g.T && sin_in.sizes() == cos_in.sizes(),
+              "dflash::attention_step: cos/sin must be (T, rotary_dim)");
+  auto qkv = qkv_in.contiguous();
+  auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  auto out = at::empty({1, g.T, nh * g.hd}, qkv.options());
+  const bool fast = !portable && avx2();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  switch (qkv.scalar_type()) {
+#define DFLASH_CASE(TYPE, CT)                                                                           \
+    case TYPE:                                                                                          \
+      run_step(Step<CT>{g, qkv.data_ptr<CT>(), cp, sp, kc, vc, out.data_ptr<CT>()}, fast);              \
+      break;
+    DFLASH_CASE(at::kFloat, float)
+    DFLASH_CASE(at::kBFloat16, c10::BFloat16)
+    DFLASH_CASE(at::kHalf, c10::Half)
+#undef DFLASH_CASE
+    default: TORCH_CHECK(false, "dflash::attention_step: qkv must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dflash, m) {
+  m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
+        "int nh, int nkv, float scale, bool portable=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+  m.impl("attention_step", &attention_step);
+}
