@@ -67,21 +67,39 @@ DFLASH_INLINE void rotate(const T* src, const float* cos, const float* sin, int6
 // one query row of one head against keys [0, n): out (hd) = softmax(q k^T * scale) v
 DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd, float scale,
                               float* scores, float* out) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
+  // four keys at a time: four independent accumulation chains (each key's own arithmetic
+  // is the same as alone)
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = kc + j * hd;
+    float a0[8] = {}, a1[8] = {}, a2[8] = {}, a3[8] = {};
+    for (int64_t i = 0; i < hd; i += 8)
+      for (int l = 0; l < 8; ++l) {
+        a0[l] = std::fma(q[i + l], k0[i + l], a0[l]);
+        a1[l] = std::fma(q[i + l], k0[hd + i + l], a1[l]);
+        a2[l] = std::fma(q[i + l], k0[2 * hd + i + l], a2[l]);
+        a3[l] = std::fma(q[i + l], k0[3 * hd + i + l], a3[l]);
+      }
+    scores[j] = sum8(a0) * scale;
+    scores[j + 1] = sum8(a1) * scale;
+    scores[j + 2] = sum8(a2) * scale;
+    scores[j + 3] = sum8(a3) * scale;
+  }
+  for (; j < n; ++j) {
     const float* k = kc + j * hd;
     float acc[8] = {};
     for (int64_t i = 0; i < hd; i += 8)
       for (int l = 0; l < 8; ++l) acc[l] = std::fma(q[i + l], k[i + l], acc[l]);
     scores[j] = sum8(acc) * scale;
-    mx = scores[j] > mx ? scores[j] : mx;
   }
-  for (int64_t j = 0; j < n; ++j) scores[j] = exp_neg(scores[j] - mx);
+  float mx = -INFINITY;
+  for (j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
+  for (j = 0; j < n; ++j) scores[j] = exp_neg(scores[j] - mx);
   float denom = 0.f;
-  for (int64_t j = 0; j < n; ++j) denom += scores[j];
+  for (j = 0; j < n; ++j) denom += scores[j];
   const float inv = 1.f / denom;
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
+  for (j = 0; j < n; ++j) {
     const float p = scores[j] * inv;
     const float* v = vc + j * hd;
     for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p, v[i], out[i]);
