@@ -64,9 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--native-kernels", action="store_true",
-                   help="quantized linears on the CPU through the project's C++ kernels (GGUF Q4_0/Q4_1/Q8_0 "
-                        "blocks read as stored, int8 activations, row-count invariant; built at first use). "
-                        "Experimental: not yet faster than the default aten kernels")
+                   help="quantized linears, RMSNorm and decode/verify attention on the CPU through the project's "
+                        "C++ kernels (GGUF Q4_0/Q4_1/Q8_0 blocks read as stored, int8 activations, row-count "
+                        "invariant; built at first use). Faster; off by default while int8 activations are new")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--prefix-cache-slots", type=int, default=32,
                    help="in-memory prefix snapshots (chat-turn boundaries); 0 disables")

@@ -1,8 +1,8 @@
 """Native CPU kernels (C++ PyTorch custom ops, ``torch.ops.dflash.*``), built at first use.
 
-Opt-in for now (``--native-kernels`` or ``DFLASH_KERNELS=1``): they are correct, row-count
-invariant and tested, but not yet faster than aten's int4/int8 kernels, and int8
-activations move greedy output on near-ties (see the README).
+Opt-in for now (``--native-kernels`` or ``DFLASH_KERNELS=1``): correct, row-count
+invariant, tested and faster than the aten path, but int8 activations move greedy output
+on near-ties (see the README), so the default waits.
 
 The sources ship in the package (``csrc/``); the first call of ``load()`` compiles them
 with the machine's C++ compiler and ninja into a per-user cache keyed by the sources, the
