@@ -105,6 +105,8 @@ def _config(args):
 def _model_info(args, source, pipeline) -> dict:
     import torch
 
+    from .. import kernels
+
     cfg = source.config
     return {
         "max_ctx": pipeline.max_ctx,
@@ -115,7 +117,8 @@ def _model_info(args, source, pipeline) -> dict:
                   "max_position_embeddings": cfg.max_position_embeddings},
         "runtime": {"backend": "torch", "torch": torch.__version__, "dtype": str(pipeline.stages[0].dtype),
                     "quantize": args.quantize, "compile": bool(args.compile), "chunk": args.chunk,
-                    "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+                    "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+                    "kernels": kernels.status()},
         "placement": [{"device": getattr(st, "label", str(st.device)), "layers": [st.begin, st.end],
                        "remote": hasattr(st, "health")} for st in pipeline.stages],
     }

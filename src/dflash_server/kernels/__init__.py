@@ -127,7 +127,7 @@ def load() -> bool:
 def status() -> dict:
     """For /props and benchmarks: whether the kernels are in use, and which instruction set."""
     ok = _state.get("ok")
-    out = {"native": bool(ok), "reason": _state.get("why")}
+    out = {"enabled": enabled(), "native": bool(ok), "reason": _state.get("why")}
     if ok:
         out["isa"] = ISAS[torch.ops.dflash.isa()]
     return out
