@@ -1,0 +1,44 @@
+"""`serve --native-kernels`: /props says which kernels run; answers are the same streamed
+or not; a kernel cache that cannot be written means one warning and the aten path, never a
+failed start."""
+import httpx
+
+from .serverproc import ServerProc
+
+ARGS = ("--dtype", "bf16", "--quantize", "int4", "--max-ctx", "512", "--threads", "1", "--model-name", "tiny",
+        "--native-kernels")
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 12,
+        "temperature": 0}
+
+
+def _answers(url):
+    plain = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=120).json()["choices"][0]["message"]["content"]
+    parts = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                parts.extend(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    return plain, "".join(parts)
+
+
+def test_native_kernels_serve(tiny_dir):
+    with ServerProc("--model", str(tiny_dir("llama")), *ARGS) as srv:  # the user's kernel cache (built once)
+        k = httpx.get(srv.url + "/props").json()["runtime"]["kernels"]
+        assert k["enabled"] and k["native"] and k["isa"] in ("avx2", "avx-vnni", "avx512-vnni", "portable")
+        plain, streamed = _answers(srv.url)
+        assert plain and plain == streamed
+
+
+def test_unusable_kernel_cache_falls_back(tiny_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with ServerProc("--model", str(tiny_dir("llama")), *ARGS,
+                    env={"DFLASH_KERNELS_CACHE": str(blocker / "under-a-file")}) as srv:
+        k = httpx.get(srv.url + "/props").json()["runtime"]["kernels"]
+        assert k["enabled"] and not k["native"] and "build failed" in k["reason"]
+        plain, streamed = _answers(srv.url)
+        assert plain and plain == streamed
+        out = srv.output()
+    assert out.count("native kernels unavailable") == 1
