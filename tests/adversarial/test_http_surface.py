@@ -151,11 +151,14 @@ def test_queue_depth_returns_to_zero_after_skipped_requests(tok):
         runner = threading.Thread(target=lambda: httpx.post(s.url + "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "SCRIPT=slow"}]}, timeout=60))
         runner.start()
-        time.sleep(0.2)
-        for _ in range(3):  # queued behind it, then abandoned
+        deadline = time.monotonic() + 10
+        while "dflash_requests_running 1.0" not in httpx.get(s.url + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(3):  # queued behind it, then abandoned (slow too, should one start anyway)
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
-                           timeout=httpx.Timeout(30, read=0.1))
+                httpx.post(s.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "SCRIPT=slow"}]}, timeout=httpx.Timeout(30, read=0.1))
         runner.join()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
