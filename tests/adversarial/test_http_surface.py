@@ -7,9 +7,7 @@ import httpx
 import pytest
 
 from dflash_server.server.middleware import ROUTES
-from dflash_server.weights.tokenizer import Tokenizer
-from helpers.qwen_tokenizer import write_qwen_tokenizer
-from server.scripted import ScriptedEngine, ThreadServer
+from server.scripted import ScriptedEngine, ThreadServer, qwen35_tokenizer
 
 POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
          "/tokenize", "/detokenize"]
@@ -24,9 +22,7 @@ GETS = ["/health", "/props", "/metrics", "/v1/models"]
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen35_tok")
-    write_qwen_tokenizer(d, "qwen3_5")
-    return Tokenizer.from_hf_dir(d)
+    return qwen35_tokenizer(tmp_path_factory)
 
 
 class Degraded(ScriptedEngine):

@@ -11,9 +11,7 @@ import pytest
 
 from dflash_server.server import generation
 from dflash_server.server.tools import ToolSet, parse_tool_block
-from dflash_server.weights.tokenizer import Tokenizer
-from helpers.qwen_tokenizer import write_qwen_tokenizer
-from server.scripted import ScriptedEngine, ThreadServer
+from server.scripted import official_clients, scripted_server
 
 CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n{days}\n"
         "</parameter>\n</function>\n</tool_call>")
@@ -44,23 +42,19 @@ BAD_SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen35_tok")
-    write_qwen_tokenizer(d, "qwen3_5")
-    engine = ScriptedEngine(Tokenizer.from_hf_dir(d), SCRIPTS)
-    s = ThreadServer(engine)
-    s.engine = engine
+    s = scripted_server(tmp_path_factory, SCRIPTS)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def oa(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, _strict_response_validation=True)
+    return official_clients(srv.url)[0]
 
 
 @pytest.fixture(scope="module")
 def an(srv):
-    return anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, _strict_response_validation=True)
+    return official_clients(srv.url)[1]
 
 
 def ask(script):

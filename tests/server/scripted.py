@@ -98,3 +98,30 @@ class ThreadServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def qwen35_tokenizer(tmp_path_factory):
+    """The Qwen3.5 tokenizer and chat template (think tokens, XML tool calls), written once."""
+    from dflash_server.weights.tokenizer import Tokenizer
+    from helpers.qwen_tokenizer import write_qwen_tokenizer
+
+    d = tmp_path_factory.mktemp("qwen35_tok")
+    write_qwen_tokenizer(d, "qwen3_5")
+    return Tokenizer.from_hf_dir(d)
+
+
+def scripted_server(tmp_path_factory, scripts: dict[str, str]):
+    """A ThreadServer over a ScriptedEngine on the Qwen3.5 tokenizer (``.engine`` set)."""
+    engine = ScriptedEngine(qwen35_tokenizer(tmp_path_factory), scripts)
+    s = ThreadServer(engine)
+    s.engine = engine
+    return s
+
+
+def official_clients(url: str):
+    """(openai.OpenAI, anthropic.Anthropic) with strict response validation, no retries."""
+    import anthropic
+    import openai
+
+    return (openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, _strict_response_validation=True),
+            anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, _strict_response_validation=True))

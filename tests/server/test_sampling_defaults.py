@@ -10,11 +10,9 @@ import pytest
 
 from dflash_server.server.config import LLAMA_CPP_SAMPLING, ServerConfig
 from dflash_server.weights.generation_config import sampling_defaults
-from dflash_server.weights.tokenizer import Tokenizer
-from helpers.qwen_tokenizer import write_qwen_tokenizer
 
 from .conftest import TINY_ARGS
-from .scripted import ScriptedEngine, ThreadServer
+from .scripted import ScriptedEngine, ThreadServer, qwen35_tokenizer
 from .serverproc import ServerProc
 
 
@@ -49,9 +47,7 @@ def test_flag_beats_model_beats_llama_cpp():
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen35_tok")
-    write_qwen_tokenizer(d, "qwen3_5")
-    return Tokenizer.from_hf_dir(d)
+    return qwen35_tokenizer(tmp_path_factory)
 
 
 def test_requests_fill_each_missing_field(tok):
