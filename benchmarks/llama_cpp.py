@@ -1,4 +1,4 @@
-"""Build llama.cpp's llama-bench and llama-perplexity from the llama-cpp-python sdist (the
+"""Build llama.cpp's tools (llama-bench, llama-perplexity, ...) from the llama-cpp-python sdist (the
 peer every speed goal is measured against), once, into ``benchmarks/out/llama.cpp``.
 
     python benchmarks/llama_cpp.py            # prints the bin directory (builds if needed)
@@ -18,12 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out" / "llama.cpp"
 VERSION = "0.3.36"  # llama-cpp-python release whose vendored llama.cpp is built
-TOOLS = ("llama-bench", "llama-perplexity")
+TOOLS = ("llama-bench", "llama-perplexity")  # llama-simple on demand (benchmarks/greedy_agreement.py)
 
 
-def ensure_built(jobs: int = 2) -> Path:
+def ensure_built(jobs: int = 2, targets: tuple[str, ...] = TOOLS) -> Path:
     bin_dir = OUT / "build" / "bin"
-    if all((bin_dir / t).is_file() for t in TOOLS):
+    if all((bin_dir / t).is_file() for t in targets):
         return bin_dir
     OUT.mkdir(parents=True, exist_ok=True)
     sdist = OUT / f"llama_cpp_python-{VERSION}.tar.gz"
@@ -41,7 +41,7 @@ def ensure_built(jobs: int = 2) -> Path:
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release"],
                    check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "--target", *TOOLS, f"-j{jobs}"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", *targets, f"-j{jobs}"], check=True)
     return bin_dir
 
 
