@@ -98,7 +98,8 @@ def main():
     for a, b in combinations(outputs, 2):
         same = [x.strip() == y.strip() for x, y in zip(outputs[a], outputs[b])]
         prefix = [common_prefix(x.strip(), y.strip()) for x, y in zip(outputs[a], outputs[b])]
-        pairs[f"{a} vs {b}"] = {"identical": sum(same) / len(same), "mean_common_prefix_chars": sum(prefix) / len(prefix)}
+        pairs[f"{a} vs {b}"] = {"identical": sum(same) / len(same),
+                                "mean_common_prefix_chars": sum(prefix) / len(prefix)}
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "prompts": args.prompts,
                                           "tokens": args.tokens, "pairs": pairs, "outputs": outputs}, indent=2))
     print("| pair | identical | mean common prefix (chars) |\n|---|---|---|")
