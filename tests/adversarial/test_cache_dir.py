@@ -213,3 +213,93 @@ def test_ls_checks_tensor_data(tmp_path):
     assert stats["models"]["fp"]["invalid"] == 1
     quick = json.loads(cli("ls", "--json", "--quick", "--kv-cache-dir", str(tmp_path)).stdout)
     assert [r["valid"] for r in quick] == [True]
+
+
+def _shared_root() -> Path:
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="dflash-shared-", dir="/tmp"))
+    os.chmod(base, 0o1777)  # like /tmp: anyone may create entries
+    return base
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a second user: the tests run as root here and in CI")
+def test_another_users_model_folder_is_never_read(caplog):
+    """In a shared root anyone can create the predictable fingerprint folder first and
+    plant snapshots: a folder of another (non-root) user is ignored with a warning."""
+    root = _shared_root()
+    try:
+        def plant():  # as nobody: a full cache for this fingerprint, world-readable
+            c = make_cache(root, "fp")
+            os.chmod(c.dir, 0o755)
+            for f in c.dir.iterdir():
+                os.chmod(f, 0o644)
+            return len(c.index.entries)
+        assert _as_other_user(plant) == 2
+        assert (root / "fp").stat().st_uid == 65534
+        caplog.set_level(logging.WARNING, logger="dflash_server.cache")
+        c = DiskCache(root, "fp", 1 << 30)
+        assert c.ignored and c.read_only and len(c.index.entries) == 0
+        assert c.lookup(IDS[:11], range(1, 12)) is None and c.save(IDS, {"x": torch.zeros(1)}, force=True) is None
+        assert any("belongs to another user" in r.getMessage() for r in caplog.records)
+        # cache clear leaves another user's folder alone
+        r = cli("clear", "--kv-cache-dir", str(root))
+        assert r.returncode == 0 and len(list((root / "fp").glob("*.snap.safetensors"))) == 2
+    finally:
+        subprocess.run(["rm", "-rf", str(root)])
+
+
+def test_group_writable_folder_of_root_is_not_trusted():
+    from dflash_server.cache.disk_layout import trusted
+
+    def st(uid, mode):
+        return os.stat_result((stat.S_IFDIR | mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+    me = 1000  # an ordinary user
+    assert trusted(st(me, 0o700), me) and trusted(st(me, 0o777), me)   # one's own, whatever the mode
+    assert trusted(st(0, 0o755), me) and not trusted(st(0, 0o775), me) and not trusted(st(0, 0o757), me)
+    assert not trusted(st(1001, 0o755), me) and not trusted(st(1001, 0o700), me)
+    assert trusted(st(0, 0o777), 0)  # root's own folders are root's
+
+
+def test_marker_links_are_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    root = tmp_path / "cache"
+    root.mkdir()
+    fp = "cccccccccccccccccccc"
+    (root / ".dflash-cache").symlink_to(victim)          # a dangling link planted as the marker
+    (root / fp).mkdir(mode=0o700)
+    (root / fp / ".dflash-cache").symlink_to(tmp_path / "victim2")
+    make_cache(root, fp)
+    assert not victim.exists() and not (tmp_path / "victim2").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ("d" * 32 + ".snap.safetensors")).write_text("not the cache's")
+    (root / "aaaaaaaaaaaaaaaaaaaa").symlink_to(elsewhere)  # a model folder as a link
+    r = cli("clear", "--kv-cache-dir", str(root))
+    assert r.returncode == 0 and "removed 2 snapshot files" in r.stdout, r.stdout + r.stderr
+    assert (root / "aaaaaaaaaaaaaaaaaaaa").is_symlink() and len(list(elsewhere.iterdir())) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a second user: the tests run as root here and in CI")
+def test_ls_and_clear_in_a_root_with_private_folders_of_others():
+    """A shared root holding another user's private (0700) model folder: ls / stats /
+    clear of this user's cache still work, as that other user (a forked child)."""
+    root = _shared_root()
+    try:
+        make_cache(root, "aaaaaaaaaaaaaaaaaaaa")           # root's, 0700: private to root
+        os.chmod(root / "aaaaaaaaaaaaaaaaaaaa", 0o700)
+
+        def mine():
+            from types import SimpleNamespace
+
+            from dflash_server.cli.cache import run
+            make_cache(root, "bbbbbbbbbbbbbbbbbbbb")
+            for action in ("ls", "stats", "clear"):
+                run(SimpleNamespace(action=action, kv_cache_dir=str(root), json=True, quick=False))
+            return sorted(p.name for p in root.iterdir())
+        left = _as_other_user(mine)
+        assert "error" not in left, left
+        assert "bbbbbbbbbbbbbbbbbbbb" not in left and "aaaaaaaaaaaaaaaaaaaa" in left  # only its own went
+        assert len(list((root / "aaaaaaaaaaaaaaaaaaaa").glob("*.snap.safetensors"))) == 2
+    finally:
+        subprocess.run(["rm", "-rf", str(root)])

@@ -30,9 +30,12 @@ class DiskCache:
     def __init__(self, root: str | Path, fingerprint: str, budget_bytes: int, min_tokens: int = 0):
         self.root = Path(root)
         self.fingerprint = fingerprint
-        self.dir, writable = open_model_dir(self.root, fingerprint)
-        self.read_only = not writable
-        if self.read_only:
+        self.dir, mode = open_model_dir(self.root, fingerprint)
+        self.read_only, self.ignored = mode != "rw", mode == "off"
+        if self.ignored:
+            log.warning("kv cache: %s belongs to another user (uid %d): not used; give --kv-cache-dir a folder of "
+                        "your own", self.dir, os.lstat(self.dir).st_uid)
+        elif self.read_only:
             log.warning("kv cache: %s is not writable: its snapshots are read, none are written", self.dir)
         self.index = DiskIndex(budget_bytes)
         self.min_tokens = min_tokens
@@ -55,8 +58,8 @@ class DiskCache:
                 pass
 
     def scan(self) -> None:
-        if not self.dir.is_dir():
-            return  # read-only root without a folder for this model
+        if self.ignored or not self.dir.is_dir():
+            return  # another user's folder, or a read-only root without a folder for this model
         if not self.read_only:
             for tmp in temp_files(self.dir):  # left by a crash mid-write
                 tmp.unlink(missing_ok=True)
@@ -157,5 +160,6 @@ class DiskCache:
         self._writer.shutdown(wait=True)
 
     def stats(self) -> dict:
-        return {"dir": str(self.dir), "read_only": self.read_only, "files": len(self.index.entries),
-                "bytes": self.index.total_bytes, "budget_bytes": self.index.budget, **self.counters}
+        return {"dir": str(self.dir), "read_only": self.read_only, "ignored": self.ignored,
+                "files": len(self.index.entries), "bytes": self.index.total_bytes, "budget_bytes": self.index.budget,
+                **self.counters}

@@ -12,11 +12,18 @@ server sets modes only on folders it creates, never removes anything but the nam
 above, and a folder it did not set up (no marker, no snapshot folder) is refused by
 ``cache clear`` rather than emptied. Folders written before markers existed are still
 recognised: a 20-hex-digit fingerprint folder holding snapshot files.
+
+In a shared root anyone can create the (predictable) fingerprint folder first, so a model
+folder is used only if it is this user's, or root's and writable by nobody else (an
+administrator's read-only cache); another user's folder is ignored with a warning, never
+read (its snapshots would be trusted as this model's state). Symlinks are never followed:
+markers are created with O_NOFOLLOW, folders are cleared through their own descriptor.
 """
 from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 from .disk_format import SUFFIX
@@ -48,15 +55,21 @@ def temp_files(folder: Path) -> list[Path]:
 
 
 def _is_model_dir(entry: os.DirEntry) -> bool:
-    if not entry.is_dir(follow_symlinks=False):
-        return False
-    path = Path(entry.path)
-    if (path / MARKER).is_file():
-        return True
     try:
+        if not entry.is_dir(follow_symlinks=False):
+            return False
+        path = Path(entry.path)
+        if (path / MARKER).is_file():
+            return True
         return bool(FINGERPRINT_RE.fullmatch(entry.name)) and bool(snapshot_files(path))
-    except OSError:
+    except OSError:  # another user's private folder, or gone meanwhile: not ours to list
         return False
+
+
+def trusted(st: os.stat_result, euid: int | None = None) -> bool:
+    """A folder this user may take snapshots from: its own, or root's and writable by root only."""
+    euid = os.geteuid() if euid is None else euid
+    return st.st_uid == euid or (st.st_uid == 0 and not st.st_mode & 0o022)
 
 
 def model_dirs(root: Path) -> list[Path]:
@@ -75,21 +88,37 @@ def check_root(root: Path) -> None:
 
 
 def clear(root: Path) -> tuple[int, int, list[Path]]:
-    """Remove the cache's own files: snapshot and temporary files in its model folders,
-    their markers, then each folder if that left it empty. Returns (files removed, folders
-    removed, other files left in model folders). Raises NotACache first if ``root`` is not one."""
+    """Remove the cache's own files: snapshot and temporary files in this user's model
+    folders, their markers, then each folder if that left it empty. Returns (files
+    removed, folders removed, other files left). Raises NotACache first if ``root`` is not
+    one. Each folder is cleared through a descriptor opened without following symlinks,
+    so a folder swapped for a link meanwhile cannot redirect the removals."""
     check_root(root)
     files = dirs = 0
     kept: list[Path] = []
     for folder in model_dirs(root):
-        for f in snapshot_files(folder) + temp_files(folder):
-            f.unlink(missing_ok=True)
-            files += 1
-        others = [Path(e.path) for e in _entries(folder) if e.name != MARKER]
-        if others:
-            kept.extend(others)
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            kept.append(folder)
             continue
-        (folder / MARKER).unlink(missing_ok=True)
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                kept.append(folder)  # another user's: theirs to clear
+                continue
+            for name in os.listdir(fd):
+                if (SNAPSHOT_RE.fullmatch(name) or TMP_RE.fullmatch(name)) and stat.S_ISREG(
+                        os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    files += 1
+            others = [n for n in os.listdir(fd) if n != MARKER]
+            if others:
+                kept.extend(folder / n for n in others)
+                continue
+            if MARKER in os.listdir(fd):
+                os.unlink(MARKER, dir_fd=fd)
+        finally:
+            os.close(fd)
         folder.rmdir()
         dirs += 1
     return files, dirs, kept
@@ -105,15 +134,20 @@ def _mkdir_private(path: Path) -> bool:
 
 
 def _mark(folder: Path) -> None:
-    marker = folder / MARKER
-    if not marker.exists():
-        marker.write_text(MARKER_TEXT)
+    """Create the marker unless something (anything, a link included) has that name."""
+    try:
+        fd = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(MARKER_TEXT)
 
 
-def open_model_dir(root: Path, fingerprint: str) -> tuple[Path, bool]:
-    """The folder of one model configuration under ``root``: (path, writable). Creates what
-    is missing with private modes; an existing folder keeps its owner and mode. Raises
-    OSError with a message that names the fix when the cache cannot be used at all."""
+def open_model_dir(root: Path, fingerprint: str) -> tuple[Path, str]:
+    """The folder of one model configuration under ``root`` and how to use it: "rw", "ro"
+    (read its snapshots, write nothing) or "off" (another user's folder: ignore it).
+    Creates what is missing with private modes; an existing folder keeps its owner and
+    mode. Raises OSError with a message that names the fix when the cache cannot be used."""
     if root.exists() and not root.is_dir():
         raise OSError(f"{root} is not a directory")
     if not root.exists():
@@ -128,21 +162,24 @@ def open_model_dir(root: Path, fingerprint: str) -> tuple[Path, bool]:
                       "another --kv-cache-dir")
     folder = root / fingerprint
     writable = os.access(root, os.W_OK | os.X_OK)
-    if not folder.exists():
+    if not os.path.lexists(folder):
         if not writable:
-            return folder, False  # read-only and nothing for this model: an empty cache
+            return folder, "ro"  # read-only and nothing for this model: an empty cache
         _mkdir_private(folder)
-    elif not folder.is_dir():
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
         raise OSError(f"{folder} is not a directory; remove it or choose another --kv-cache-dir")
-    elif not os.access(folder, os.R_OK | os.X_OK):
+    if not trusted(st):
+        return folder, "off"
+    if not os.access(folder, os.R_OK | os.X_OK):
         raise OSError(f"cannot read {folder} (permission denied); give this user read access or choose "
                       "another --kv-cache-dir")
-    writable = os.access(folder, os.W_OK | os.X_OK)
-    if writable:
+    mode = "rw" if os.access(folder, os.W_OK | os.X_OK) else "ro"
+    if mode == "rw":
         try:
             _mark(folder)
             if os.access(root, os.W_OK | os.X_OK):
                 _mark(root)
         except OSError:
-            writable = False
-    return folder, writable
+            mode = "ro"
+    return folder, mode

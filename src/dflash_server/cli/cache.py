@@ -42,7 +42,10 @@ def _files(root: Path, quick: bool):
     for model_dir in model_dirs(root):
         for f in snapshot_files(model_dir):
             tokens, ok = _check(f, quick)
-            st = f.stat()
+            try:
+                st = f.stat()
+            except FileNotFoundError:  # evicted by a running server meanwhile
+                continue
             yield {"model": model_dir.name, "file": f.name, "tokens": tokens, "bytes": st.st_size,
                    "modified": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime)), "valid": ok}
 
