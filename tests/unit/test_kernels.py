@@ -233,3 +233,35 @@ def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot):
                           (qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5))
     with pytest.raises(RuntimeError):  # rows past the cache
         torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, max_ctx - 2, nh, nkv, hd ** -0.5)
+
+
+def test_non_finite_activations_give_nan_not_numbers():
+    _, rows = gguf_rows("Q4_1", 16, 64)
+    qtype, packed = kernels.repack(rows, 64)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    y = torch.ops.dflash.qmm(x, packed, qtype, 16, 64)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+
+
+def test_no_gradient_path_through_the_ops():
+    """Training (a draft's norms) needs a backward: with gradients wanted, RMSNorm stays on
+    aten even when the native kernels are on."""
+    from dflash_server.layers.norms import RMSNorm
+
+    norm = RMSNorm(torch.ones(64), 1e-6)
+    assert norm.native
+    x = torch.randn(2, 64, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with torch.no_grad():
+        assert torch.equal(norm(x), torch.ops.dflash.rms_norm(x, norm.weight, 1e-6))
+
+
+def test_attention_step_refuses_positions_past_the_cache():
+    kc, vc = torch.zeros(1, 1, 16, 8), torch.zeros(1, 1, 16, 8)
+    qkv, cs = torch.zeros(1, 2, 24), torch.zeros(2, 8)
+    for start in (15, -1, 2**63 - 1):
+        with pytest.raises(RuntimeError):
+            torch.ops.dflash.attention_step(qkv, cs, cs, kc, vc, start, 1, 1, 1.0)

@@ -67,6 +67,12 @@ def enabled() -> bool:
     return os.environ.get("DFLASH_KERNELS") == "1"
 
 
+def inference(*tensors: torch.Tensor) -> bool:
+    """True when no gradient is wanted through ``tensors``: the ops have no backward (used
+    by training, a draft's norms must stay on aten's differentiable path)."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
 def _why_not() -> str | None:
     if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
         return f"no kernels for {sys.platform}/{os.uname().machine} yet"
@@ -144,7 +150,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dflash::rms_norm")
     def _rms_norm_fake(x, w, eps):
-        return torch.empty_like(x)
+        return x.new_empty(x.shape)  # contiguous, as the op returns
 
     @torch.library.register_fake("dflash::attention_step")
     def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False):

@@ -75,7 +75,8 @@ class Attention(nn.Module):
         # (not under torch.compile: its graph fuses this part itself, and the op's int position
         # would make dynamo recompile at every step)
         if (self.native and B == 1 and T <= NATIVE_MAX_ROWS and ctx.slots is None and ctx.last_q is None
-                and ctx.attn_mass is None and state.k.dtype == torch.float32 and not torch.compiler.is_compiling()):
+                and ctx.attn_mass is None and state.k.dtype == torch.float32 and not torch.compiler.is_compiling()
+                and kernels.inference(qkv)):
             out = torch.ops.dflash.attention_step(qkv, ctx.cos, ctx.sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale)
             return self.o(out)

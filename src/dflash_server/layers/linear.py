@@ -15,15 +15,20 @@ its stored blocks (no second rounding), other weights are quantized to Q4_1 (``i
 Q8_0 (``int8``, per 32 values rather than per channel); activations go to int8 per block
 inside the op, and a row's result does not depend on how many rows are computed with it.
 The weight the loader hands over carries its stored blocks as ``weight.packed`` (a
-``kernels.PackedRows``; ``runtime.stage`` attaches it) until ``quantize_`` uses or drops it.
+callable returning ``kernels.PackedRows`` or None; ``runtime.stage`` attaches it), read only
+when ``quantize_`` uses them.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+
+log = logging.getLogger("dflash_server")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +57,11 @@ def int4_supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[0] % 16 == 0 and weight.shape[1] % INT4_GROUP == 0
 
 
+def _cat_packed(parts):
+    rows = [p() if callable(p) else p for p in parts]
+    return None if any(r is None for r in rows) else rows[0].cat(rows[1:])
+
+
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; ``W`` is (out, in) in the compute dtype, or int8 + scales."""
 
@@ -73,8 +83,8 @@ class Linear(nn.Module):
                               for w, b in zip(weights, biases)])
         w = torch.cat(weights, dim=0)
         parts = [getattr(x, "packed", None) for x in weights]
-        if all(p is not None for p in parts):
-            w.packed = parts[0].cat(parts[1:])
+        if all(p is not None for p in parts):  # read (and stacked) only if quantize_ wants them
+            w.packed = lambda: _cat_packed(parts)
         return cls(w, bias)
 
     def quantize_(self, mode: str = "int8") -> None:
@@ -85,12 +95,17 @@ class Linear(nn.Module):
             return
         dtype = self.weight.dtype
         if self.weight.device.type == "cpu" and self.in_features % 32 == 0 and kernels.enabled() and kernels.load():
+            packed = packed() if callable(packed) else packed
             if packed is None or packed.qtype not in kernels.QTYPES:
                 packed = (kernels.blocks_q4_1 if mode == "int4" else kernels.blocks_q8_0)(self.weight)
-            self.qtype, blocks = kernels.repack(packed, self.in_features)
-            self.weight = nn.Parameter(blocks, requires_grad=False)
-            self.mode = "native"
-            return
+            try:
+                self.qtype, blocks = kernels.repack(packed, self.in_features)
+            except RuntimeError as e:  # e.g. a Q4_0 scale whose offset fp16 cannot hold: aten for this one
+                log.warning("native kernels: %s; this linear keeps the aten path", e)
+            else:
+                self.weight = nn.Parameter(blocks, requires_grad=False)
+                self.mode = "native"
+                return
         if mode == "int4" and int4_supported(self.weight):
             q, sz = quantize_int4(self.weight)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

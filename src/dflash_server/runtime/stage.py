@@ -67,9 +67,8 @@ class _Weights:
             t = t.to(self.dtype)
         t = t.to(self.device)
         if self.device.type == "cpu" and t.dim() == 2 and kernels.enabled():
-            packed = self.source.packed(name)  # the stored blocks, for the native kernels
-            if packed is not None:
-                t.packed = packed
+            # the stored blocks, for the native kernels: read when a quantized linear asks
+            t.packed = lambda: self.source.packed(name)
         return t
 
 

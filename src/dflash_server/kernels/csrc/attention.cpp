@@ -193,7 +193,7 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   TORCH_CHECK(g.hd % 8 == 0 && g.rot % 2 == 0 && g.rot <= g.hd, "dflash::attention_step: head_dim must be a "
               "multiple of 8 and the rotary width even and at most head_dim");
   TORCH_CHECK(qkv_in.size(2) == (nh + 2 * nkv) * g.hd, "dflash::attention_step: qkv width does not match heads");
-  TORCH_CHECK(start >= 0 && start + g.T <= g.max_ctx, "dflash::attention_step: rows past the cache");
+  TORCH_CHECK(start >= 0 && g.T <= g.max_ctx && start <= g.max_ctx - g.T, "dflash::attention_step: rows past the cache");
   TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == g.T && sin_in.sizes() == cos_in.sizes(),
               "dflash::attention_step: cos/sin must be (T, rotary_dim)");
   auto qkv = qkv_in.contiguous();

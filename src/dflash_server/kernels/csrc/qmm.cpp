@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -63,14 +64,22 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, f
       for (int64_t b = 0; b < nb; ++b) {
         const T* xb = x + m * k + b * QK;
         float v[QK], amax = 0.f;
+        bool finite = true;
         for (int i = 0; i < QK; ++i) {
           v[i] = static_cast<float>(xb[i]);
           amax = std::fmax(amax, std::fabs(v[i]));
+          finite &= std::isfinite(v[i]);
+        }
+        int8_t* qb = q + m * k + b * QK;
+        if (!finite) {  // NaN / inf in: NaN out, as a float matmul would give
+          std::memset(qb, 0, QK);
+          d[m * nb + b] = ds[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
+          s[m * nb + b] = 0;
+          continue;
         }
         const float db = amax / 127.f;
         const float id = db != 0.f ? 1.f / db : 0.f;
         int32_t sum = 0;
-        int8_t* qb = q + m * k + b * QK;
         for (int i = 0; i < QK; ++i) {
           const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * id));
           qb[i] = static_cast<int8_t>(c < -127 ? -127 : (c > 127 ? 127 : c));
