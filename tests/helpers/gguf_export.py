@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from . import kquant
 from .qwen_tokenizer import add_gguf_tokenizer_metadata
 
 ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35"}
@@ -106,6 +107,8 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
             w.add_tensor(gname, arr)
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(gname, arr.astype(np.float16))
+        elif qt.name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf-py cannot write these: our plain quantizer
+            w.add_tensor(gname, kquant.quantize(arr, qt.name), raw_dtype=qt)
         else:
             w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
     w.write_header_to_file()

@@ -143,3 +143,45 @@ def test_native_kernels_read_the_stored_blocks(tiny_dir, tmp_path, family, monke
     b = dense.forward(ids, 0, logits="all").logits
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     assert cos.min().item() > 0.98, cos.min().item()  # int8 activations (aten int8 here: 0.997)
+
+
+def _kquants(name, shape):
+    """A Q4_K_M-like mix: Q6_K for V and down projections (so the fused QKV mixes types),
+    Q5_K for the output projection, Q4_K elsewhere."""
+    if shape[-1] % 256:
+        return Q.F32
+    if "attn_v" in name or "ffn_down" in name:
+        return Q.Q6_K
+    return Q.Q5_K if "attn_output" in name else Q.Q4_K
+
+
+def test_native_kernels_read_k_quants(tiny_dir, tmp_path, monkeypatch):
+    """K-quant GGUF weights (Q4_K, Q5_K, Q6_K) keep their stored blocks under the native
+    kernels: every single-type matrix multiplies exactly as gguf's dequantizer reads it;
+    QKV, whose parts mix Q4_K and Q6_K, is requantized to Q8_0 (no loss below 6 bits)."""
+    from dflash_server import kernels
+
+    src = tiny_dir("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    meta = gguf_tokenizer_metadata_from_hf(src, pre=PRE["llama"])
+    path = export_gguf(src, tmp_path / "k.gguf", "llama", meta, _kquants)
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"Q4_K", "Q5_K", "Q6_K"} <= kinds
+    dense = pipeline(path)
+    monkeypatch.setenv("DFLASH_KERNELS", "1")
+    assert kernels.load()
+    native = pipeline(path, quantize=("int4", "int8"))
+    layer = native.stages[0].layers[0]
+    types = {name: m.qtype for name, m in layer.named_modules() if getattr(m, "mode", None) == "native"}
+    assert sorted(set(types.values())) == [8, 12, 13, 14], types  # Q8_0 (mixed QKV), Q4_K, Q5_K, Q6_K
+    pairs = list(zip((m for st in native.stages for m in st._linears()),
+                     (m for st in dense.stages for m in st._linears())))
+    assert {n.mode for n, _ in pairs} == {"native"}
+    for n, d in pairs:
+        w = n(torch.eye(n.in_features)).T
+        err = ((w - d.weight).norm() / d.weight.norm()).item()
+        assert err < (0.01 if n.qtype == 8 else 1e-6), (n.qtype, err)  # stored blocks read exactly
+    ids = prompt_ids(dense, 80)
+    a = native.forward(ids, 0, logits="all").logits
+    b = dense.forward(ids, 0, logits="all").logits
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert cos.min().item() > 0.98, cos.min().item()

@@ -12,8 +12,9 @@ build) ``load()`` warns once and returns False; callers keep the
 aten path. The ops pick their instruction set at run time (AVX-512 VNNI, AVX-VNNI,
 AVX2+FMA, portable C++), all bit-identical.
 
-Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul, see ``csrc/qmm.cpp``),
-``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm`` reads),
+Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
+see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm``
+reads; the K-quants repack in ``kquants.py``),
 ``rms_norm(x, w, eps)`` (``csrc/norms.cpp``) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
 attention of a decode or verify block in one call).
@@ -39,8 +40,9 @@ SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp")
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
 # is fused behind our back, so the instruction-set builds round alike (fma only where written)
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-ffp-contract=off")
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}       # ggml type ids the kernels read
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # one GGUF block of 32 values
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml type ids the kernels read
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 values, repacked by kquants.py
+GROUP_BLOCK_BYTES = {2: 160, 3: 160, 8: 272, 12: 176, 13: 208, 14: 224}  # per block of 32, 8 rows
 ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni")
 
 _lock = threading.Lock()
@@ -165,13 +167,12 @@ def _register_fakes() -> None:
 
 def packed_shape(qtype: int, n: int, k: int) -> tuple[int, int]:
     """Shape of the layout ``qmm`` reads: groups of 8 rows, per block of 32 values the 8
-    rows' codes (16 or 32 bytes each) and fp16 scales, plus fp16 offsets for 4-bit types."""
-    four = qtype in (QTYPES["Q4_0"], QTYPES["Q4_1"])
-    return (n + 7) // 8, (k // 32) * (8 * 16 + 32 if four else 8 * 32 + 16)
+    rows' codes and scales (``csrc/qmm.cpp``)."""
+    return (n + 7) // 8, (k // 32) * GROUP_BLOCK_BYTES[qtype]
 
 
 def supports(qtype_name: str, n: int, k: int) -> bool:
-    return qtype_name in QTYPES and k % 32 == 0 and n > 0
+    return qtype_name in QTYPES and k % (256 if qtype_name in K_QUANTS else 32) == 0 and n > 0
 
 
 # --- weights in the kernels' formats ------------------------------------------------------
@@ -218,4 +219,8 @@ def blocks_q8_0(weight: torch.Tensor) -> PackedRows:
 def repack(p: PackedRows, k: int) -> tuple[int, torch.Tensor]:
     """(qtype id, the layout ``qmm`` reads) of GGUF rows."""
     qtype = QTYPES[p.qtype]
+    if p.qtype in K_QUANTS:
+        from .kquants import repack as repack_k
+
+        return qtype, repack_k(p.qtype, p.rows, k)
     return qtype, torch.ops.dflash.repack(p.rows.contiguous().reshape(-1), qtype, p.rows.shape[0], k)

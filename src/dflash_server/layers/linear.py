@@ -10,8 +10,8 @@ of q. Fused projections (QKV, gate+up) are concatenated along the output dimensi
 quantizing.
 
 With the native kernels (``kernels``, opt-in, built at first use) a quantized linear on the CPU
-runs ``dflash::qmm`` instead: a GGUF weight of a type they read (Q4_0, Q4_1, Q8_0) keeps
-its stored blocks (no second rounding), other weights are quantized to Q4_1 (``int4``) or
+runs ``dflash::qmm`` instead: a GGUF weight of a type they read (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K) keeps its stored blocks (no second rounding), other weights are quantized to Q4_1 (``int4``) or
 Q8_0 (``int8``, per 32 values rather than per channel); activations go to int8 per block
 inside the op, and a row's result does not depend on how many rows are computed with it.
 The weight the loader hands over carries its stored blocks as ``weight.packed`` (a
@@ -58,8 +58,21 @@ def int4_supported(weight: torch.Tensor) -> bool:
 
 
 def _cat_packed(parts):
+    """The parts' stored blocks stacked; None if one has none. Parts stored in different
+    types (a Q4_K_M file keeps some V projections in Q6_K) cannot share one layout: the
+    result is then ``MIXED_4BIT`` or ``MIXED`` and the fused weight is requantized, to Q4_1
+    only if every part had 4 bits."""
     rows = [p() if callable(p) else p for p in parts]
-    return None if any(r is None for r in rows) else rows[0].cat(rows[1:])
+    if any(r is None for r in rows):
+        return None
+    fused = rows[0].cat(rows[1:])
+    if fused is None:
+        return MIXED_4BIT if all(r.qtype in FOUR_BIT for r in rows) else MIXED
+    return fused
+
+
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+MIXED_4BIT, MIXED = "mixed-4bit", "mixed"
 
 
 class Linear(nn.Module):
@@ -96,8 +109,10 @@ class Linear(nn.Module):
         dtype = self.weight.dtype
         if self.weight.device.type == "cpu" and self.in_features % 32 == 0 and kernels.enabled() and kernels.load():
             packed = packed() if callable(packed) else packed
-            if packed is None or packed.qtype not in kernels.QTYPES:
-                packed = (kernels.blocks_q4_1 if mode == "int4" else kernels.blocks_q8_0)(self.weight)
+            if not isinstance(packed, kernels.PackedRows) or \
+                    not kernels.supports(packed.qtype, self.out_features, self.in_features):
+                four = packed == MIXED_4BIT or (mode == "int4" and packed != MIXED)
+                packed = (kernels.blocks_q4_1 if four else kernels.blocks_q8_0)(self.weight)
             try:
                 self.qtype, blocks = kernels.repack(packed, self.in_features)
             except RuntimeError as e:  # e.g. a Q4_0 scale whose offset fp16 cannot hold: aten for this one

@@ -1,15 +1,16 @@
 // Quantized matmul for 1..64 (or more) rows on GGUF block formats: y = x @ W^T.
 //
-// Weights stay in their GGUF blocks of 32 values (Q4_0, Q4_1, Q8_0), repacked once at load
-// (losslessly) so that one vector instruction works on 8 output rows at once: rows are
-// taken 8 at a time (a "group", the last one padded with zero rows) and, per block, the
-// codes are interleaved in 4-value chunks (chunk c of rows 0..7 = 32 bytes), followed by
-// the 8 rows' fp16 scales d and, for 4-bit types, fp16 offsets e. Activations are
+// Weights stay in their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked once at
+// load (losslessly) so that one vector instruction works on 8 output rows at once: rows are
+// taken 8 at a time (a "group", the last one padded with zero rows) and, per block of 32
+// values, the codes are interleaved in 4-value chunks (chunk c of rows 0..7 = 32 bytes),
+// followed by the 8 rows' scales (layouts below, at `enum class Kind`). Activations are
 // quantized to int8 per block of 32 inside the op (scale = max|x| / 127, as llama.cpp's
 // q8 activations).
 //
 // Per block b of one (row m, output n):  sum_i w_i x_i  ~=  dw * dx * dot + e * (dx * sx)
 //   Q4_0: w = dw * (q - 8) -> e = -8 dw     Q4_1: w = dw * q + m -> e = m     Q8_0: w = dw * q, e = 0
+//   Q4_K, Q5_K: dw = d * sc, e = -dmin * m   Q6_K: two half blocks, each dw = d * sc, codes q - 32
 //   dot = sum_i q_i xq_i (exact int32; Q8_0 codes signed), sx = sum_i xq_i
 //
 // Row-count invariance: every (m, n) is computed by the same operations whatever the number
@@ -37,12 +38,40 @@ namespace {
 
 constexpr int QK = 32;  // values per block
 constexpr int NR = 8;   // output rows per group
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml type ids
 
-bool is_4bit(int64_t t) { return t == Q4_0 || t == Q4_1; }
+// How a group's block is laid out and scaled (the kernels' view of the GGUF types):
+//   Q4:  Q4_0 / Q4_1        codes 128 | d f16 x8 | e f16 x8                          w = d q + e
+//   Q8:  Q8_0               codes 256 (signed) | d f16 x8                           w = d q
+//   Q4K: Q4_K               codes 128 | d f16 x8 | dmin f16 x8 | sc u8 x8 | m u8 x8  w = (d sc) q - (dmin m)
+//   Q5K: Q5_K               as Q4K with a plane of the codes' bit 4 (32 bytes) after the codes
+//   Q6K: Q6_K               codes 128 | bit-4 plane 32 | bit-5 plane 32 | d f16 x8 | sc_lo i8 x8 | sc_hi i8 x8
+//                           w = (d sc) (q - 32), sc_lo for values 0..15 of the block, sc_hi for 16..31
+// The products d sc and dmin m are exact in fp32 (11-bit x 6/8-bit integers), so K-quant
+// weights are read exactly as GGUF stores them (the super-block's d, dmin and the 6-bit
+// sub-block scales are unpacked at load: Python's kernels.kquants).
+// A plane byte (r, i) of chunk c holds, in its bit c, that bit of row r's value 4c + i.
+enum class Kind { Q4, Q8, Q4K, Q5K, Q6K };
 
-// bytes of one block of a group: codes of 8 rows, their d, their e (4-bit types)
-int64_t group_block_bytes(int64_t qtype) { return is_4bit(qtype) ? NR * 16 + 2 * NR * 2 : NR * QK + NR * 2; }
+Kind kind_of(int64_t t) {
+  switch (t) {
+    case Q4_0: case Q4_1: return Kind::Q4;
+    case Q8_0: return Kind::Q8;
+    case Q4_K: return Kind::Q4K;
+    case Q5_K: return Kind::Q5K;
+    default: return Kind::Q6K;
+  }
+}
+bool known_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K; }
+
+constexpr int64_t block_bytes(Kind k) {
+  return k == Kind::Q4 ? 160 : k == Kind::Q8 ? 272 : k == Kind::Q4K ? 176 : k == Kind::Q5K ? 208 : 224;
+}
+constexpr int64_t plane_bytes(Kind k) { return k == Kind::Q5K ? 32 : (k == Kind::Q6K ? 64 : 0); }
+constexpr int64_t scales_at(Kind k) { return (k == Kind::Q8 ? NR * QK : NR * 16) + plane_bytes(k); }
+constexpr bool has_offset(Kind k) { return k == Kind::Q4 || k == Kind::Q4K || k == Kind::Q5K; }
+
+int64_t group_block_bytes(int64_t qtype) { return block_bytes(kind_of(qtype)); }
 int64_t groups(int64_t n) { return (n + NR - 1) / NR; }
 
 float h2f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -50,14 +79,16 @@ uint16_t f2h(float f) { return c10::Half(f).x; }
 
 // ---- activations ------------------------------------------------------------------------
 struct Acts {
-  const int8_t* q;   // (M, K) int8 codes
-  const float* d;    // (M, nb) block scale
-  const float* ds;   // (M, nb) scale * sum of the block's codes (the offset term)
-  const int32_t* s;  // (M, nb) sum of the block's codes
+  const int8_t* q;      // (M, K) int8 codes
+  const float* d;       // (M, nb) block scale
+  const float* ds;      // (M, nb) scale * sum of the block's codes (the offset term)
+  const int32_t* s;     // (M, nb) sum of the block's codes
+  const int32_t* s_lo;  // (M, nb) sum of the block's first 16 codes (Q6_K's half blocks)
 };
 
 template <typename T>
-void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s) {
+void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s,
+                   int32_t* s_lo) {
   const int64_t nb = k / QK;
   at::parallel_for(0, m_rows, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -74,51 +105,69 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, f
         if (!finite) {  // NaN / inf in: NaN out, as a float matmul would give
           std::memset(qb, 0, QK);
           d[m * nb + b] = ds[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
-          s[m * nb + b] = 0;
+          s[m * nb + b] = s_lo[m * nb + b] = 0;
           continue;
         }
         const float db = amax / 127.f;
         const float id = db != 0.f ? 1.f / db : 0.f;
-        int32_t sum = 0;
+        int32_t sum = 0, sum_lo = 0;
         for (int i = 0; i < QK; ++i) {
           const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * id));
           qb[i] = static_cast<int8_t>(c < -127 ? -127 : (c > 127 ? 127 : c));
           sum += qb[i];
+          if (i == 15) sum_lo = sum;
         }
         d[m * nb + b] = db;
         ds[m * nb + b] = db * static_cast<float>(sum);
         s[m * nb + b] = sum;
+        s_lo[m * nb + b] = sum_lo;
       }
     }
   });
 }
 
 // ---- portable path: the reference of the arithmetic -------------------------------------------
-template <bool FOUR>
+// the weight code of row r, value v (= 4c + i) of a group's block
+template <Kind K>
+int32_t code(const uint8_t* blk, int r, int c, int i) {
+  if (K == Kind::Q8) return static_cast<int8_t>(blk[c * 32 + r * 4 + i]);
+  const uint8_t byte = blk[(c % 4) * 32 + r * 4 + i];
+  int32_t w = c < 4 ? (byte & 0x0F) : (byte >> 4);
+  if (K == Kind::Q5K || K == Kind::Q6K) w |= ((blk[NR * 16 + r * 4 + i] >> c) & 1) << 4;
+  if (K == Kind::Q6K) w |= ((blk[NR * 16 + 32 + r * 4 + i] >> c) & 1) << 5;
+  return w;
+}
+
+template <Kind K>
 void group_portable(const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
-  const int64_t nb = k / QK, gb = group_block_bytes(FOUR ? Q4_1 : Q8_0);
+  const int64_t nb = k / QK, gb = block_bytes(K);
   for (int64_t m = 0; m < m_rows; ++m) {
     float acc[NR] = {}, acc_e[NR] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = g + b * gb;
-      const uint16_t* d = reinterpret_cast<const uint16_t*>(blk + (FOUR ? NR * 16 : NR * QK));
+      const uint16_t* d = reinterpret_cast<const uint16_t*>(blk + scales_at(K));
+      const uint8_t* sm = blk + scales_at(K) + (K == Kind::Q6K ? 16 : 32);  // 8-bit scale fields
       const int8_t* xq = a.q + m * k + b * QK;
+      const int64_t mb = m * nb + b;
       for (int r = 0; r < NR; ++r) {
-        int32_t dot = 0;
-        for (int c = 0; c < 8; ++c) {  // chunk c: values 4c..4c+3
-          for (int i = 0; i < 4; ++i) {
-            int32_t w;
-            if (FOUR) {
-              const uint8_t byte = blk[(c % 4) * 32 + r * 4 + i];
-              w = c < 4 ? (byte & 0x0F) : (byte >> 4);
-            } else {
-              w = static_cast<int8_t>(blk[c * 32 + r * 4 + i]);
-            }
-            dot += w * xq[4 * c + i];
-          }
+        int32_t dot[2] = {0, 0};
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i) dot[c / 4] += code<K>(blk, r, c, i) * xq[4 * c + i];
+        if (K == Kind::Q6K) {
+          const float dlo = h2f(d[r]) * static_cast<float>(static_cast<int8_t>(sm[r]));
+          const float dhi = h2f(d[r]) * static_cast<float>(static_cast<int8_t>(sm[NR + r]));
+          acc[r] = std::fma(static_cast<float>(dot[0] - 32 * a.s_lo[mb]), dlo * a.d[mb], acc[r]);
+          acc[r] = std::fma(static_cast<float>(dot[1] - 32 * (a.s[mb] - a.s_lo[mb])), dhi * a.d[mb], acc[r]);
+          continue;
         }
-        acc[r] = std::fma(static_cast<float>(dot), h2f(d[r]) * a.d[m * nb + b], acc[r]);
-        if (FOUR) acc_e[r] = std::fma(h2f(d[NR + r]), a.ds[m * nb + b], acc_e[r]);
+        float dw = h2f(d[r]), ew = 0.f;
+        if (K == Kind::Q4) ew = h2f(d[NR + r]);
+        if (K == Kind::Q4K || K == Kind::Q5K) {
+          dw = dw * static_cast<float>(sm[r]);
+          ew = -(h2f(d[NR + r]) * static_cast<float>(sm[NR + r]));
+        }
+        acc[r] = std::fma(static_cast<float>(dot[0] + dot[1]), dw * a.d[mb], acc[r]);
+        if (has_offset(K)) acc_e[r] = std::fma(ew, a.ds[mb], acc_e[r]);
       }
     }
     for (int r = 0; r < NR; ++r) out[m * NR + r] = acc[r] + acc_e[r];
@@ -132,7 +181,7 @@ enum class Dot { AVX2, AVXVNNI, AVX512VNNI };
 #define DFLASH_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define DFLASH_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// acc + lane-wise dot of 4 unsigned bytes u with 4 signed bytes s (u <= 15 here, or
+// acc + lane-wise dot of 4 unsigned bytes u with 4 signed bytes s (u <= 63 here, or
 // |w| <= 128 for AVX2's Q8_0 sign trick, so AVX2's int16 pair sums cannot saturate)
 template <Dot D>
 inline __m256i dot_add(__m256i acc, __m256i u, __m256i s);
@@ -150,65 +199,101 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
   return _mm256_dpbusd_epi32(acc, u, s);
 }
 
+// bit c of each byte of a plane, moved to bit `to` (the shift stays inside each byte)
+#define DFLASH_PLANE_BIT(plane, c, to)                                                               \
+  _mm256_and_si256((c) <= (to) ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128((to) - (c)))              \
+                               : _mm256_srl_epi16(plane, _mm_cvtsi32_si128((c) - (to))),             \
+                   _mm256_set1_epi8(1 << (to)))
+
+// 8 fp32 lanes of 8 unsigned / signed bytes
+#define DFLASH_U8_PS(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
+#define DFLASH_I8_PS(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
+
 // MR rows of x against one group (8 outputs): the group's codes are loaded (and unpacked)
 // once per block and serve the MR rows
 #define DFLASH_GROUP_BODY(D)                                                                         \
-  const int64_t nb = k / QK, gb = group_block_bytes(FOUR ? Q4_1 : Q8_0);                            \
+  constexpr bool Q8 = K == Kind::Q8;                                                                 \
+  const int64_t nb = k / QK, gb = block_bytes(K);                                                    \
   __m256 acc[MR], acc_e[MR];                                                                         \
   for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); acc_e[r] = _mm256_setzero_ps(); }     \
   const __m256i low4 = _mm256_set1_epi8(0x0F);                                                       \
   for (int64_t b = 0; b < nb; ++b) {                                                                 \
     const uint8_t* blk = g + b * gb;                                                                 \
     __m256i wv[8];                                                                                   \
-    if (FOUR) {                                                                                      \
+    if (!Q8) {                                                                                       \
       for (int c = 0; c < 4; ++c) {                                                                  \
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));       \
         wv[c] = _mm256_and_si256(q, low4);                                                           \
         wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);                                 \
       }                                                                                              \
+      if (K == Kind::Q5K || K == Kind::Q6K) {                                                        \
+        const __m256i h4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16));     \
+        for (int c = 0; c < 8; ++c) wv[c] = _mm256_or_si256(wv[c], DFLASH_PLANE_BIT(h4, c, 4));     \
+      }                                                                                              \
+      if (K == Kind::Q6K) {                                                                          \
+        const __m256i h5 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16 + 32)); \
+        for (int c = 0; c < 8; ++c) wv[c] = _mm256_or_si256(wv[c], DFLASH_PLANE_BIT(h5, c, 5));     \
+      }                                                                                              \
     } else {                                                                                         \
       for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32)); \
     }                                                                                                \
     __m256i wu[8];  /* Q8_0 as unsigned: |w| (AVX2, sign trick) or w + 128 (VNNI) */                 \
-    if (!FOUR) {                                                                                     \
+    if (Q8) {                                                                                        \
       for (int c = 0; c < 8; ++c)                                                                    \
         wu[c] = D == Dot::AVX2 ? _mm256_sign_epi8(wv[c], wv[c])                                      \
                                : _mm256_xor_si256(wv[c], _mm256_set1_epi8(static_cast<char>(0x80))); \
     }                                                                                                \
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + (FOUR ? NR * 16 : NR * QK));        \
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh)));        \
-    const __m256 ew = FOUR ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + NR))) \
-                           : _mm256_setzero_ps();                                                    \
+    const uint8_t* sp = blk + scales_at(K);                                                          \
+    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));        \
+    __m256 dw = dh, dw2 = dh, ew = _mm256_setzero_ps();                                              \
+    if (K == Kind::Q4) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
+    if (K == Kind::Q4K || K == Kind::Q5K) {                                                          \
+      dw = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));                                                 \
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
+      ew = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));          \
+    }                                                                                                \
+    if (K == Kind::Q6K) {                                                                            \
+      dw = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 16));                                                 \
+      dw2 = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 24));                                                \
+    }                                                                                                \
     for (int r = 0; r < MR; ++r) {                                                                   \
-      const int64_t m = m0 + r;                                                                      \
+      const int64_t m = m0 + r, mb = m * nb + b;                                                     \
       const int8_t* xq = a.q + m * k + b * QK;                                                       \
-      __m256i dot = _mm256_setzero_si256();                                                          \
+      __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();                           \
       for (int c = 0; c < 8; ++c) {                                                                  \
         int32_t chunk;                                                                               \
         std::memcpy(&chunk, xq + 4 * c, 4);                                                          \
         const __m256i xb = _mm256_set1_epi32(chunk);                                                 \
-        if (FOUR) dot = dot_add<D>(dot, wv[c], xb);                                                  \
-        else if (D == Dot::AVX2) dot = dot_add<D>(dot, wu[c], _mm256_sign_epi8(xb, wv[c]));          \
-        else dot = dot_add<D>(dot, wu[c], xb);                                                       \
+        __m256i& into = K == Kind::Q6K && c >= 4 ? dot2 : dot;                                       \
+        if (!Q8) into = dot_add<D>(into, wv[c], xb);                                                 \
+        else if (D == Dot::AVX2) into = dot_add<D>(into, wu[c], _mm256_sign_epi8(xb, wv[c]));        \
+        else into = dot_add<D>(into, wu[c], xb);                                                     \
       }                                                                                              \
-      if (!FOUR && D != Dot::AVX2) /* exact: sum (w + 128) x - 128 sum x */                          \
-        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * a.s[m * nb + b]));                      \
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[m * nb + b]));                       \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);                              \
-      if (FOUR) acc_e[r] = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[m * nb + b]), acc_e[r]);         \
+      if (Q8 && D != Dot::AVX2) /* exact: sum (w + 128) x - 128 sum x */                             \
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * a.s[mb]));                               \
+      const __m256 dx = _mm256_set1_ps(a.d[mb]);                                                     \
+      if (K == Kind::Q6K) { /* exact: sum (q - 32) x = sum q x - 32 sum x, per half block */         \
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * a.s_lo[mb]));                             \
+        dot2 = _mm256_sub_epi32(dot2, _mm256_set1_epi32(32 * (a.s[mb] - a.s_lo[mb])));               \
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc[r]);            \
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(dw2, dx), acc[r]);          \
+        continue;                                                                                    \
+      }                                                                                              \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc[r]);              \
+      if (has_offset(K)) acc_e[r] = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[mb]), acc_e[r]);         \
     }                                                                                                \
   }                                                                                                  \
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (m0 + r) * NR, _mm256_add_ps(acc[r], acc_e[r]));
 
-template <bool FOUR, int MR>
+template <Kind K, int MR>
 DFLASH_TARGET_AVX2 void rows_avx2(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   DFLASH_GROUP_BODY(Dot::AVX2)
 }
-template <bool FOUR, int MR>
+template <Kind K, int MR>
 DFLASH_TARGET_AVXVNNI void rows_avxvnni(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   DFLASH_GROUP_BODY(Dot::AVXVNNI)
 }
-template <bool FOUR, int MR>
+template <Kind K, int MR>
 DFLASH_TARGET_AVX512 void rows_avx512(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   DFLASH_GROUP_BODY(Dot::AVX512VNNI)
 }
@@ -237,24 +322,34 @@ Isa detect() {
 Isa active_isa = detect();
 
 // all rows of x against one group, MR rows at a time (4 with AVX-512's 32 registers, else 2)
-template <bool FOUR>
+template <Kind K>
 void group(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
-  if (isa == Isa::Portable) return group_portable<FOUR>(g, k, a, m_rows, out);
+  if (isa == Isa::Portable) return group_portable<K>(g, k, a, m_rows, out);
   int64_t m = 0;
   if (isa == Isa::AVX512VNNI) {
-    for (; m + 4 <= m_rows; m += 4) rows_avx512<FOUR, 4>(g, k, a, m, out);
-    for (; m < m_rows; ++m) rows_avx512<FOUR, 1>(g, k, a, m, out);
+    for (; m + 4 <= m_rows; m += 4) rows_avx512<K, 4>(g, k, a, m, out);
+    for (; m < m_rows; ++m) rows_avx512<K, 1>(g, k, a, m, out);
   } else if (isa == Isa::AVXVNNI) {
-    for (; m + 2 <= m_rows; m += 2) rows_avxvnni<FOUR, 2>(g, k, a, m, out);
-    for (; m < m_rows; ++m) rows_avxvnni<FOUR, 1>(g, k, a, m, out);
+    for (; m + 2 <= m_rows; m += 2) rows_avxvnni<K, 2>(g, k, a, m, out);
+    for (; m < m_rows; ++m) rows_avxvnni<K, 1>(g, k, a, m, out);
   } else {
-    for (; m + 2 <= m_rows; m += 2) rows_avx2<FOUR, 2>(g, k, a, m, out);
-    for (; m < m_rows; ++m) rows_avx2<FOUR, 1>(g, k, a, m, out);
+    for (; m + 2 <= m_rows; m += 2) rows_avx2<K, 2>(g, k, a, m, out);
+    for (; m < m_rows; ++m) rows_avx2<K, 1>(g, k, a, m, out);
+  }
+}
+
+void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
+  switch (kind) {
+    case Kind::Q4: return group<Kind::Q4>(isa, g, k, a, m_rows, out);
+    case Kind::Q8: return group<Kind::Q8>(isa, g, k, a, m_rows, out);
+    case Kind::Q4K: return group<Kind::Q4K>(isa, g, k, a, m_rows, out);
+    case Kind::Q5K: return group<Kind::Q5K>(isa, g, k, a, m_rows, out);
+    case Kind::Q6K: return group<Kind::Q6K>(isa, g, k, a, m_rows, out);
   }
 }
 
 void check_args(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dflash::qmm: unsupported block type ", qtype);
+  TORCH_CHECK(known_type(qtype), "dflash::qmm: unsupported block type ", qtype);
   TORCH_CHECK(k > 0 && k % QK == 0, "dflash::qmm: K must be a positive multiple of 32, got ", k);
   TORCH_CHECK(n > 0, "dflash::qmm: N must be positive");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -278,19 +373,20 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   // the quantized activations live in per-thread scratch (no allocation per call)
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, ds;
-  thread_local std::vector<int32_t> s;
+  thread_local std::vector<int32_t> s, s_lo;
   q.resize(m_rows * k);
+  s_lo.resize(m_rows * nb);
   d.resize(m_rows * nb);
   ds.resize(m_rows * nb);
   s.resize(m_rows * nb);
   switch (x.scalar_type()) {
-    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data()); break;
-    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data());
+    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data()); break;
+    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data());
       break;
-    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data()); break;
+    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data()); break;
     default: TORCH_CHECK(false, "dflash::qmm: x must be float32, bfloat16 or float16");
   }
-  const Acts a{q.data(), d.data(), ds.data(), s.data()};
+  const Acts a{q.data(), d.data(), ds.data(), s.data(), s_lo.data()};
   // each thread owns whole groups of 8 outputs, so a group's weights are read once per call
   // whatever M; a group writes its (M, 8) outputs straight into y when N is a multiple of 8
   const bool direct = n % NR == 0;
@@ -319,16 +415,15 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
     }
   };
   const int64_t gbytes = nb * group_block_bytes(qtype);
-  const bool four = is_4bit(qtype);
+  const Kind kind = kind_of(qtype);
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, nb * m_rows));
   at::parallel_for(0, ng, grain, [&](int64_t g0, int64_t g1) {
     float tile[64 * NR];
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += 64) {  // rows in tiles of 64: the tile stays on the stack
         const int64_t mt = std::min<int64_t>(64, m_rows - m0);
-        const Acts rows{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s + m0 * nb};
-        if (four) group<true>(isa, wp + g * gbytes, k, rows, mt, tile);
-        else group<false>(isa, wp + g * gbytes, k, rows, mt, tile);
+        const Acts rows{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s + m0 * nb, a.s_lo + m0 * nb};
+        run_group(kind, isa, wp + g * gbytes, k, rows, mt, tile);
         store(tile, m0, mt, g * NR);
       }
     }
@@ -339,9 +434,12 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   return (direct ? y : y.to(x_in.scalar_type()).contiguous()).reshape(out_shape);
 }
 
-// GGUF blocks (N rows of nb blocks) -> the group layout (groups of 8 rows, padded with zeros)
+// GGUF blocks (N rows of nb blocks) -> the group layout (groups of 8 rows, padded with zeros);
+// the K-quants are repacked in Python (kernels.kquants), where their bit fields unpack by
+// vector ops
 at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dflash::repack: unsupported block type ", qtype);
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dflash::repack: unsupported block type ", qtype,
+              " (K-quants: kernels.kquants)");
   TORCH_CHECK(k > 0 && k % QK == 0 && n > 0, "dflash::repack: K must be a positive multiple of 32, got ", k);
   const int64_t nb = k / QK, ng = groups(n), gb = group_block_bytes(qtype);
   const int64_t bsize = qtype == Q4_0 ? 18 : (qtype == Q4_1 ? 20 : 34);
@@ -359,7 +457,7 @@ at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k)
       uint8_t* gblk = dst + g * nb * gb + b * gb;
       uint16_t dh;
       std::memcpy(&dh, blk, 2);
-      uint16_t* dd = reinterpret_cast<uint16_t*>(gblk + (is_4bit(qtype) ? NR * 16 : NR * QK));
+      uint16_t* dd = reinterpret_cast<uint16_t*>(gblk + (qtype == Q8_0 ? NR * QK : NR * 16));
       dd[r] = dh;
       if (qtype == Q8_0) {  // chunk c of row r: values 4c..4c+3
         for (int c = 0; c < 8; ++c) std::memcpy(gblk + c * 32 + r * 4, blk + 2 + 4 * c, 4);
