@@ -12,6 +12,11 @@ from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from helpers.build import pipeline, prompt_ids
 
+from dflash_server import kernels
+
+NATIVE = kernels.enabled() and kernels.load()  # quantized linears' mode: the native kernels by default
+Q4, Q8 = ("native", "native") if NATIVE else ("int4", "int8")
+
 
 def random_draft(pipe, block_size=8, taps=(1, 2), seed=0, layers=2, std=0.05):
     c = pipe.config
@@ -223,7 +228,7 @@ def test_fast_int4_draft_head_is_lossless(tiny_dir):
     ref = run(pipe, ids, max_tokens=24).token_ids
     draft = random_draft(pipe)
     prop = DFlashProposer(draft, pipe, block_size=4)
-    assert prop.head is not None and prop.head.mode == "int4"
+    assert prop.head is not None and prop.head.mode == Q4
     assert run(pipe, ids, prop, max_tokens=24).token_ids == ref
     assert DFlashProposer(draft, pipe, fast_head=False).head is None
 
@@ -249,7 +254,7 @@ def test_draft_vocab_restricts_proposals_and_stays_lossless(tiny_dir, dtype, sta
     draft = with_vocab(full, vocab)
     prop = DFlashProposer(draft, pipe, block_size=4)
     assert prop.head.out_features == len(prop.head_ids) and set(prop.head_ids.tolist()) == set(vocab.tolist())
-    assert prop.head.mode == ("int4" if dtype == torch.bfloat16 else "dense")
+    assert prop.head.mode == (Q4 if dtype == torch.bfloat16 else "dense")
     res = run(pipe, ids, prop, max_tokens=30)
     assert res.token_ids == ref and res.extra["spec"]["steps"] > 0
     # the proposals: argmax over the vocabulary's columns of the pipeline's own head
@@ -302,7 +307,7 @@ def test_int8_draft_linears_lossless_and_close(tiny_dir):
     dense = random_draft(pipe)
     tensors = DFlashDraft.random_tensors(dense.cfg, 0, 0.05)
     q = DFlashDraft(dense.cfg, tensors, "cpu", torch.float32, pipe.max_ctx, quantize="int8")
-    assert {m.mode for m in q.modules() if isinstance(m, Linear)} == {"int8"} and q.nbytes() < dense.nbytes()
+    assert {m.mode for m in q.modules() if isinstance(m, Linear)} == {Q8} and q.nbytes() < dense.nbytes()
     assert run(pipe, ids, DFlashProposer(q, pipe, block_size=4), max_tokens=24).token_ids == ref
     feats = torch.randn(1, 10, dense.cfg.num_taps * dense.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     emb = torch.randn(1, 4, dense.cfg.hidden_size, generator=torch.Generator().manual_seed(2))

@@ -81,7 +81,7 @@ def test_default_model_matches_transformers_greedy():
 
     path = smollm2_gguf_path()
     ours = pipeline(path, max_ctx=256)
-    ids = ours.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = ours.tokenizer.encode_chat([{"role": "user", "content": "Name the capital of France."}])
     out = greedy(ours, ids, max_tokens=24)
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_default_model_matches_transformers_greedy():
 def test_default_model_answers_paris_bf16_quantized(quantize):
     path = smollm2_gguf_path()
     pipe = pipeline(path, dtype=torch.bfloat16, quantize=quantize, max_ctx=256)
-    ids = pipe.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = pipe.tokenizer.encode_chat([{"role": "user", "content": "Name the capital of France."}])
     text = pipe.tokenizer.decode(greedy(pipe, ids, max_tokens=16))
     assert "Paris" in text
 

@@ -8,7 +8,7 @@ import pytest
 from .conftest import start_tiny
 from .serverproc import ServerProc
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Bad input, auth, overload, disconnects and shutdown: the server answers each with the
 right JSON error and keeps serving correctly afterwards."""
 import asyncio
+import json
 import re
 import signal
 import time
@@ -191,16 +192,24 @@ def test_disconnect_while_queued_never_runs(srv):
     import threading
 
     before, tokens = _cancelled(srv), metric(srv, "dflash_generated_tokens_total")
-    long = {}
-    t = threading.Thread(target=lambda: long.update(r=post(srv, "/v1/chat/completions", {
-        **CHAT, "max_tokens": 450, "ignore_eos": True})))
+    long, started = {}, threading.Event()
+
+    def run_long():
+        body = {**CHAT, "max_tokens": 450, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    long["finish"] = json.loads(line[6:])["choices"][0].get("finish_reason") or long.get("finish")
+
+    t = threading.Thread(target=run_long)
     t.start()
-    time.sleep(0.3)  # the long request holds the engine; the next one waits in the queue
+    assert started.wait(30)  # the long request holds the engine; the next one waits in the queue
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers=AUTH,
-                   timeout=httpx.Timeout(60, read=0.2))
+                   timeout=httpx.Timeout(60, read=0.1))
     t.join()
-    assert long["r"].json()["choices"][0]["finish_reason"] == "length"
+    assert long["finish"] == "length"
     assert _wait_for(lambda: _cancelled(srv) > before)
     assert metric(srv, "dflash_generated_tokens_total") - tokens == 450  # the abandoned one never ran
 

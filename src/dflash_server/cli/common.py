@@ -63,10 +63,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
-    g.add_argument("--native-kernels", action="store_true",
-                   help="quantized linears, RMSNorm and decode/verify attention on the CPU through the project's "
-                        "C++ kernels (GGUF Q4_0/Q4_1/Q8_0 blocks read as stored, int8 activations, row-count "
-                        "invariant; built at first use). Faster; off by default while int8 activations are new")
+    g.add_argument("--kernels", choices=["native", "aten"], default=None,
+                   help="CPU kernels of quantized linears, RMSNorm and decode/verify attention: 'native' (default; "
+                        "the project's C++ kernels, built at first use: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks "
+                        "read as stored, int8 activations, row-count invariant) or 'aten' (torch's kernels, bf16 "
+                        "activations). $DFLASH_KERNELS=0 also selects aten")
+    g.add_argument("--native-kernels", action="store_const", const="native", dest="kernels", help=argparse.SUPPRESS)
     c = p.add_argument_group("prefix cache")
     c.add_argument("--prefix-cache-slots", type=int, default=32,
                    help="in-memory prefix snapshots (chat-turn boundaries); 0 disables")
@@ -137,10 +139,11 @@ def load_engine(args, progress: bool = True):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if getattr(args, "native_kernels", False):
+    if getattr(args, "kernels", None):
         import os
 
-        os.environ["DFLASH_KERNELS"] = "1"  # read by Linear.quantize_, here and in spawned shard workers
+        # read by Linear.quantize_, here and in spawned shard workers
+        os.environ["DFLASH_KERNELS"] = "1" if args.kernels == "native" else "0"
     source = open_model(args.model or default_model_path())
     cfg = source.config
     try:
