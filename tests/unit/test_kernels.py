@@ -283,3 +283,38 @@ def test_attention_step_refuses_positions_past_the_cache():
     for start in (15, -1, 2**63 - 1):
         with pytest.raises(RuntimeError):
             torch.ops.dflash.attention_step(qkv, cs, cs, kc, vc, start, 1, 1, 1.0)
+
+
+def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
+    """dflash::decoder_layer (a whole Llama layer in one call) gives bit-identical logits to
+    the same layers run op by op, for prefill, verify blocks and one-row steps; qwen3's
+    q/k norms keep the per-op path."""
+    from dflash_server.layers.decoder import DecoderLayer
+
+    from helpers.build import pipeline, prompt_ids
+
+    calls = {"fused": 0}
+    real = DecoderLayer._native_layer
+
+    def counting(self):
+        ok = real(self)
+        calls["fused"] += ok
+        return ok
+
+    def run(pipe, ids):
+        pipe.reset()
+        out = [pipe.forward(ids[:40], 0, logits="all").logits]             # a prefill chunk (<= 64 rows)
+        out.append(pipe.forward(ids[40:48], 40, logits="all").logits)      # a verify block
+        out += [pipe.forward([t], 48 + i, logits="all").logits for i, t in enumerate(ids[48:52])]
+        return torch.cat(out)
+
+    for family, fused in (("llama", True), ("qwen3", False)):
+        pipe = pipeline(tiny_dir(family), dtype=torch.bfloat16, quantize="int4")
+        ids = prompt_ids(pipe, 52)
+        monkeypatch.setattr(DecoderLayer, "_native_layer", counting)
+        calls["fused"] = 0
+        a = run(pipe, ids)
+        assert (calls["fused"] > 0) == fused, (family, calls)
+        monkeypatch.setattr(DecoderLayer, "_native_layer", lambda self: False)
+        b = run(pipe, ids)
+        assert torch.equal(a, b), family

@@ -36,7 +36,8 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp", "layer.cpp")
+HEADERS = ("ops.h",)
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
 # is fused behind our back, so the instruction-set builds round alike (fma only where written)
@@ -58,7 +59,7 @@ def cache_dir() -> Path:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}|{CFLAGS}".encode())
     return h.hexdigest()[:16]
@@ -159,6 +160,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::attention_step")
     def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_cache.shape[-1]))
+
+    @torch.library.register_fake("dflash::decoder_layer")
+    def _decoder_layer_fake(x, *args):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("dflash::repack")
     def _repack_fake(blocks, qtype, n, k):

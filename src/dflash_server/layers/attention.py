@@ -69,15 +69,20 @@ class Attention(nn.Module):
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
 
+    def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
+        """Whether this block of rows takes the fused native step (decode and verify blocks
+        of one sequence, plain position-addressed KV, outside torch.compile: its graph fuses
+        this part itself, and the op's int position would make dynamo recompile every step)."""
+        return (self.native and x.shape[0] == 1 and x.shape[1] <= NATIVE_MAX_ROWS and ctx.slots is None
+                and ctx.last_q is None and ctx.attn_mass is None and state.k.dtype == torch.float32
+                and not torch.compiler.is_compiling())
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x)
-        # (not under torch.compile: its graph fuses this part itself, and the op's int position
-        # would make dynamo recompile at every step)
-        if (self.native and B == 1 and T <= NATIVE_MAX_ROWS and ctx.slots is None and ctx.last_q is None
-                and ctx.attn_mass is None and state.k.dtype == torch.float32 and not torch.compiler.is_compiling()
-                and kernels.inference(qkv)):
-            out = torch.ops.dflash.attention_step(qkv, ctx.cos, ctx.sin, state.k, state.v, ctx.start, self.nh,
+        if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
+            cos, sin = ctx.rope_f32()
+            out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale)
             return self.o(out)
         gate = None

@@ -29,6 +29,14 @@ class ForwardContext:
     last_q: list | None = None             # score policy: each attention layer appends its last query row
     _masks: dict = field(default_factory=dict)
 
+    def rope_f32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin in fp32 (what the native attention step reads), converted once per forward
+        rather than once per layer."""
+        got = self._masks.get("rope_f32")
+        if got is None:
+            got = self._masks["rope_f32"] = (self.cos.float().contiguous(), self.sin.float().contiguous())
+        return got
+
     @property
     def end(self) -> int:
         return self.start + self.length

@@ -15,6 +15,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -219,6 +221,13 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
 }
 
 }  // namespace
+
+namespace dflash {
+at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable) {
+  return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable);
+}
+}  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "

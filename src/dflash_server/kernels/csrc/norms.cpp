@@ -9,6 +9,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 
 namespace {
@@ -52,6 +54,10 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
 }
 
 }  // namespace
+
+namespace dflash {
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+}  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

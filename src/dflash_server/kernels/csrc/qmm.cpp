@@ -26,6 +26,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -484,6 +486,12 @@ int64_t isa_level() { return static_cast<int64_t>(active_isa); }
 bool isa_supported(int64_t isa) { return isa >= 0 && isa < 4 && supported(static_cast<Isa>(isa)); }
 
 }  // namespace
+
+namespace dflash {
+at::Tensor qmm_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa) {
+  return qmm(x, w, qtype, n, k, isa);
+}
+}  // namespace dflash
 
 TORCH_LIBRARY(dflash, m) {
   m.def("qmm(Tensor x, Tensor w, int qtype, int n, int k, int isa=-1) -> Tensor");
