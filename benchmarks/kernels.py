@@ -1,12 +1,14 @@
 """Native kernels vs aten vs llama.cpp, side by side in one run, on the default model's
 GGUF (SmolLM2-135M-Instruct Q4_1 layers, Q8_0 embeddings / LM head), 2 threads:
 
-    python benchmarks/kernels.py [--threads 2] [--runs 3] [--tokens 128] [--no-llama-cpp] [--out FILE]
+    python benchmarks/kernels.py [--threads 2] [--runs 3] [--tokens 128] [--no-llama-cpp] [--model GGUF] [--out FILE]
+
+llama.cpp runs before and after ours (the mean is its figure: this VM drifts).
 
 - llama.cpp (built by ``benchmarks/llama_cpp.py`` from the llama-cpp-python sdist):
   ``llama-bench`` tg128, pp512, and pp1/2/4/8/16 (the cost of one forward of T rows).
-- ours, each configuration in a fresh process: the default path (aten int4/int8 kernels)
-  and ``--native-kernels``: greedy decode tok/s (``Engine.generate``, EOS ignored), prefill
+- ours, each configuration in a fresh process: the native kernels (default) and
+  ``--kernels aten`` (torch's int4/int8 kernels): greedy decode tok/s (``Engine.generate``, EOS ignored), prefill
   of 512 tokens, and one forward of T = 1, 2, 4, 8, 16 rows at a fixed position (what a
   DFlash verify block costs), as a ratio to one row.
 
@@ -28,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = (1, 2, 4, 8, 16)
-CONFIGS = {"ours, aten kernels (default)": "0", "ours, --native-kernels": "1"}
+CONFIGS = {"ours, --kernels aten": "0", "ours, native kernels (default)": "1"}
 
 
 def timed(f, reps: int) -> float:
@@ -41,7 +43,7 @@ def timed(f, reps: int) -> float:
     return statistics.median(ts)
 
 
-def bench_ours(label: str, threads: int, tokens: int, runs: int) -> dict:
+def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | None) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     from dflash_server import kernels
     from dflash_server.cli.common import quantize_plan
@@ -52,7 +54,7 @@ def bench_ours(label: str, threads: int, tokens: int, runs: int) -> dict:
     from dflash_server.weights.loader import open_model
 
     torch.set_num_threads(threads)
-    src = open_model(default_model_path())
+    src = open_model(model or default_model_path())
     plan = quantize_plan(src, "auto", True)
     pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=2048,
                           quantize=plan, progress=False)
@@ -75,7 +77,7 @@ def bench_ours(label: str, threads: int, tokens: int, runs: int) -> dict:
             "kernels": kernels.status()}
 
 
-def bench_llama_cpp(threads: int, runs: int, tokens: int) -> dict:
+def bench_llama_cpp(threads: int, runs: int, tokens: int, model: str | None) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from llama_cpp import ensure_built
 
@@ -84,7 +86,7 @@ def bench_llama_cpp(threads: int, runs: int, tokens: int) -> dict:
 
     bench = ensure_built() / "llama-bench"
     prompts = ",".join(str(t) for t in (*ROWS, 512))
-    out = subprocess.run([str(bench), "-m", str(default_model_path()), "-t", str(threads), "-p", prompts,
+    out = subprocess.run([str(bench), "-m", str(model or default_model_path()), "-t", str(threads), "-p", prompts,
                           "-n", str(tokens), "-r", str(runs), "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == tokens and r["n_prompt"] == 0)
@@ -102,29 +104,43 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--model", help="another GGUF (default: the built-in model's)")
     ap.add_argument("--config", help=argparse.SUPPRESS)  # internal: one of ours, in this process
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
     args = ap.parse_args()
     if args.config:
-        print(json.dumps(bench_ours(args.config, args.threads, args.tokens, args.runs)))
+        print(json.dumps(bench_ours(args.config, args.threads, args.tokens, args.runs, args.model)))
         return
-    rows = []
+    rows, peer = [], []
     if not args.no_llama_cpp:
-        rows.append(bench_llama_cpp(args.threads, args.runs, args.tokens))
-        print(rows[-1], file=sys.stderr)
+        peer.append(bench_llama_cpp(args.threads, args.runs, args.tokens, args.model))
+        print(peer[-1], file=sys.stderr)
     for label, flag in CONFIGS.items():
         env = {**os.environ, "DFLASH_KERNELS": flag}
         res = subprocess.run([sys.executable, __file__, "--config", label, "--threads", str(args.threads),
-                              "--runs", str(args.runs), "--tokens", str(args.tokens)], env=env,
+                              "--runs", str(args.runs), "--tokens", str(args.tokens)]
+                             + (["--model", args.model] if args.model else []), env=env,
                              stdout=subprocess.PIPE, text=True, check=True)
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(rows[-1], file=sys.stderr)
     if not args.no_llama_cpp:
-        base = rows[0]
+        # llama.cpp again after ours: this VM's speed drifts by 10% over minutes, so the peer's
+        # figures are the mean of a run before and a run after
+        peer.append(bench_llama_cpp(args.threads, args.runs, args.tokens, args.model))
+        print(peer[-1], file=sys.stderr)
+        base = dict(peer[0], runs_before_after=[{k: p[k] for k in ("decode_tok_s", "pp512_tok_s", "forward_ms")}
+                                                for p in peer])
+        base["decode_tok_s"] = statistics.mean(p["decode_tok_s"] for p in peer)
+        base["pp512_tok_s"] = statistics.mean(p["pp512_tok_s"] for p in peer)
+        ms = {t: statistics.mean(p["forward_ms"][str(t)] for p in peer) for t in ROWS}
+        base["forward_ms"] = {str(t): ms[t] for t in ROWS}
+        base["forward_vs_one_row"] = {str(t): ms[t] / ms[1] for t in ROWS}
+        rows.insert(0, base)
         for r in rows[1:]:
             r["decode_vs_llama_cpp"] = r["decode_tok_s"] / base["decode_tok_s"]
             r["pp512_vs_llama_cpp"] = r["pp512_tok_s"] / base["pp512_tok_s"]
-    out = {"threads": args.threads, "runs": args.runs, "tokens": args.tokens, "torch": torch.__version__,
+    out = {"model": args.model or "default", "threads": args.threads, "runs": args.runs, "tokens": args.tokens,
+           "torch": torch.__version__,
            "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -146,33 +146,38 @@ def test_native_kernels_read_the_stored_blocks(tiny_dir, tmp_path, family, monke
 
 
 def _kquants(name, shape):
-    """A Q4_K_M-like mix: Q6_K for V and down projections (so the fused QKV mixes types),
-    Q5_K for the output projection, Q4_K elsewhere."""
+    """A Q4_K_M-like mix: Q6_K for V and down projections (so the fused QKV mixes types);
+    output projections Q5_K / Q5_1 and gate/up Q4_K / Q5_0 in odd / even layers."""
     if shape[-1] % 256:
         return Q.F32
     if "attn_v" in name or "ffn_down" in name:
         return Q.Q6_K
-    return Q.Q5_K if "attn_output" in name else Q.Q4_K
+    even = name.startswith("blk.") and int(name.split(".")[1]) % 2 == 0
+    if "attn_output" in name:
+        return Q.Q5_1 if even else Q.Q5_K
+    if "ffn_gate" in name or "ffn_up" in name:
+        return Q.Q5_0 if even else Q.Q4_K
+    return Q.Q4_K
 
 
 def test_native_kernels_read_k_quants(tiny_dir, tmp_path, monkeypatch):
-    """K-quant GGUF weights (Q4_K, Q5_K, Q6_K) keep their stored blocks under the native
-    kernels: every single-type matrix multiplies exactly as gguf's dequantizer reads it;
-    QKV, whose parts mix Q4_K and Q6_K, is requantized to Q8_0 (no loss below 6 bits)."""
+    """K-quant and 5-bit GGUF weights (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) keep their stored
+    blocks under the native kernels: every single-type matrix multiplies exactly as gguf's
+    dequantizer reads it; QKV, whose parts mix Q4_K and Q6_K, is requantized to Q8_0 (no
+    loss below 6 bits)."""
     from dflash_server import kernels
 
     src = tiny_dir("llama", hidden_size=256, intermediate_size=512, head_dim=64)
     meta = gguf_tokenizer_metadata_from_hf(src, pre=PRE["llama"])
     path = export_gguf(src, tmp_path / "k.gguf", "llama", meta, _kquants)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
-    assert {"Q4_K", "Q5_K", "Q6_K"} <= kinds
+    assert {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"} <= kinds
     dense = pipeline(path)
     monkeypatch.setenv("DFLASH_KERNELS", "1")
     assert kernels.load()
     native = pipeline(path, quantize=("int4", "int8"))
-    layer = native.stages[0].layers[0]
-    types = {name: m.qtype for name, m in layer.named_modules() if getattr(m, "mode", None) == "native"}
-    assert sorted(set(types.values())) == [8, 12, 13, 14], types  # Q8_0 (mixed QKV), Q4_K, Q5_K, Q6_K
+    types = {m.qtype for st in native.stages for m in st._linears()}
+    assert sorted(types) == [6, 7, 8, 12, 13, 14], types  # Q5_0, Q5_1, Q8_0 (mixed QKV), Q4_K, Q5_K, Q6_K
     pairs = list(zip((m for st in native.stages for m in st._linears()),
                      (m for st in dense.stages for m in st._linears())))
     assert {n.mode for n, _ in pairs} == {"native"}

@@ -14,7 +14,7 @@ from gguf.constants import GGMLQuantizationType
 from dflash_server import kernels
 from dflash_server.layers.linear import Linear
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,9 +13,10 @@ build) ``load()`` warns once and returns False; callers keep the
 aten path. The ops pick their instruction set at run time (AVX-512 VNNI, AVX-VNNI,
 AVX2+FMA, portable C++), all bit-identical.
 
-Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
-see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout ``qmm``
-reads; the K-quants repack in ``kquants.py``),
+Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout
+``qmm`` reads; Q5_0/Q5_1 and the K-quants repack in ``kquants.py``), ``decoder_layer``
+(``csrc/layer.cpp``: a Llama-style layer of a decode or verify block in one call),
 ``rms_norm(x, w, eps)`` (``csrc/norms.cpp``) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
 attention of a decode or verify block in one call).
@@ -42,9 +43,10 @@ HEADERS = ("ops.h",)
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
 # is fused behind our back, so the instruction-set builds round alike (fma only where written)
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-ffp-contract=off")
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml type ids the kernels read
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 values, repacked by kquants.py
-GROUP_BLOCK_BYTES = {2: 160, 3: 160, 8: 272, 12: 176, 13: 208, 14: 224}  # per block of 32, 8 rows
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml ids
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 values
+PY_REPACK = ("Q5_0", "Q5_1", *K_QUANTS)  # repacked by kquants.py (bit fields unpacked by vector ops)
+GROUP_BLOCK_BYTES = {2: 160, 3: 160, 6: 192, 7: 192, 8: 272, 12: 176, 13: 208, 14: 224}  # per block of 32, 8 rows
 ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni")
 
 _lock = threading.Lock()
@@ -226,7 +228,7 @@ def blocks_q8_0(weight: torch.Tensor) -> PackedRows:
 def repack(p: PackedRows, k: int) -> tuple[int, torch.Tensor]:
     """(qtype id, the layout ``qmm`` reads) of GGUF rows."""
     qtype = QTYPES[p.qtype]
-    if p.qtype in K_QUANTS:
+    if p.qtype in PY_REPACK:
         from .kquants import repack as repack_k
 
         return qtype, repack_k(p.qtype, p.rows, k)

@@ -1,4 +1,9 @@
-"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) -> the group layout ``dflash::qmm`` reads.
+"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) -> the group
+layout ``dflash::qmm`` reads.
+
+Q5_0 / Q5_1 blocks of 32 hold fp16 ``d`` (and ``m``), 32 fifth bits and 16 bytes of
+nibbles: ``w = d (q - 16)`` / ``w = d q + m``; they become the Q4_0/Q4_1 layout plus a plane
+of the fifth bits, with ``e = -16 d`` (exact in fp16, checked) / ``e = m``.
 
 A K-quant super-block holds 256 values: 8 sub-blocks of 32 with 6-bit scales (and mins)
 packed in 12 bytes under an fp16 ``d`` (and ``dmin``) for Q4_K/Q5_K, or 16 int8 scales (one
@@ -15,7 +20,7 @@ from __future__ import annotations
 import torch
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_0": 22, "Q5_1": 24}
 NR = 8  # output rows per group
 
 
@@ -33,6 +38,8 @@ def unpack(qtype: str, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, list[t
     """(codes (N, K) uint8 unsigned, per-block fields [(N, K/32, width) uint8, ...]) of GGUF
     K-quant rows (N, K/256 * block bytes)."""
     n = rows.shape[0]
+    if qtype in ("Q5_0", "Q5_1"):
+        return _unpack_q5(qtype, rows, k)
     if k % QK_K:
         raise ValueError(f"{qtype} rows must hold a multiple of 256 values, got {k}")
     nsb = k // QK_K
@@ -63,6 +70,25 @@ def unpack(qtype: str, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, list[t
     raise ValueError(f"not a K-quant type: {qtype}")
 
 
+def _unpack_q5(qtype: str, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    n, nb = rows.shape[0], k // 32
+    blk = rows.reshape(n, nb, BLOCK_BYTES[qtype])
+    d = blk[..., 0:2]
+    at = 2 if qtype == "Q5_0" else 4
+    qh = blk[..., at:at + 4].to(torch.int64)
+    bits = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # bit j: value j's bit 4
+    hi = ((bits[..., None] >> torch.arange(32)) & 1).to(torch.uint8)
+    qs = blk[..., at + 4:at + 20]
+    codes = (torch.cat([qs & 0xF, qs >> 4], dim=-1) | (hi << 4)).reshape(n, k)
+    if qtype == "Q5_1":
+        return codes, [d, blk[..., 2:4]]
+    d16 = d.contiguous().view(torch.float16)  # (n, nb, 1)
+    e = (d16.float() * -16).to(torch.float16)
+    if not torch.equal(e.float(), d16.float() * -16):
+        raise RuntimeError("a Q5_0 scale does not fit the fp16 offset")
+    return codes, [d, e.view(torch.uint8)]
+
+
 def _planes(codes: torch.Tensor, bit: int) -> torch.Tensor:
     """(G, 8, nb, 32) codes -> (G, nb, 32) plane: byte (r, i) holds bit ``bit`` of value
     4c + i of row r in its bit c."""
@@ -73,7 +99,7 @@ def _planes(codes: torch.Tensor, bit: int) -> torch.Tensor:
 
 
 def repack(qtype: str, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """GGUF K-quant rows (N, bytes per row) -> the group layout (groups, K/32 * group block bytes)."""
+    """GGUF Q5_0 / Q5_1 / K-quant rows (N, bytes per row) -> the group layout (groups, K/32 * group block bytes)."""
     codes, fields = unpack(qtype, rows, k)
     n = codes.shape[0]
     pad = (-n) % NR
@@ -85,7 +111,7 @@ def repack(qtype: str, rows: torch.Tensor, k: int) -> torch.Tensor:
     low = c & 0xF
     nib = (low[..., :16] | (low[..., 16:] << 4)).reshape(g, NR, nb, 4, 4)  # chunk c < 4: values 4c.., 16+4c..
     out = [nib.permute(0, 2, 3, 1, 4).reshape(g, nb, 128)]
-    if qtype in ("Q5_K", "Q6_K"):
+    if qtype in ("Q5_0", "Q5_1", "Q5_K", "Q6_K"):
         out.append(_planes(c, 4))
     if qtype == "Q6_K":
         out.append(_planes(c, 5))

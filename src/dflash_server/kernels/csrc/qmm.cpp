@@ -1,6 +1,6 @@
 // Quantized matmul for 1..64 (or more) rows on GGUF block formats: y = x @ W^T.
 //
-// Weights stay in their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked once at
+// Weights stay in their GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked once at
 // load (losslessly) so that one vector instruction works on 8 output rows at once: rows are
 // taken 8 at a time (a "group", the last one padded with zero rows) and, per block of 32
 // values, the codes are interleaved in 4-value chunks (chunk c of rows 0..7 = 32 bytes),
@@ -10,6 +10,7 @@
 //
 // Per block b of one (row m, output n):  sum_i w_i x_i  ~=  dw * dx * dot + e * (dx * sx)
 //   Q4_0: w = dw * (q - 8) -> e = -8 dw     Q4_1: w = dw * q + m -> e = m     Q8_0: w = dw * q, e = 0
+//   Q5_0, Q5_1: as Q4_0 (e = -16 dw), Q4_1
 //   Q4_K, Q5_K: dw = d * sc, e = -dmin * m   Q6_K: two half blocks, each dw = d * sc, codes q - 32
 //   dot = sum_i q_i xq_i (exact int32; Q8_0 codes signed), sx = sum_i xq_i
 //
@@ -40,10 +41,11 @@ namespace {
 
 constexpr int QK = 32;  // values per block
 constexpr int NR = 8;   // output rows per group
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml ids
 
 // How a group's block is laid out and scaled (the kernels' view of the GGUF types):
 //   Q4:  Q4_0 / Q4_1        codes 128 | d f16 x8 | e f16 x8                          w = d q + e
+//   Q5:  Q5_0 / Q5_1        as Q4 with a plane of the codes' bit 4 (32 bytes) after the codes
 //   Q8:  Q8_0               codes 256 (signed) | d f16 x8                           w = d q
 //   Q4K: Q4_K               codes 128 | d f16 x8 | dmin f16 x8 | sc u8 x8 | m u8 x8  w = (d sc) q - (dmin m)
 //   Q5K: Q5_K               as Q4K with a plane of the codes' bit 4 (32 bytes) after the codes
@@ -53,25 +55,29 @@ enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K 
 // weights are read exactly as GGUF stores them (the super-block's d, dmin and the 6-bit
 // sub-block scales are unpacked at load: Python's kernels.kquants).
 // A plane byte (r, i) of chunk c holds, in its bit c, that bit of row r's value 4c + i.
-enum class Kind { Q4, Q8, Q4K, Q5K, Q6K };
+enum class Kind { Q4, Q5, Q8, Q4K, Q5K, Q6K };
 
 Kind kind_of(int64_t t) {
   switch (t) {
     case Q4_0: case Q4_1: return Kind::Q4;
+    case Q5_0: case Q5_1: return Kind::Q5;
     case Q8_0: return Kind::Q8;
     case Q4_K: return Kind::Q4K;
     case Q5_K: return Kind::Q5K;
     default: return Kind::Q6K;
   }
 }
-bool known_type(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K; }
+bool known_type(int64_t t) {
+  return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
+}
 
 constexpr int64_t block_bytes(Kind k) {
-  return k == Kind::Q4 ? 160 : k == Kind::Q8 ? 272 : k == Kind::Q4K ? 176 : k == Kind::Q5K ? 208 : 224;
+  return k == Kind::Q4 ? 160 : k == Kind::Q5 ? 192 : k == Kind::Q8 ? 272 : k == Kind::Q4K ? 176 : k == Kind::Q5K ? 208 : 224;
 }
-constexpr int64_t plane_bytes(Kind k) { return k == Kind::Q5K ? 32 : (k == Kind::Q6K ? 64 : 0); }
+constexpr int64_t plane_bytes(Kind k) { return k == Kind::Q5K || k == Kind::Q5 ? 32 : (k == Kind::Q6K ? 64 : 0); }
 constexpr int64_t scales_at(Kind k) { return (k == Kind::Q8 ? NR * QK : NR * 16) + plane_bytes(k); }
-constexpr bool has_offset(Kind k) { return k == Kind::Q4 || k == Kind::Q4K || k == Kind::Q5K; }
+constexpr bool has_offset(Kind k) { return k == Kind::Q4 || k == Kind::Q5 || k == Kind::Q4K || k == Kind::Q5K; }
+constexpr bool has_plane4(Kind k) { return k == Kind::Q5 || k == Kind::Q5K || k == Kind::Q6K; }
 
 int64_t group_block_bytes(int64_t qtype) { return block_bytes(kind_of(qtype)); }
 int64_t groups(int64_t n) { return (n + NR - 1) / NR; }
@@ -135,7 +141,7 @@ int32_t code(const uint8_t* blk, int r, int c, int i) {
   if (K == Kind::Q8) return static_cast<int8_t>(blk[c * 32 + r * 4 + i]);
   const uint8_t byte = blk[(c % 4) * 32 + r * 4 + i];
   int32_t w = c < 4 ? (byte & 0x0F) : (byte >> 4);
-  if (K == Kind::Q5K || K == Kind::Q6K) w |= ((blk[NR * 16 + r * 4 + i] >> c) & 1) << 4;
+  if (has_plane4(K)) w |= ((blk[NR * 16 + r * 4 + i] >> c) & 1) << 4;
   if (K == Kind::Q6K) w |= ((blk[NR * 16 + 32 + r * 4 + i] >> c) & 1) << 5;
   return w;
 }
@@ -163,7 +169,7 @@ void group_portable(const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, 
           continue;
         }
         float dw = h2f(d[r]), ew = 0.f;
-        if (K == Kind::Q4) ew = h2f(d[NR + r]);
+        if (K == Kind::Q4 || K == Kind::Q5) ew = h2f(d[NR + r]);
         if (K == Kind::Q4K || K == Kind::Q5K) {
           dw = dw * static_cast<float>(sm[r]);
           ew = -(h2f(d[NR + r]) * static_cast<float>(sm[NR + r]));
@@ -228,7 +234,7 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
         wv[c] = _mm256_and_si256(q, low4);                                                           \
         wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);                                 \
       }                                                                                              \
-      if (K == Kind::Q5K || K == Kind::Q6K) {                                                        \
+      if (has_plane4(K)) {                                                                           \
         const __m256i h4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16));     \
         for (int c = 0; c < 8; ++c) wv[c] = _mm256_or_si256(wv[c], DFLASH_PLANE_BIT(h4, c, 4));     \
       }                                                                                              \
@@ -248,7 +254,7 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
     const uint8_t* sp = blk + scales_at(K);                                                          \
     const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));        \
     __m256 dw = dh, dw2 = dh, ew = _mm256_setzero_ps();                                              \
-    if (K == Kind::Q4) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
+    if (K == Kind::Q4 || K == Kind::Q5) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
     if (K == Kind::Q4K || K == Kind::Q5K) {                                                          \
       dw = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));                                                 \
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
@@ -343,6 +349,7 @@ void group(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, 
 void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
   switch (kind) {
     case Kind::Q4: return group<Kind::Q4>(isa, g, k, a, m_rows, out);
+    case Kind::Q5: return group<Kind::Q5>(isa, g, k, a, m_rows, out);
     case Kind::Q8: return group<Kind::Q8>(isa, g, k, a, m_rows, out);
     case Kind::Q4K: return group<Kind::Q4K>(isa, g, k, a, m_rows, out);
     case Kind::Q5K: return group<Kind::Q5K>(isa, g, k, a, m_rows, out);
@@ -441,7 +448,7 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
 // vector ops
 at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dflash::repack: unsupported block type ", qtype,
-              " (K-quants: kernels.kquants)");
+              " (Q5_0, Q5_1 and the K-quants: kernels.kquants)");
   TORCH_CHECK(k > 0 && k % QK == 0 && n > 0, "dflash::repack: K must be a positive multiple of 32, got ", k);
   const int64_t nb = k / QK, ng = groups(n), gb = group_block_bytes(qtype);
   const int64_t bsize = qtype == Q4_0 ? 18 : (qtype == Q4_1 ? 20 : 34);
