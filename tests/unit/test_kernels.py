@@ -288,7 +288,7 @@ def test_attention_step_refuses_positions_past_the_cache():
 def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
     """dflash::decoder_layer (a whole Llama layer in one call) gives bit-identical logits to
     the same layers run op by op, for prefill, verify blocks and one-row steps; qwen3's
-    q/k norms keep the per-op path."""
+    q/k norms go through it too."""
     from dflash_server.layers.decoder import DecoderLayer
 
     from helpers.build import pipeline, prompt_ids
@@ -308,7 +308,7 @@ def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
         out += [pipe.forward([t], 48 + i, logits="all").logits for i, t in enumerate(ids[48:52])]
         return torch.cat(out)
 
-    for family, fused in (("llama", True), ("qwen3", False)):
+    for family, fused in (("llama", True), ("qwen3", True)):
         pipe = pipeline(tiny_dir(family), dtype=torch.bfloat16, quantize="int4")
         ids = prompt_ids(pipe, 52)
         monkeypatch.setattr(DecoderLayer, "_native_layer", counting)
@@ -318,3 +318,35 @@ def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
         monkeypatch.setattr(DecoderLayer, "_native_layer", lambda self: False)
         b = run(pipe, ids)
         assert torch.equal(a, b), family
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_step_with_qk_norms(dtype):
+    """Qwen3's per-head q/k RMSNorm before RoPE, inside the fused step: equal to normalizing
+    q and k first, row-invariant, and refused half-given or of the wrong width."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, max_ctx, start, T, eps = 4, 2, 32, 64, 11, 6, 1e-6
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    cos, sin = table.rows(start, T)
+    qkv = (torch.randn(1, T, (nh + 2 * nkv) * hd) * 3).to(dtype)
+    qn, kn = torch.rand(hd) + 0.5, torch.rand(hd) + 0.5
+    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    heads = qkv.double().view(1, T, nh + 2 * nkv, hd)
+    normed = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)
+    normed[:, :, :nh] *= qn.double()
+    normed[:, :, nh:nh + nkv] *= kn.double()
+    normed[:, :, nh + nkv:] = heads[:, :, nh + nkv:]
+    ref, rk, _ = _attention_reference(normed.reshape(1, T, -1), cos, sin, kc, vc, start, nh, nkv, hd ** -0.5)
+    k1, v1 = kc.clone(), vc.clone()
+    out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5, q_norm=qn, k_norm=kn,
+                                          norm_eps=eps)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out.double() - ref).abs().max().item() < tol and (k1.double() - rk).abs().max().item() < tol
+    k2, v2 = kc.clone(), vc.clone()
+    rows = [torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k2, v2, start + t, nh, nkv,
+                                            hd ** -0.5, q_norm=qn, k_norm=kn, norm_eps=eps) for t in range(T)]
+    assert torch.equal(torch.cat(rows, dim=1), out) and torch.equal(k2, k1)
+    for bad in ({"q_norm": qn}, {"q_norm": qn, "k_norm": kn[:16]}):
+        with pytest.raises(RuntimeError):
+            torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5, **bad)

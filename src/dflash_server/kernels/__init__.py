@@ -160,11 +160,12 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape)  # contiguous, as the op returns
 
     @torch.library.register_fake("dflash::attention_step")
-    def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False):
+    def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False, q_norm=None,
+                             k_norm=None, norm_eps=1e-6):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_cache.shape[-1]))
 
     @torch.library.register_fake("dflash::decoder_layer")
-    def _decoder_layer_fake(x, *args):
+    def _decoder_layer_fake(x, *args, **kwargs):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("dflash::repack")

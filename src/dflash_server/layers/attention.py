@@ -57,8 +57,13 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim ** -0.5
         # the fused C++ step (RoPE + KV write + attention) for plain attention on the CPU,
         # where the native kernels are on (kernels.attention_step)
-        self.native = (o.device.type == "cpu" and not output_gate and q_norm is None and window is None
+        norms_ok = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps
+                                      and q_norm.weight.shape == k_norm.weight.shape == (head_dim,))
+        self.native = (o.device.type == "cpu" and not output_gate and norms_ok and window is None
                        and head_dim % 8 == 0 and kernels.enabled() and kernels.load())
+        # the per-head q/k norms (Qwen3) as the native step takes them
+        self.native_norms = {} if q_norm is None else {"q_norm": q_norm.weight, "k_norm": k_norm.weight,
+                                                       "norm_eps": q_norm.eps}
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState:
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
@@ -83,7 +88,7 @@ class Attention(nn.Module):
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32()
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
-                                                  self.nkv, self.scale)
+                                                  self.nkv, self.scale, **self.native_norms)
             return self.o(out)
         gate = None
         if self.output_gate:

@@ -24,8 +24,8 @@ class DecoderLayer(nn.Module):
         return self.mixer.new_state(max_ctx, device, dtype, batch)
 
     def _native_layer(self) -> bool:
-        """Whether the whole layer can run as one ``dflash::decoder_layer`` call: Llama-style
-        attention and SwiGLU, every linear on the native kernels without bias."""
+        """Whether the whole layer can run as one ``dflash::decoder_layer`` call: Llama- or
+        Qwen3-style attention and SwiGLU, every linear on the native kernels without bias."""
         m, f = self.mixer, self.mlp
         return (isinstance(m, Attention) and m.native and isinstance(f, SwiGLU) and self.input_norm.native
                 and self.post_norm.native and all(lin.mode == "native" and lin.bias is None
@@ -40,6 +40,6 @@ class DecoderLayer(nn.Module):
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
-                f.down.weight, f.down.qtype)
+                f.down.weight, f.down.qtype, **m.native_norms)
         x = x + self.mixer(self.input_norm(x), ctx, state)
         return x + self.mlp(self.post_norm(x))

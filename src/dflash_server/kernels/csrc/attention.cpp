@@ -1,5 +1,5 @@
 // One attention step over a position-addressed KV cache, fused: split the fused QKV
-// projection, rotate q and k (NeoX half rotation, full or partial), write k and v at rows
+// projection, normalize q and k per head where the family does (Qwen3), rotate q and k (NeoX half rotation, full or partial), write k and v at rows
 // [start, start + T) of the fp32 caches, and attend causally (query t sees keys
 // [0, start + t]) with grouped-query heads. For decode and verify blocks (a few rows);
 // prefill keeps aten's flash attention.
@@ -53,7 +53,25 @@ DFLASH_INLINE float exp_neg(float x) {
 struct Geometry {
   int64_t T, nh, nkv, hd, rot, start, max_ctx;
   float scale;
+  const float* q_norm;  // (hd) per-head RMSNorm weights of q and k before RoPE (Qwen3), or null
+  const float* k_norm;
+  float norm_eps;
 };
+
+// a head's RMSNorm (sum of squares in index order), rounded back to the input's dtype as the
+// per-op path's norm output is; then it rotates like any head
+template <typename T>
+DFLASH_INLINE const T* head_norm(const T* src, const float* w, float eps, int64_t hd, T* tmp) {
+  if (w == nullptr) return src;
+  float ss = 0.f;
+  for (int64_t i = 0; i < hd; ++i) {
+    const float v = static_cast<float>(src[i]);
+    ss = std::fma(v, v, ss);
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(hd) + eps);
+  for (int64_t i = 0; i < hd; ++i) tmp[i] = static_cast<T>(static_cast<float>(src[i]) * inv * w[i]);
+  return tmp;
+}
 
 template <typename T>
 DFLASH_INLINE void rotate(const T* src, const float* cos, const float* sin, int64_t hd, int64_t rot, float* dst) {
@@ -130,7 +148,9 @@ DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
     const T* row = s.qkv + t * s.width();
     float* kd = s.kc + (h * g.max_ctx + g.start + t) * g.hd;
     float* vd = s.vc + (h * g.max_ctx + g.start + t) * g.hd;
-    rotate(row + s.qdim() + h * g.hd, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, kd);
+    std::vector<T> tmp(g.k_norm ? g.hd : 0);
+    rotate(head_norm(row + s.qdim() + h * g.hd, g.k_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
+           s.sin + t * g.rot, g.hd, g.rot, kd);
     const T* vs = row + s.qdim() + kvdim + h * g.hd;
     for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
   }
@@ -144,7 +164,9 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   float* scores = scratch;
   float* q = scratch + g.start + g.T;
   float* o = q + g.hd;
-  rotate(s.qkv + t * s.width() + h * g.hd, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, q);
+  std::vector<T> tmp(g.q_norm ? g.hd : 0);
+  rotate(head_norm(s.qkv + t * s.width() + h * g.hd, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
+         s.sin + t * g.rot, g.hd, g.rot, q);
   attend_row(q, s.kc + kvh * g.max_ctx * g.hd, s.vc + kvh * g.max_ctx * g.hd, g.start + t + 1, g.hd, g.scale,
              scores, o);
   T* dst = s.out + t * s.qdim() + h * g.hd;
@@ -182,7 +204,8 @@ bool avx2() {
 
 at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
-                          double scale, bool portable) {
+                          double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
+                          const c10::optional<at::Tensor>& k_norm, double norm_eps) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
@@ -190,8 +213,17 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
               "dflash::attention_step: caches must be contiguous fp32 (1, nkv, max_ctx, head_dim)");
   TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "dflash::attention_step: bad head counts");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "dflash::attention_step: q_norm and k_norm go together");
+  at::Tensor qn, kn;
+  if (q_norm.has_value()) {
+    qn = q_norm->to(at::kFloat).contiguous();
+    kn = k_norm->to(at::kFloat).contiguous();
+    TORCH_CHECK(qn.dim() == 1 && qn.size(0) == k_cache.size(3) && kn.sizes() == qn.sizes(),
+                "dflash::attention_step: q_norm / k_norm must be (head_dim)");
+  }
   Geometry g{qkv_in.size(1), nh, nkv, k_cache.size(3), cos_in.size(-1), start, k_cache.size(2),
-             static_cast<float>(scale)};
+             static_cast<float>(scale), qn.defined() ? qn.data_ptr<float>() : nullptr,
+             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps)};
   TORCH_CHECK(g.hd % 8 == 0 && g.rot % 2 == 0 && g.rot <= g.hd, "dflash::attention_step: head_dim must be a "
               "multiple of 8 and the rotary width even and at most head_dim");
   TORCH_CHECK(qkv_in.size(2) == (nh + 2 * nkv) * g.hd, "dflash::attention_step: qkv width does not match heads");
@@ -224,14 +256,17 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
 
 namespace dflash {
 at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                             at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable) {
-  return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable);
+                             at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable,
+                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                             double norm_eps) {
+  return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps);
 }
 }  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
-        "int nh, int nkv, float scale, bool portable=False) -> Tensor");
+        "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float norm_eps=1e-6) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
