@@ -1,12 +1,12 @@
-"""`serve --native-kernels`: /props says which kernels run; answers are the same streamed
-or not; a kernel cache that cannot be written means one warning and the aten path, never a
-failed start."""
+"""`serve --kernels native|aten`: /props says which kernels run; answers are the same
+streamed or not; a kernel cache that cannot be written means one warning and the aten path,
+never a failed start."""
 import httpx
 
 from .serverproc import ServerProc
 
 ARGS = ("--dtype", "bf16", "--quantize", "int4", "--max-ctx", "512", "--threads", "1", "--model-name", "tiny",
-        "--native-kernels")
+        "--kernels", "native")
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 12,
         "temperature": 0}
 
@@ -42,3 +42,12 @@ def test_unusable_kernel_cache_falls_back(tiny_dir, tmp_path):
         assert plain and plain == streamed
         out = srv.output()
     assert out.count("native kernels unavailable") == 1
+
+
+def test_kernels_aten_opts_out(tiny_dir):
+    args = tuple(a for a in ARGS if a not in ("--kernels", "native")) + ("--kernels", "aten")
+    with ServerProc("--model", str(tiny_dir("llama")), *args) as srv:
+        k = httpx.get(srv.url + "/props").json()["runtime"]["kernels"]
+        assert not k["enabled"] and not k["native"]
+        plain, streamed = _answers(srv.url)
+        assert plain and plain == streamed
