@@ -102,14 +102,17 @@ def _mode_for(gguf_type: str | None) -> str:
     return "int4" if gguf_type.startswith("Q4") else "int8"
 
 
-def quantize_plan(source, flag: str, cpu_bf16: bool) -> tuple[str, str]:
-    """(layers mode, LM head mode). ``auto`` keeps a quantized GGUF quantized on CPU: the
-    layers follow the majority type of layer 0's weights, the head its own stored type."""
+def quantize_plan(source, flag: str, cpu_bf16: bool, cuda: bool = False) -> tuple[str, str]:
+    """(layers mode, LM head mode). ``auto`` keeps a quantized GGUF quantized on CPU (bf16)
+    and on CUDA GPUs (``cuda``: every shard on one, bf16/fp16): the layers follow the majority
+    type of layer 0's weights, the head its own stored type (never below 8 bits). On a GPU
+    4-bit layers run aten's int4 kernel, others stay int8 in memory (dequantized per call):
+    a GGUF no longer grows to bf16 there."""
     if flag == "none":
         return ("dense", "dense")
     if flag in ("int8", "int4"):
         return (flag, "int8")  # the LM head is the most sensitive matrix: keep it at 8 bits
-    if not cpu_bf16 or source.format != "gguf":
+    if not (cpu_bf16 or cuda) or source.format != "gguf":
         return ("dense", "dense")
     names = [n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -163,9 +166,11 @@ def load_engine(args, progress: bool = True):
     # with rows while bf16 GEMM's grows slowly, but measured on the 2-core dev CPU int4 still
     # wins up to ~8-16 rows (gate_up at 8 rows: int4 174 us vs bf16 219 us; LM head 2.7 ms
     # vs 4.5 ms), so `auto` quantizes with a draft too.
-    quantize = quantize_plan(source, args.quantize, all(s.device.removeprefix("remote:") == "cpu" for s in shards) and
-                             dtype == torch.bfloat16)
+    kinds = {s.device.removeprefix("remote:").split(":")[0] for s in shards}
+    quantize = quantize_plan(source, args.quantize, kinds == {"cpu"} and dtype == torch.bfloat16,
+                             cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
     kvflash = kvflash_config(args)
+    check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
                                   progress=progress, remote=remote_options(args, shards), threads=args.threads,
@@ -189,6 +194,24 @@ def load_engine(args, progress: bool = True):
                     prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval)
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
+
+
+def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bool) -> None:
+    """Print what each device will hold and stop before loading when a GPU cannot hold its
+    share (``runtime.memory``). A KV Flash pool counts at its size (``auto``: its minimum;
+    it grows into what is free)."""
+    import sys
+
+    from ..runtime.memory import check_fits, estimate, gpu_free
+
+    kv_tokens = kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
+    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens)
+    if progress:
+        print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
+    try:
+        check_fits(needs, gpu_free(needs))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def kvflash_config(args):

@@ -57,6 +57,35 @@ def int4_supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[0] % 16 == 0 and weight.shape[1] % INT4_GROUP == 0
 
 
+def cuda_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The int4 weight in the layout of aten's CUDA kernel (``_weight_int4pack_mm``,
+    "tinygemm": (q - 8) * scale + zero per 32, bf16 scales), or None where that kernel
+    cannot take it (shape rules, no such kernel in this torch build). Self-checked at load:
+    the packed weight must multiply a probe like the dequantized one (the nibble order of
+    the packing input differs between torch versions, so both are tried); an int4 weight
+    that fails the check stays int8 rather than wrong."""
+    n, k = weight.shape
+    if weight.device.type != "cuda" or n % 8 or k % 128:
+        return None
+    q, sz = quantize_int4(weight)
+    deq = ((q.reshape(n, k // INT4_GROUP, INT4_GROUP) - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None])
+    x = torch.randn(4, k, device=weight.device, generator=torch.Generator(weight.device).manual_seed(0))
+    x = x.to(torch.bfloat16)
+    ref = x.float() @ deq.reshape(n, k).T
+    sz16 = sz.to(torch.bfloat16)
+    for hi, lo in ((q[:, ::2], q[:, 1::2]), (q[:, 1::2], q[:, ::2])):
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack(((hi << 4) | lo).to(torch.uint8).contiguous(), 8)
+            y = torch.ops.aten._weight_int4pack_mm(x, packed, INT4_GROUP, sz16).float()
+        except (RuntimeError, NotImplementedError) as e:
+            log.warning("int4 on %s unavailable (%s); int8 instead", weight.device, str(e).splitlines()[0])
+            return None
+        if ((y - ref).norm() / ref.norm().clamp(min=1e-6)).item() < 2e-2:
+            return packed, sz16
+    log.warning("int4 on %s: the packed weight failed its check; int8 instead", weight.device)
+    return None
+
+
 def _cat_packed(parts):
     """The parts' stored blocks stacked; None if one has none. Parts stored in different
     types (a Q4_K_M file keeps some V projections in Q6_K) cannot share one layout: the
@@ -85,7 +114,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.scales: torch.Tensor | None = None
-        self.mode = "dense"  # | "int8" | "int4" | "native" (dflash::qmm on GGUF blocks)
+        self.mode = "dense"  # | "int8" | "int4" | "int4-cuda" | "native" (dflash::qmm on GGUF blocks)
         self.out_features, self.in_features = weight.shape
 
     @classmethod
@@ -121,6 +150,11 @@ class Linear(nn.Module):
                 self.weight = nn.Parameter(blocks, requires_grad=False)
                 self.mode = "native"
                 return
+        if mode == "int4" and self.weight.device.type == "cuda" and (got := cuda_int4(self.weight)) is not None:
+            self.weight = nn.Parameter(got[0], requires_grad=False)
+            self.scales = got[1]
+            self.mode = "int4-cuda"
+            return
         if mode == "int4" and int4_supported(self.weight):
             q, sz = quantize_int4(self.weight)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -146,6 +180,9 @@ class Linear(nn.Module):
             y = torch.ops.dflash.qmm(x2, self.weight, self.qtype, self.out_features, self.in_features)
         elif self.mode == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, INT4_GROUP, self.scales)
+        elif self.mode == "int4-cuda":  # the kernel takes bf16 activations only
+            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.weight, INT4_GROUP,
+                                                   self.scales).to(x2.dtype)
         elif x2.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # no fused kernel assumed elsewhere: dequantize on the fly

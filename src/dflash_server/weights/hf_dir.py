@@ -70,6 +70,10 @@ class SafetensorsDir:
     def has(self, name: str) -> bool:
         return name in self._files
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape, from the safetensors headers (nothing is read)."""
+        return {n: tuple(self._handles[f].get_slice(self._raw_names[n]).get_shape()) for n, f in self._files.items()}
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._files:
             raise ModelLoadError(f"{self.path}: weight {name!r} is missing")

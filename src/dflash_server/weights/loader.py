@@ -74,6 +74,13 @@ class ModelSource:
             rows = rows[(first[:, 0] // k).long().numpy()]
         return PackedRows(qtype, torch.from_numpy(np.array(rows)))
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor's shape by its name in the file (GGUF or HF names), for memory
+        estimates before anything is loaded."""
+        if self.format == "gguf":
+            return {n: t.shape for n, t in self._backend.tensors.items()}
+        return self._backend.shapes()
+
     def source_type(self, name: str) -> str | None:
         """The stored GGUF quantization type of a weight (None for HF safetensors)."""
         if self.format != "gguf":

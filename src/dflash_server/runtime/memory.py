@@ -1,0 +1,111 @@
+"""Memory a placement needs, estimated before loading: weights (in the mode each matrix
+will have: dense, int8 or int4) and preallocated attention KV, per device. Printed at load;
+a GPU that cannot hold its share stops start-up with the numbers and what to change,
+instead of an out-of-memory error halfway through loading.
+
+Estimated from the stored tensors' shapes and the config (nothing is read): layer matrices
+at the layers' mode, the LM head at the head's mode (a tied head is a quantized copy of the
+embedding), everything else (embedding, norms, convolutions, biases) dense. int8 is one
+byte per weight plus a scale per row; int4 half a byte plus a scale and an offset per 32;
+the CPU's native kernels store GGUF blocks (4.5-8.5 bits) and come close to these.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+GPU_RESERVE = 3 << 29  # 1.5 GiB kept free on a GPU: CUDA context, activations, allocator slack
+_LAYER = re.compile(r"(?:^|\.)(?:blk|layers)\.(\d+)\.")
+_HEADS = ("lm_head.weight", "output.weight")
+_EMBEDS = ("model.embed_tokens.weight", "token_embd.weight")
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    device: str
+    weights: int  # bytes
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+    def describe(self) -> str:
+        return f"{self.device}: weights {self.weights / GIB:.2f} GiB + KV {self.kv / GIB:.2f} GiB"
+
+
+def matrix_bytes(shape: tuple[int, ...], mode: str, elt: int) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    if mode == "int8" and len(shape) == 2:
+        return n + shape[0] * elt
+    if mode == "int4" and len(shape) == 2 and shape[-1] % 32 == 0:
+        return n // 2 + (n // 32) * 2 * elt
+    return n * elt
+
+
+def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and shape[-1] % 32 == 0 and "norm" not in name and "conv" not in name
+
+
+def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_tokens: int | None = None) -> list[DeviceNeed]:
+    """Per shard (in order): bytes of its weights and of its preallocated attention KV.
+    ``kv_tokens``: KV rows per layer when a KV Flash pool bounds them (else ``max_ctx``)."""
+    cfg = source.config
+    layer_mode, head_mode = (quantize, quantize) if isinstance(quantize, str) else quantize
+    elt = torch.empty((), dtype=dtype).element_size()
+    shapes = source.tensor_shapes()
+    tied = not any(h in shapes for h in _HEADS)
+    out = []
+    for k, sh in enumerate(shards):
+        first, last = k == 0, k == len(shards) - 1
+        weights = 0
+        for name, shape in shapes.items():
+            m = _LAYER.search(name)
+            if m is not None:
+                if sh.begin <= int(m.group(1)) < sh.end:
+                    weights += matrix_bytes(shape, layer_mode if _is_matrix(name, shape) else "dense", elt)
+            elif name in _HEADS:
+                weights += matrix_bytes(shape, head_mode, elt) if last else 0
+            elif name in _EMBEDS:
+                weights += (matrix_bytes(shape, "dense", elt) if first else 0) + \
+                    (matrix_bytes(shape, head_mode, elt) if last and tied else 0)
+            elif last:  # the final norm and other top-level tensors
+                weights += matrix_bytes(shape, "dense", elt)
+        device = sh.device.removeprefix("remote:")
+        kv_elt = 4 if device == "cpu" else elt  # attention KV is fp32 on a CPU (faster there)
+        attn = sum(1 for t in cfg.layer_types[sh.begin:sh.end] if t != "linear_attention")
+        kv = attn * 2 * cfg.num_kv_heads * cfg.head_dim * (kv_tokens or max_ctx) * kv_elt
+        out.append(DeviceNeed(sh.device, weights, kv))
+    return out
+
+
+def check_fits(needs: list[DeviceNeed], free: dict[str, int]) -> None:
+    """Raise ValueError (with the numbers and the ways out) when a GPU's share does not fit
+    its free memory less a reserve. ``free``: free bytes per local GPU device name."""
+    per_device: dict[str, int] = {}
+    for n in needs:
+        if n.device in free:
+            per_device[n.device] = per_device.get(n.device, 0) + n.total
+    for dev, need in per_device.items():
+        room = free[dev] - GPU_RESERVE
+        if need > room:
+            parts = "; ".join(n.describe() for n in needs if n.device == dev)
+            raise ValueError(
+                f"the model does not fit on {dev}: it needs ~{need / GIB:.1f} GiB ({parts}) but "
+                f"{free[dev] / GIB:.1f} GiB is free and {GPU_RESERVE / GIB:.1f} GiB stays in reserve; use a "
+                f"smaller --max-ctx, --kvflash auto (bounded KV), --quantize int4, or split the layers over "
+                f"more devices (--target-devices cuda:0,cuda:1 or cuda:0,cpu)")
+
+
+def gpu_free(needs: list[DeviceNeed]) -> dict[str, int]:
+    """Free memory of each local CUDA device among the needs."""
+    out = {}
+    for n in needs:
+        if n.device.startswith("cuda") and n.device not in out:
+            out[n.device] = torch.cuda.mem_get_info(torch.device(n.device))[0]
+    return out
