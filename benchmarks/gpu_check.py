@@ -1,0 +1,94 @@
+"""The GPU check: every capability once on a device, through the real CLI, with the
+equivalences that must hold there too. Run by ``benchmarks/gpu_check.sh`` on a machine with
+a GPU (it also runs on ``--device cpu``, which is how it is tried where there is none).
+
+    python benchmarks/gpu_check.py [--device cuda] [--max-tokens 64] [--out FILE]
+
+Checks (each one `dflash-server generate --json` in a fresh process, the built-in model,
+greedy): decode dense (`--quantize none`) and quantized (`auto`: on CUDA the GGUF's 4-bit
+layers through aten's int4 kernel), DFlash with the shipped draft == plain, an in-process
+split device + cpu == unsplit, the disk prefix cache (a second process restores what the
+first wrote: == the first's text, and less prefill), KV Flash (`--kvflash auto`) == plain.
+A failing check is recorded (return code, the end of stderr) and the rest still run.
+Writes JSON (default ``$OUT/gpu_check.json``, else ``benchmarks/results/gpu_check.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Name the capital of France, then list three facts about it."
+
+
+def run(device: str, max_tokens: int, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "dflash_server", "generate", "--json", "--device", device, "--chat", PROMPT,
+           "--max-tokens", str(max_tokens), "--ignore-eos", *extra]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    out = {"args": list(extra), "rc": r.returncode, "wall_s": round(time.perf_counter() - t, 2),
+           "memory_line": next((ln for ln in r.stderr.splitlines() if "memory estimate" in ln), None)}
+    if r.returncode != 0:
+        out["stderr_tail"] = r.stderr[-3000:]
+        return out
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    out.update(text=res.get("text"), token_ids=res.get("token_ids"), timings=res.get("timings"),
+               spec=res.get("spec") or res.get("extra", {}).get("spec"))
+    return out
+
+
+def same(a: dict, b: dict) -> bool | None:
+    if a.get("rc") or b.get("rc"):
+        return None
+    return a.get("token_ids") == b.get("token_ids")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else \
+        ROOT / "benchmarks" / "results" / "gpu_check.json"
+    ap.add_argument("--out", default=str(default_out))
+    args = ap.parse_args()
+    dev, n = args.device, args.max_tokens
+    checks: dict[str, dict] = {}
+    checks["decode_quantized"] = run(dev, n)
+    checks["decode_dense"] = run(dev, n, "--quantize", "none")
+    checks["dflash"] = run(dev, n, "--draft", "default")
+    checks["split"] = run(dev, n, "--target-devices", f"{dev},cpu") if dev != "cpu" else \
+        run(dev, n, "--target-devices", "cpu,cpu")
+    with tempfile.TemporaryDirectory() as cache:
+        checks["prefix_cache_write"] = run(dev, n, "--kv-cache-dir", cache)
+        checks["prefix_cache_restore"] = run(dev, n, "--kv-cache-dir", cache)
+    checks["kvflash"] = run(dev, n, "--kvflash", "auto")
+    base = checks["decode_quantized"]
+    equal = {"dflash == plain": same(checks["dflash"], base),
+             "split == unsplit": same(checks["split"], base),
+             "restart from disk == first run": same(checks["prefix_cache_restore"], checks["prefix_cache_write"]),
+             "kvflash == plain": same(checks["kvflash"], base)}
+    summary = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
+               "gpu": torch.cuda.get_device_name(0) if dev.startswith("cuda") and torch.cuda.is_available() else None,
+               "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"), "max_tokens": n,
+               "failed": [k for k, v in checks.items() if v.get("rc")], "equal": equal, "checks": checks}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    for k, v in checks.items():
+        tm = v.get("timings") or {}
+        print(f"{k:24s} rc={v['rc']} decode_tok_s={tm.get('decode_tokens_per_s')} "
+              f"prefill_s={tm.get('prefill_s')}")
+    print(json.dumps(equal))
+    sys.exit(1 if summary["failed"] or any(v is False for v in equal.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
