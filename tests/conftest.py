@@ -11,6 +11,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels_built():
+    """Build (or load) the native kernels once, in this process, before any test: the CLI
+    subprocesses the tests start then find them cached, whatever order the tests run in
+    (a first-use build writes progress lines that single-line error checks would see)."""
+    from dflash_server import kernels
+
+    kernels.load()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Cached tiny model directories: tiny_dir("llama") -> Path."""

@@ -197,8 +197,8 @@ def load_engine(args, progress: bool = True):
 
 
 def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bool) -> None:
-    """Print what each device will hold and stop before loading when a GPU cannot hold its
-    share (``runtime.memory``). A KV Flash pool counts at its size (``auto``: its minimum;
+    """Print what each device will hold (placements with a GPU) and stop before loading when
+    a GPU cannot hold its share (``runtime.memory``). A KV Flash pool counts at its size (``auto``: its minimum;
     it grows into what is free)."""
     import sys
 
@@ -206,7 +206,8 @@ def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bo
 
     kv_tokens = kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
     needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens)
-    if progress:
+    if progress and any(not n.device.removeprefix("remote:").startswith("cpu") for n in needs):
+        # (GPU placements only: there it decides whether the model loads at all)
         print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
     try:
         check_fits(needs, gpu_free(needs))

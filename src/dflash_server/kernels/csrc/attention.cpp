@@ -17,6 +17,7 @@
 
 #include "ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -188,10 +189,11 @@ void query_portable(const Step<T>& s, int64_t w, float* scratch) { query(s, w, s
 template <typename T>
 void run_step(const Step<T>& s, bool fast) {
   const Geometry& g = s.g;
-  at::parallel_for(0, g.nkv, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
-  });
-  at::parallel_for(0, g.nh * g.T, 1, [&](int64_t w0, int64_t w1) {
+  // the KV write is a few hundred values per row: no threads for it; query rows split over
+  // threads only when each chunk has ~32K multiply-adds to do (waking threads costs more)
+  for (int64_t h = 0; h < g.nkv; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, (g.start + g.T) * g.hd));
+  at::parallel_for(0, g.nh * g.T, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(g.start + g.T + 2 * g.hd);
     for (int64_t w = w0; w < w1; ++w) fast ? query_avx2(s, w, scratch.data()) : query_portable(s, w, scratch.data());
   });

@@ -98,7 +98,8 @@ template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s,
                    int32_t* s_lo) {
   const int64_t nb = k / QK;
-  at::parallel_for(0, m_rows, 1, [&](int64_t m0, int64_t m1) {
+  // threads only for many rows (a row of a few thousand values takes a microsecond or two)
+  at::parallel_for(0, m_rows, std::max<int64_t>(1, 16384 / k), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
         const T* xb = x + m * k + b * QK;
