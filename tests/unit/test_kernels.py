@@ -224,7 +224,7 @@ def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nh, nkv, hd, rot", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 1, 16, 16)])
+@pytest.mark.parametrize("nh, nkv, hd, rot", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 1, 16, 16), (2, 1, 128, 64)])
 def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot):
     from dflash_server.layers.rope import RotaryTable
 

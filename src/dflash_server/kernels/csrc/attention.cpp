@@ -5,9 +5,9 @@
 // prefill keeps aten's flash attention.
 //
 // Every query row runs the same operations whatever T: scores in key order, a max, exps
-// by one polynomial, their sum in key order, the weighted sum of values in key order, 8
-// lanes over the head dimension with explicit fused multiply-adds and fixed-order lane
-// sums. So a row's output does not depend on how many rows are computed with it, and the
+// by one polynomial, their sum in 8 lanes (key j in lane j % 8), the weighted sum of values
+// in key order, 8 lanes over the head dimension with explicit fused multiply-adds and
+// fixed-order lane sums. So a row's output does not depend on how many rows are computed with it, and the
 // AVX2 and portable builds of the same code give the same bits (-ffp-contract=off).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 #include <vector>
 
 namespace {
@@ -85,7 +86,11 @@ DFLASH_INLINE void rotate(const T* src, const float* cos, const float* sin, int6
   for (int64_t i = rot; i < hd; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// one query row of one head against keys [0, n): out (hd) = softmax(q k^T * scale) v
+// one query row of one head against keys [0, n): out (hd) = softmax(q k^T * scale) v.
+// The reference arithmetic (the AVX2 version below does the same per lane): each score is 8
+// lanes over the head dimension (lane l: dims l, l + 8, ...) summed by sum8; the softmax
+// denominator sums key j into lane j % 8, in key order, then sum8; the output accumulates
+// keys in order with one fused multiply-add per element.
 DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd, float scale,
                               float* scores, float* out) {
   // four keys at a time: four independent accumulation chains (each key's own arithmetic
@@ -115,15 +120,112 @@ DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, 
   }
   float mx = -INFINITY;
   for (j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
-  for (j = 0; j < n; ++j) scores[j] = exp_neg(scores[j] - mx);
-  float denom = 0.f;
-  for (j = 0; j < n; ++j) denom += scores[j];
-  const float inv = 1.f / denom;
+  float part[8] = {};
+  for (j = 0; j < n; ++j) {
+    scores[j] = exp_neg(scores[j] - mx);
+    part[j % 8] += scores[j];
+  }
+  const float inv = 1.f / sum8(part);
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (j = 0; j < n; ++j) {
     const float p = scores[j] * inv;
     const float* v = vc + j * hd;
     for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p, v[i], out[i]);
+  }
+}
+
+#define DFLASH_AVX2 __attribute__((target("avx2,fma")))
+
+DFLASH_AVX2 inline float sum8_avx2(__m256 v) {
+  float a[8];
+  _mm256_storeu_ps(a, v);
+  return sum8(a);
+}
+
+// exp_neg on 8 lanes: the same operations, lane by lane
+DFLASH_AVX2 inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f),
+                                   _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_castsi256_ps(bits);
+}
+
+// out (8 NV) = sum_j (scores[j] * inv) v_j, keys in order, the output held in registers
+template <int NV>
+DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, const float* vc, int64_t n, float* out) {
+  constexpr int64_t hd = 8 * NV;
+  __m256 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 p = _mm256_set1_ps(scores[j] * inv);
+    const float* v = vc + j * hd;
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
+}
+
+DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd,
+                                 float scale, float* scores, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = kc + j * hd;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < hd; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
+    }
+    scores[j] = sum8_avx2(a0) * scale;
+    scores[j + 1] = sum8_avx2(a1) * scale;
+    scores[j + 2] = sum8_avx2(a2) * scale;
+    scores[j + 3] = sum8_avx2(a3) * scale;
+  }
+  for (; j < n; ++j) {
+    const float* k = kc + j * hd;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+    scores[j] = sum8_avx2(acc) * scale;
+  }
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (j = 0; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + j));
+  float mx = -INFINITY, lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  for (int l = 0; l < 8; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+  for (; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 den = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mxv));
+    _mm256_storeu_ps(scores + j, e);
+    den = _mm256_add_ps(den, e);
+  }
+  float part[8];
+  _mm256_storeu_ps(part, den);
+  for (; j < n; ++j) {
+    scores[j] = exp_neg(scores[j] - mx);
+    part[j % 8] += scores[j];
+  }
+  const float inv = 1.f / sum8(part);
+  if (hd == 64) return weighted_values_avx2<8>(scores, inv, vc, n, out);
+  if (hd == 128) return weighted_values_avx2<16>(scores, inv, vc, n, out);
+  for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+  for (j = 0; j < n; ++j) {
+    const __m256 p = _mm256_set1_ps(scores[j] * inv);
+    const float* v = vc + j * hd;
+    for (int64_t i = 0; i < hd; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
   }
 }
 
@@ -158,7 +260,7 @@ DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
 }
 
 // query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim
-template <typename T>
+template <typename T, bool AVX2>
 DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   const Geometry& g = s.g;
   const int64_t h = w / g.T, t = w % g.T, kvh = h / (g.nh / g.nkv);
@@ -168,8 +270,8 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   std::vector<T> tmp(g.q_norm ? g.hd : 0);
   rotate(head_norm(s.qkv + t * s.width() + h * g.hd, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
          s.sin + t * g.rot, g.hd, g.rot, q);
-  attend_row(q, s.kc + kvh * g.max_ctx * g.hd, s.vc + kvh * g.max_ctx * g.hd, g.start + t + 1, g.hd, g.scale,
-             scores, o);
+  (AVX2 ? attend_row_avx2 : attend_row)(q, s.kc + kvh * g.max_ctx * g.hd, s.vc + kvh * g.max_ctx * g.hd,
+                                        g.start + t + 1, g.hd, g.scale, scores, o);
   T* dst = s.out + t * s.qdim() + h * g.hd;
   for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i]);
 }
@@ -181,10 +283,10 @@ template <typename T>
 void write_kv_portable(const Step<T>& s, int64_t h) { write_kv(s, h); }
 template <typename T>
 __attribute__((target("avx2,fma"))) void query_avx2(const Step<T>& s, int64_t w, float* scratch) {
-  query(s, w, scratch);
+  query<T, true>(s, w, scratch);
 }
 template <typename T>
-void query_portable(const Step<T>& s, int64_t w, float* scratch) { query(s, w, scratch); }
+void query_portable(const Step<T>& s, int64_t w, float* scratch) { query<T, false>(s, w, scratch); }
 
 template <typename T>
 void run_step(const Step<T>& s, bool fast) {
