@@ -90,6 +90,8 @@ def _why_not() -> str | None:
 
 
 def _build() -> None:
+    import fcntl
+
     from torch.utils import cpp_extension
 
     key = _build_key()
@@ -100,12 +102,23 @@ def _build() -> None:
     if lib.is_file():
         torch.ops.load_library(str(lib))
         return
-    if shutil.which("ninja") is None and not _venv_ninja():
-        raise RuntimeError("ninja not found (pip install ninja)")
-    print(f"dflash-server: building native kernels (once, cached in {out}) ...", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(out),
-                       extra_cflags=list(CFLAGS), is_python_module=False, verbose=False)
-    print("dflash-server: native kernels built", file=sys.stderr, flush=True)
+    # one build at a time per cache folder, under a lock the kernel drops when its holder dies:
+    # torch's own build lock is a file that a killed build (Ctrl-C at first start) leaves
+    # behind, and every later start would wait on it forever
+    with open(out / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if lib.is_file():  # another process built it while we waited
+            torch.ops.load_library(str(lib))
+            return
+        stale = out / "lock"
+        if stale.exists():  # we hold the only build lock: nobody is building
+            stale.unlink()
+        if shutil.which("ninja") is None and not _venv_ninja():
+            raise RuntimeError("ninja not found (pip install ninja)")
+        print(f"dflash-server: building native kernels (once, cached in {out}) ...", file=sys.stderr, flush=True)
+        cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(out),
+                           extra_cflags=list(CFLAGS), is_python_module=False, verbose=False)
+        print("dflash-server: native kernels built", file=sys.stderr, flush=True)
 
 
 def _venv_ninja() -> bool:
