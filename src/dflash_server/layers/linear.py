@@ -9,9 +9,10 @@ int4 with per-32-group scale and offset halves them again
 of q. Fused projections (QKV, gate+up) are concatenated along the output dimension before
 quantizing.
 
-With the native kernels (``kernels``, opt-in, built at first use) a quantized linear on the CPU
-runs ``dflash::qmm`` instead: a GGUF weight of a type they read (Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_K, Q6_K) keeps its stored blocks (no second rounding), other weights are quantized to Q4_1 (``int4``) or
+With the native kernels (``kernels``, on by default, built at first use) a quantized linear
+on the CPU runs ``dflash::qmm`` instead: a GGUF weight of a type they read (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) keeps its stored blocks (no second rounding), other
+weights are quantized to Q4_1 (``int4``) or
 Q8_0 (``int8``, per 32 values rather than per channel); activations go to int8 per block
 inside the op, and a row's result does not depend on how many rows are computed with it.
 The weight the loader hands over carries its stored blocks as ``weight.packed`` (a
@@ -78,12 +79,21 @@ def cuda_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             packed = torch.ops.aten._convert_weight_to_int4pack(((hi << 4) | lo).to(torch.uint8).contiguous(), 8)
             y = torch.ops.aten._weight_int4pack_mm(x, packed, INT4_GROUP, sz16).float()
         except (RuntimeError, NotImplementedError) as e:
-            log.warning("int4 on %s unavailable (%s); int8 instead", weight.device, str(e).splitlines()[0])
+            _warn_once(f"int4 on {weight.device} unavailable ({str(e).splitlines()[0]}); int8 instead")
             return None
         if ((y - ref).norm() / ref.norm().clamp(min=1e-6)).item() < 2e-2:
             return packed, sz16
-    log.warning("int4 on %s: the packed weight failed its check; int8 instead", weight.device)
+    _warn_once(f"int4 on {weight.device}: a packed weight failed its check; int8 instead")
     return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
 
 
 def _cat_packed(parts):
