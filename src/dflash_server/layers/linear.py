@@ -154,7 +154,7 @@ class Linear(nn.Module):
                 packed = (kernels.blocks_q4_1 if four else kernels.blocks_q8_0)(self.weight)
             try:
                 self.qtype, blocks = kernels.repack(packed, self.in_features)
-            except RuntimeError as e:  # e.g. a Q4_0 scale whose offset fp16 cannot hold: aten for this one
+            except (RuntimeError, ValueError) as e:  # e.g. a Q4_0 scale whose offset fp16 cannot hold: aten here
                 log.warning("native kernels: %s; this linear keeps the aten path", e)
             else:
                 self.weight = nn.Parameter(blocks, requires_grad=False)

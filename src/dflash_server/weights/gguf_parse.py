@@ -97,6 +97,9 @@ def parse_gguf(path: str | Path) -> GGUFHeader:
                     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
                 except (ValueError, KeyError):
                     raise ValueError(f"tensor {name}: unknown ggml type {ttype}") from None
+                if dims and int(dims[0]) % block:  # ggml stores whole blocks along a row
+                    raise ValueError(f"tensor {name}: rows of {int(dims[0])} values are not whole "
+                                     f"{GGMLQuantizationType(ttype).name} blocks of {block}")
                 n = int(np.prod(dims)) if dims else 1
                 tensors[name] = TensorInfo(name, tuple(int(d) for d in reversed(dims)), ttype,
                                            data_start + off, n // block * size)
