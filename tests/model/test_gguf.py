@@ -107,9 +107,14 @@ def test_quantized_logits_close_to_bf16():
     ref = pipeline(path, dtype=torch.bfloat16, max_ctx=256)
     ids = prompt_ids(ref, 64)
     base = ref.forward(ids, 0, logits="all").logits
-    # measured: int8 min cos 0.989 / argmax agreement 0.97 (per-channel int8 re-rounds the
-    # 4-bit source); int4 0.995 / 0.95 (Q4_1 groups map exactly onto int4 groups)
-    for quantize, min_cos, min_agree in ((("int8", "int8"), 0.98, 0.9), (("int4", "int8"), 0.99, 0.9)):
+    # measured, aten kernels: int8 min cos 0.989 / argmax agreement 0.97 (per-channel int8
+    # re-rounds the 4-bit source); int4 0.995 / 0.95 (Q4_1 groups map exactly onto int4 groups).
+    # Native kernels (the default): both modes read the stored Q4_1/Q8_0 blocks, so only the
+    # int8 activations differ from bf16: 0.988 / 1.00
+    from dflash_server import kernels
+
+    int4_cos = 0.98 if kernels.enabled() and kernels.load() else 0.99
+    for quantize, min_cos, min_agree in ((("int8", "int8"), 0.98, 0.9), (("int4", "int8"), int4_cos, 0.9)):
         q = pipeline(path, dtype=torch.bfloat16, quantize=quantize, max_ctx=256)
         out = q.forward(ids, 0, logits="all").logits
         cos = torch.nn.functional.cosine_similarity(out, base, dim=-1)
