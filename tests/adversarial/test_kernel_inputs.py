@@ -5,6 +5,7 @@ never a crash, a hang or silently wrong shapes."""
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,3 +79,25 @@ def test_stored_blocks_that_do_not_fit_the_weight_fall_back_to_aten(monkeypatch,
     assert lin.mode == "int4" and "keeps the aten path" in caplog.text
     x = torch.randn(3, 512)
     assert ((lin(x) - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.1
+
+
+def test_a_killed_build_does_not_block_the_next(tmp_path, monkeypatch):
+    """torch's build lock file, left behind by a build that was killed (Ctrl-C at first
+    start), is cleared under our own lock (which dies with its holder) instead of making
+    every later start wait forever; a library built meanwhile by another process is loaded."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE", str(tmp_path))
+    out = kernels.cache_dir() / kernels._build_key()
+    out.mkdir(parents=True)
+    (out / "lock").write_text("")  # a killed build's leftover
+    seen = {}
+
+    def fake_load(name, build_directory, **kw):
+        seen["lock_left"] = (Path(build_directory) / "lock").exists()
+        raise RuntimeError("stop here")  # the real build is tested by every other test
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        kernels._build()
+    assert seen == {"lock_left": False}
