@@ -288,7 +288,8 @@ def test_attention_step_refuses_positions_past_the_cache():
 def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
     """dflash::decoder_layer (a whole Llama layer in one call) gives bit-identical logits to
     the same layers run op by op, for prefill, verify blocks and one-row steps; qwen3's
-    q/k norms go through it too."""
+    q/k norms and qwen3_5's gated attention layers go through it too (its Gated DeltaNet
+    layers keep the per-op path)."""
     from dflash_server.layers.decoder import DecoderLayer
 
     from helpers.build import pipeline, prompt_ids
@@ -308,7 +309,7 @@ def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
         out += [pipe.forward([t], 48 + i, logits="all").logits for i, t in enumerate(ids[48:52])]
         return torch.cat(out)
 
-    for family, fused in (("llama", True), ("qwen3", True)):
+    for family, fused in (("llama", True), ("qwen3", True), ("qwen3_5", True)):
         pipe = pipeline(tiny_dir(family), dtype=torch.bfloat16, quantize="int4")
         ids = prompt_ids(pipe, 52)
         monkeypatch.setattr(DecoderLayer, "_native_layer", counting)
@@ -351,3 +352,43 @@ def test_attention_step_with_qk_norms(dtype):
         with pytest.raises(RuntimeError):
             torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5, **bad)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_step_with_output_gate(dtype):
+    """Qwen3.5's gated attention inside the fused step: each query head is [q | gate], the
+    output is attention * sigmoid(gate); with q/k norms and partial rotary, as Qwen3.5 has.
+    Equal to the fp64 reference and row-invariant."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, rot, max_ctx, start, T, eps = 4, 2, 32, 8, 64, 9, 5, 1e-6
+    table = RotaryTable(hd, rot, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    cos, sin = table.rows(start, T)
+    qkv = (torch.randn(1, T, (2 * nh + 2 * nkv) * hd) * 2).to(dtype)
+    qn, kn = torch.rand(hd) + 0.5, torch.rand(hd) + 0.5
+    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    x = qkv.double()
+    qg = x[..., :2 * nh * hd].reshape(1, T, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(1, T, nh * hd)
+    k = x[..., 2 * nh * hd:(2 * nh + nkv) * hd].reshape(1, T, nkv, hd)
+    v = x[..., (2 * nh + nkv) * hd:]
+    rms = lambda t, w: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()  # noqa: E731
+    plain = torch.cat([rms(q, qn).reshape(1, T, -1), rms(k, kn).reshape(1, T, -1), v], dim=-1)
+    ref, rk, _ = _attention_reference(plain, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5)
+    ref = ref * torch.sigmoid(gate)
+    k1, v1 = kc.clone(), vc.clone()
+    args = dict(q_norm=qn, k_norm=kn, norm_eps=eps, gated=True)
+    out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5, **args)
+    assert out.shape == (1, T, nh * hd)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (out.double() - ref).abs().max().item() < tol and (k1.double() - rk).abs().max().item() < tol
+    k2, v2 = kc.clone(), vc.clone()
+    rows = [torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k2, v2, start + t, nh, nkv,
+                                            hd ** -0.5, **args) for t in range(T)]
+    assert torch.equal(torch.cat(rows, dim=1), out) and torch.equal(k2, k1)
+    k3, v3 = kc.clone(), vc.clone()
+    assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, k3, v3, start, nh, nkv, hd ** -0.5, True,
+                                                       **args), out)  # the portable build
+    with pytest.raises(RuntimeError, match="width"):  # an ungated qkv read as gated
+        torch.ops.dflash.attention_step(qkv[..., :(nh + 2 * nkv) * hd].contiguous(), cos, sin, kc.clone(),
+                                        vc.clone(), start, nh, nkv, hd ** -0.5, **args)

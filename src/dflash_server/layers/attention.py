@@ -59,11 +59,13 @@ class Attention(nn.Module):
         # where the native kernels are on (kernels.attention_step)
         norms_ok = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps
                                       and q_norm.weight.shape == k_norm.weight.shape == (head_dim,))
-        self.native = (o.device.type == "cpu" and not output_gate and norms_ok and window is None
+        self.native = (o.device.type == "cpu" and norms_ok and window is None
                        and head_dim % 8 == 0 and kernels.enabled() and kernels.load())
-        # the per-head q/k norms (Qwen3) as the native step takes them
-        self.native_norms = {} if q_norm is None else {"q_norm": q_norm.weight, "k_norm": k_norm.weight,
+        # the per-head q/k norms (Qwen3, Qwen3.5) and the output gate (Qwen3.5) as the native step takes them
+        self.native_args = {} if q_norm is None else {"q_norm": q_norm.weight, "k_norm": k_norm.weight,
                                                        "norm_eps": q_norm.eps}
+        if output_gate:
+            self.native_args["gated"] = True
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState:
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32()
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
-                                                  self.nkv, self.scale, **self.native_norms)
+                                                  self.nkv, self.scale, **self.native_args)
             return self.o(out)
         gate = None
         if self.output_gate:

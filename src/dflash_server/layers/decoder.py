@@ -40,6 +40,6 @@ class DecoderLayer(nn.Module):
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
-                f.down.weight, f.down.qtype, **m.native_norms)
+                f.down.weight, f.down.qtype, **m.native_args)
         x = x + self.mixer(self.input_norm(x), ctx, state)
         return x + self.mlp(self.post_norm(x))

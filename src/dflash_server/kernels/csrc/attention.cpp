@@ -58,7 +58,14 @@ struct Geometry {
   const float* q_norm;  // (hd) per-head RMSNorm weights of q and k before RoPE (Qwen3), or null
   const float* k_norm;
   float norm_eps;
+  bool gated;  // each query head is [q | gate] (Qwen3.5): out = attention * sigmoid(gate)
 };
+
+// sigmoid by exp_neg on -|x| (both signs stable); plain float operations
+DFLASH_INLINE float sigmoid(float x) {
+  const float e = exp_neg(x >= 0.f ? -x : x);
+  return x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+}
 
 // a head's RMSNorm (sum of squares in index order), rounded back to the input's dtype as the
 // per-op path's norm output is; then it rotates like any head
@@ -238,8 +245,10 @@ struct Step {
   float* kc;
   float* vc;
   T* out;
-  int64_t qdim() const { return g.nh * g.hd; }
-  int64_t width() const { return (g.nh + 2 * g.nkv) * g.hd; }
+  int64_t qhead() const { return g.gated ? 2 * g.hd : g.hd; }  // a query head's span in qkv
+  int64_t qdim() const { return g.nh * qhead(); }
+  int64_t odim() const { return g.nh * g.hd; }
+  int64_t width() const { return qdim() + 2 * g.nkv * g.hd; }
 };
 
 // k and v rows of kv head h into the caches (k rotated)
@@ -268,12 +277,17 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   float* q = scratch + g.start + g.T;
   float* o = q + g.hd;
   std::vector<T> tmp(g.q_norm ? g.hd : 0);
-  rotate(head_norm(s.qkv + t * s.width() + h * g.hd, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
-         s.sin + t * g.rot, g.hd, g.rot, q);
+  const T* src = s.qkv + t * s.width() + h * s.qhead();
+  rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
+         q);
   (AVX2 ? attend_row_avx2 : attend_row)(q, s.kc + kvh * g.max_ctx * g.hd, s.vc + kvh * g.max_ctx * g.hd,
                                         g.start + t + 1, g.hd, g.scale, scores, o);
-  T* dst = s.out + t * s.qdim() + h * g.hd;
-  for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i]);
+  T* dst = s.out + t * s.odim() + h * g.hd;
+  if (g.gated) {
+    for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[g.hd + i])));
+  } else {
+    for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i]);
+  }
 }
 
 // the same code compiled twice: with AVX2+FMA (vectorized lanes) and for any x86-64
@@ -309,7 +323,7 @@ bool avx2() {
 at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
                           double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
-                          const c10::optional<at::Tensor>& k_norm, double norm_eps) {
+                          const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
@@ -327,10 +341,11 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   }
   Geometry g{qkv_in.size(1), nh, nkv, k_cache.size(3), cos_in.size(-1), start, k_cache.size(2),
              static_cast<float>(scale), qn.defined() ? qn.data_ptr<float>() : nullptr,
-             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps)};
+             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps), gated};
   TORCH_CHECK(g.hd % 8 == 0 && g.rot % 2 == 0 && g.rot <= g.hd, "dflash::attention_step: head_dim must be a "
               "multiple of 8 and the rotary width even and at most head_dim");
-  TORCH_CHECK(qkv_in.size(2) == (nh + 2 * nkv) * g.hd, "dflash::attention_step: qkv width does not match heads");
+  TORCH_CHECK(qkv_in.size(2) == ((gated ? 2 : 1) * nh + 2 * nkv) * g.hd,
+              "dflash::attention_step: qkv width does not match heads");
   TORCH_CHECK(start >= 0 && g.T <= g.max_ctx && start <= g.max_ctx - g.T, "dflash::attention_step: rows past the cache");
   TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == g.T && sin_in.sizes() == cos_in.sizes(),
               "dflash::attention_step: cos/sin must be (T, rotary_dim)");
@@ -362,15 +377,16 @@ namespace dflash {
 at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable,
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                             double norm_eps) {
-  return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps);
+                             double norm_eps, bool gated) {
+  return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
+                        gated);
 }
 }  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float norm_eps=1e-6) -> Tensor");
+        "float norm_eps=1e-6, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
