@@ -204,10 +204,11 @@ def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bo
 
     from ..runtime.memory import check_fits, estimate, gpu_free
 
+    if all(s.device.removeprefix("remote:").startswith("cpu") for s in shards):
+        return  # (GPU placements only: there it decides whether the model loads at all)
     kv_tokens = kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
     needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens)
-    if progress and any(not n.device.removeprefix("remote:").startswith("cpu") for n in needs):
-        # (GPU placements only: there it decides whether the model loads at all)
+    if progress:
         print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
     try:
         check_fits(needs, gpu_free(needs))
