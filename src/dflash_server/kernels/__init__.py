@@ -16,7 +16,8 @@ AVX2+FMA, portable C++), all bit-identical.
 Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout
 ``qmm`` reads; Q5_0/Q5_1 and the K-quants repack in ``kquants.py``), ``decoder_layer``
-(``csrc/layer.cpp``: a Llama-style layer of a decode or verify block in one call),
+(``csrc/layer.cpp``: a Llama/Qwen3/Qwen3.5-style attention layer of a decode or verify
+block in one call),
 ``rms_norm(x, w, eps)`` (``csrc/norms.cpp``) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
 attention of a decode or verify block in one call).
