@@ -20,7 +20,9 @@ Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks 
 block in one call),
 ``rms_norm(x, w, eps)`` (``csrc/norms.cpp``) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
-attention of a decode or verify block in one call).
+attention of a decode or verify block in one call). ``attention_rows`` and
+``decoder_layer_rows`` are their forms for one decode row of each of several sequences,
+each in its own lane of a KV bank (continuous batching).
 """
 from __future__ import annotations
 
@@ -178,8 +180,17 @@ def _register_fakes() -> None:
                              k_norm=None, norm_eps=1e-6, gated=False):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_cache.shape[-1]))
 
+    @torch.library.register_fake("dflash::attention_rows")
+    def _attention_rows_fake(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable=False,
+                             q_norm=None, k_norm=None, norm_eps=1e-6, gated=False):
+        return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_bank.shape[-1]))
+
     @torch.library.register_fake("dflash::decoder_layer")
     def _decoder_layer_fake(x, *args, **kwargs):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("dflash::decoder_layer_rows")
+    def _decoder_layer_rows_fake(x, *args, **kwargs):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("dflash::repack")

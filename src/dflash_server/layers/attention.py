@@ -84,14 +84,40 @@ class Attention(nn.Module):
                 and ctx.last_q is None and ctx.attn_mass is None and state.k.dtype == torch.float32
                 and not torch.compiler.is_compiling())
 
+    def native_rows_ok(self, x: torch.Tensor, bank: KVState) -> bool:
+        """Whether decode rows of several sequences take the native ``attention_rows``."""
+        return (self.native and x.shape[0] == 1 and bank.k.dtype == torch.float32
+                and not torch.compiler.is_compiling())
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
-        B, T, _ = x.shape
         qkv = self.qkv(x)
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32()
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale, **self.native_args)
             return self.o(out)
+        return self.o(self._attend(qkv, ctx, state, x.dtype))
+
+    def forward_rows(self, x: torch.Tensor, ctx: ForwardContext, bank: KVState) -> torch.Tensor:
+        """Decode rows of several sequences: row b attends over lane ``ctx.lanes[b]`` of the
+        KV bank (lanes, nkv, ctx, hd) at ``ctx.positions[b]``; the projections take all rows."""
+        qkv = self.qkv(x)
+        if self.native_rows_ok(x, bank) and kernels.inference(qkv):
+            cos, sin = ctx.rope_f32()
+            out = torch.ops.dflash.attention_rows(qkv, cos, sin, bank.k, bank.v, ctx.lanes, ctx.positions, self.nh,
+                                                  self.nkv, self.scale, **self.native_args)
+            return self.o(out)
+        outs = []
+        for b, (lane, pos) in enumerate(zip(ctx.lanes, ctx.positions)):
+            row = ForwardContext(pos, 1, ctx.cos[b:b + 1], ctx.sin[b:b + 1])
+            lane_kv = KVState(bank.k[lane:lane + 1], bank.v[lane:lane + 1])
+            outs.append(self._attend(qkv[:, b:b + 1], row, lane_kv, x.dtype))
+        return self.o(torch.cat(outs, dim=1))
+
+    def _attend(self, qkv: torch.Tensor, ctx: ForwardContext, state: KVState, dtype: torch.dtype) -> torch.Tensor:
+        """RoPE, KV write and attention of (B, T) rows of the fused projection (aten ops);
+        the output before the O projection."""
+        B, T, _ = qkv.shape
         gate = None
         if self.output_gate:
             qg = qkv[..., :self.q_dim].view(B, T, self.nh, 2 * self.hd)
@@ -111,13 +137,13 @@ class Attention(nn.Module):
         if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)
             state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))
             state.v.index_copy_(2, ctx.slots, v.transpose(1, 2).to(state.v.dtype))
-            n, mask = ctx.pool_mask(x.device, self.window)
+            n, mask = ctx.pool_mask(qkv.device, self.window)
             keys, values = state.k[:, :, :n], state.v[:, :, :n]
         else:
             state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
             state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
             keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
-            mask = ctx.causal_mask(x.device, self.window)
+            mask = ctx.causal_mask(qkv.device, self.window)
         out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.nh != self.nkv)
         if ctx.last_q is not None:  # KV Flash re-selection scores every chunk against these
@@ -128,7 +154,7 @@ class Attention(nn.Module):
             w = qh @ kh.transpose(-1, -2) * self.scale
             w = (w if mask is None else w.masked_fill(~mask, float("-inf"))).softmax(-1)
             ctx.attn_mass[:w.shape[-1]] += w.float().sum(dim=(0, 1, 2))
-        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype)
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(dtype)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o(out)
+        return out

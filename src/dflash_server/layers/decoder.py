@@ -37,6 +37,8 @@ class DecoderLayer(nn.Module):
         return self._fused
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+        if ctx.lanes is not None:
+            return self._forward_rows(x, ctx, state)
         if self._native_layer() and self.mixer.native_step_ok(x, ctx, state) and kernels.inference(x):
             # the ops below in one C++ call (bit-identical; ~12 fewer Python-level calls)
             m, f = self.mixer, self.mlp
@@ -47,4 +49,18 @@ class DecoderLayer(nn.Module):
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
                 f.down.weight, f.down.qtype, **m.native_args)
         x = x + self.mixer(self.input_norm(x), ctx, state)
+        return x + self.mlp(self.post_norm(x))
+
+    def _forward_rows(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
+        """Decode rows of several sequences (``ctx.lanes``); ``state``: the KV bank of an
+        attention layer, or the rows' recurrent states (a list)."""
+        if self._native_layer() and self.mixer.native_rows_ok(x, state) and kernels.inference(x):
+            m, f = self.mixer, self.mlp
+            cos, sin = ctx.rope_f32()
+            return torch.ops.dflash.decoder_layer_rows(
+                x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
+                cos, sin, state.k, state.v, ctx.lanes, ctx.positions, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
+                self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
+                f.down.weight, f.down.qtype, **m.native_args)
+        x = x + self.mixer.forward_rows(self.input_norm(x), ctx, state)
         return x + self.mlp(self.post_norm(x))

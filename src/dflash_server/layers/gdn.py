@@ -82,6 +82,12 @@ class GatedDeltaNet(nn.Module):
         return RecurrentState(torch.zeros(batch, self.conv_dim, k - 1, device=device, dtype=dtype),
                               torch.zeros(batch, self.hv, self.dk, self.dv, device=device, dtype=torch.float32))
 
+    def forward_rows(self, x: torch.Tensor, ctx: ForwardContext, states: list[RecurrentState]) -> torch.Tensor:
+        """Decode rows of several sequences, row b on ``states[b]``: each row runs as its
+        sequence's own single-token step (the recurrent update is per sequence anyway)."""
+        return torch.cat([self.forward(x[:, b:b + 1], ForwardContext(pos, 1, None, None), st)
+                          for b, (pos, st) in enumerate(zip(ctx.positions, states))], dim=1)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
         B, T, _ = x.shape
         mixed = self.in_proj(x)

@@ -33,6 +33,26 @@ class TargetPipeline:
         return self.stages[-1].length
 
     @property
+    def lanes(self) -> int:
+        """Sequence slots: independent sequence states (continuous batching)."""
+        return min(st.num_lanes for st in self.stages)
+
+    def select(self, lane: int) -> None:
+        """Make ``lane`` the sequence slot that single-sequence operations (forward, prefill,
+        reset, checkpoint, snapshots) act on."""
+        for st in self.stages:
+            st.select(lane)
+
+    def forward_rows(self, tokens: list[int], lanes: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode token per sequence, each in its own slot: ``tokens[b]`` at
+        ``positions[b]`` of slot ``lanes[b]``. Returns the rows' logits (B, V) fp32."""
+        x = torch.tensor([list(tokens)], dtype=torch.long)
+        for st in self.stages:
+            out = st.forward_rows(x, lanes, positions)
+            x = out.hidden
+        return out.logits
+
+    @property
     def device(self) -> torch.device:
         return self.stages[-1].device
 
@@ -195,9 +215,11 @@ class TargetPipeline:
 
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
                    quantize: str | tuple[str, str] = "dense", progress: bool = True,
-                   batch: int = 1, remote=None, threads: int | None = None, kvflash=None) -> TargetPipeline:
+                   batch: int = 1, remote=None, threads: int | None = None, kvflash=None,
+                   lanes: int = 1) -> TargetPipeline:
     """One LocalStage per local shard (each reads only its own layers' weights), then one
-    RemoteStage for the ``remote:`` shards, served by a shard worker (``remote``: RemoteOptions)."""
+    RemoteStage for the ``remote:`` shards, served by a shard worker (``remote``: RemoteOptions).
+    ``lanes``: sequence slots (continuous batching; local stages only)."""
     local, far = split_local_remote(shards)
     bar = tqdm(total=sum(s.num_layers for s in local), desc="loading weights", unit="layer",
                disable=None if progress else True, leave=False)  # None: only on a terminal
@@ -206,14 +228,14 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
         for k, sh in enumerate(local):
             stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx,
                                      is_first=k == 0, is_last=not far and k == len(local) - 1, quantize=quantize,
-                                     on_layer=bar.update, batch=batch, kvflash=kvflash))
+                                     on_layer=bar.update, batch=batch, kvflash=kvflash, lanes=lanes))
     finally:
         bar.close()
     if far:
         from .remote import RemoteOptions, RemoteStage
 
-        if batch != 1:
-            raise ValueError("a remote shard runs batch 1")
+        if batch != 1 or lanes != 1:
+            raise ValueError("a remote shard runs one sequence at a time (batch 1, one sequence slot)")
         q = (quantize, quantize) if isinstance(quantize, str) else quantize
         stages.append(RemoteStage(source.path, [(s.device, s.begin, s.end) for s in far], dtype=dtype,
                                   max_ctx=max_ctx, quantize=q, home=local[-1].device,

@@ -61,6 +61,17 @@ class RemoteStage:
         return res, out
 
     # --- the stage interface ------------------------------------------------------------
+    num_lanes = 1  # one sequence slot: the worker holds one sequence's state
+
+    def select(self, lane: int) -> None:
+        if lane != 0:
+            raise ValueError("a remote shard holds one sequence slot")
+
+    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int]):
+        if len(lanes) != 1 or lanes[0] != 0:
+            raise ValueError("a remote shard holds one sequence slot")
+        return self.forward(x, positions[0], logits="last")
+
     def compile_decode(self) -> None:
         if ("compile", {}) not in self.link.setup:
             self.link.setup.append(("compile", {}))  # again after a restart

@@ -33,6 +33,14 @@ def _static_model_guards(entries) -> list[bool]:
 
 
 @dataclass
+class Lane:
+    """One sequence slot's state in a stage: its layer states, valid length and checkpoint."""
+    states: list
+    length: int = 0
+    ckpt_length: int | None = None
+
+
+@dataclass
 class StageOutput:
     hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
     head_logits: torch.Tensor | None = None      # (T or 1, V) on the last stage, in the LM head's dtype
@@ -75,11 +83,16 @@ class _Weights:
 class LocalStage:
     def __init__(self, source, begin: int, end: int, device: str, dtype: torch.dtype, max_ctx: int,
                  *, is_first: bool, is_last: bool, quantize: str | tuple[str, str] = "dense", on_layer=None,
-                 batch: int = 1, kvflash=None):
+                 batch: int = 1, kvflash=None, lanes: int = 1):
         """``quantize``: mode for all linears, or (layers mode, LM head mode); modes are
         "dense", "int8", "int4". ``batch`` > 1 runs that many sequences in lockstep (same
         positions; used to sample training data); snapshots and rollback need batch 1.
-        ``kvflash``: a KvFlashConfig to keep attention KV in a bounded pool (KV Flash)."""
+        ``kvflash``: a KvFlashConfig to keep attention KV in a bounded pool (KV Flash).
+        ``lanes``: sequence slots with independent state (continuous batching). Every
+        single-sequence operation (forward, prefill, checkpoint, snapshots) acts on the lane
+        chosen by ``select``; ``forward_rows`` runs one decode row in each of several lanes.
+        An attention layer's KV of all lanes is one bank tensor (lanes, nkv, ctx, hd), each
+        lane's state a view of its row."""
         cfg = source.config
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
@@ -99,15 +112,61 @@ class LocalStage:
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
         self.batch = batch
+        if lanes < 1 or (lanes > 1 and (batch > 1 or kvflash is not None)):
+            raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch or KV Flash")
         pager = kvflash.new_pager(max_ctx, self._kv_budget_tokens(kvflash)) if kvflash is not None else None
         kv_rows = pager.pool_tokens if pager is not None else max_ctx
-        self.states = [layer.new_state(kv_rows, self.device, dtype, batch) for layer in self.layers]
+        # per layer: the KV bank of all lanes (None for recurrent layers: a state per lane)
+        self.banks = []
+        per_lane: list[list] = [[] for _ in range(lanes)]
+        for layer in self.layers:
+            st = layer.new_state(kv_rows, self.device, dtype, batch if lanes == 1 else lanes)
+            self.banks.append(st if st.kind == "kv" else None)
+            if lanes == 1:
+                per_lane[0].append(st)
+            elif st.kind == "kv":
+                for i in range(lanes):
+                    per_lane[i].append(type(st)(st.k[i:i + 1], st.v[i:i + 1]))
+            else:
+                for i in range(lanes):
+                    per_lane[i].append(layer.new_state(kv_rows, self.device, dtype, 1))
+        self.lanes = [Lane(states) for states in per_lane]
+        self.lane = 0
         self.pool = KvPool(pager, self.states, self.device, kvflash.tau) if pager is not None else None
-        self.length = 0
-        self._ckpt_length: int | None = None
         self._decode_fn = None
         self._compiled_verify_rows = 0  # verify blocks up to this length run the compiled graph
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    # --- lanes (sequence slots) ---------------------------------------------------------
+    def select(self, lane: int) -> None:
+        """Make ``lane`` the one single-sequence operations act on."""
+        if not 0 <= lane < len(self.lanes):
+            raise ValueError(f"sequence slot {lane} outside [0, {len(self.lanes)})")
+        self.lane = lane
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def states(self) -> list:
+        return self.lanes[self.lane].states
+
+    @property
+    def length(self) -> int:
+        return self.lanes[self.lane].length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.lanes[self.lane].length = n
+
+    @property
+    def _ckpt_length(self) -> int | None:
+        return self.lanes[self.lane].ckpt_length
+
+    @_ckpt_length.setter
+    def _ckpt_length(self, n: int | None) -> None:
+        self.lanes[self.lane].ckpt_length = n
 
     def compile_decode(self) -> None:
         """Use a torch.compile'd layer loop for single-token steps and for DFlash verify
@@ -130,9 +189,9 @@ class LocalStage:
         recurrent (Gated DeltaNet) layers verifies eagerly: their block form picks its chunk
         size from T, so every block size would be another graph (dynamo's recompile limit
         was reached within one request)."""
-        def run_layers(h, ctx):
+        def run_layers(h, ctx, states):
             caps = []
-            for layer, state in zip(self.layers, self.states):
+            for layer, state in zip(self.layers, states):
                 h = layer(h, ctx, state)
                 caps.append(h)
             return h, caps
@@ -177,7 +236,7 @@ class LocalStage:
             # every layer's output comes back (T x 30 vectors of H: nothing next to the
             # weights), so steps with captures (DFlash's plain steps, verify blocks) and without
             # run one graph and round alike; a graph per capture set fused differently
-            h, outs = self._decode_fn(h, ctx)
+            h, outs = self._decode_fn(h, ctx, self.states)
             caps = {layer.index: o for layer, o in zip(self.layers, outs) if layer.index in capture}
         else:
             for layer, state in zip(self.layers, self.states):
@@ -192,6 +251,40 @@ class LocalStage:
             hs = h[:, -1:] if logits == "last" else h
             head = self.lm_head(self.final_norm(hs))
             out.head_logits = head[0] if self.batch == 1 else head  # (T, V) or (batch, T, V)
+            out.hidden = None
+        return out
+
+    @torch.inference_mode()
+    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int]) -> StageOutput:
+        """One decode row in each of several lanes: row b is the token of the sequence in
+        ``lanes[b]`` at ``positions[b]`` (at most that lane's length; the lane's length
+        becomes ``positions[b] + 1``). x: token ids (1, B) on the first stage, else hidden
+        (1, B, H). The last stage returns the rows' logits (B, V). Each row's result equals
+        that sequence's own single-row ``forward`` where the ops are row-invariant (the
+        native kernels): the matmuls take all rows, attention reads each row's own lane."""
+        B = x.shape[1]
+        if len(lanes) != B or len(positions) != B or len(set(lanes)) != B:
+            raise ValueError("forward_rows: one row per lane, one position per row")
+        for lane, pos in zip(lanes, positions):
+            if not 0 <= lane < len(self.lanes):
+                raise ValueError(f"sequence slot {lane} outside [0, {len(self.lanes)})")
+            st = self.lanes[lane]
+            if not 0 <= pos <= st.length or pos >= self.max_ctx or st.ckpt_length is not None:
+                raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} "
+                                 f"(length {st.length}, context {self.max_ctx}) or it holds a checkpoint")
+        x = x.to(self.device)
+        h = self.embed(x) if self.is_first else x.to(self.dtype)
+        idx = torch.tensor(positions, device=self.device)
+        ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
+                             positions=tuple(positions))
+        for i, layer in enumerate(self.layers):
+            bank = self.banks[i]
+            h = layer(h, ctx, bank if bank is not None else [self.lanes[lane].states[i] for lane in lanes])
+        for lane, pos in zip(lanes, positions):
+            self.lanes[lane].length = pos + 1
+        out = StageOutput(hidden=h)
+        if self.is_last:
+            out.head_logits = self.lm_head(self.final_norm(h))[0]
             out.hidden = None
         return out
 

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <immintrin.h>
 #include <vector>
 
@@ -371,6 +372,84 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   return out;
 }
 
+// One decode row per sequence, each sequence in its own lane of a KV bank: row b is the next
+// token of the sequence in lane lanes[b], at position positions[b]. Each row runs exactly
+// what attention_step runs for that sequence's single-row step (the same Step with T = 1),
+// so a sequence's output does not depend on which others share the call.
+at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                          at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions,
+                          int64_t nh, int64_t nkv, double scale, bool portable,
+                          const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                          double norm_eps, bool gated) {
+  TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
+              "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
+  TORCH_CHECK(k_bank.scalar_type() == at::kFloat && v_bank.scalar_type() == at::kFloat && k_bank.dim() == 4 &&
+                  k_bank.sizes() == v_bank.sizes() && k_bank.size(1) == nkv && k_bank.is_contiguous() &&
+                  v_bank.is_contiguous(),
+              "dflash::attention_rows: banks must be contiguous fp32 (lanes, nkv, max_ctx, head_dim)");
+  TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "dflash::attention_rows: bad head counts");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "dflash::attention_rows: q_norm and k_norm go together");
+  const int64_t B = qkv_in.size(1), n_lanes = k_bank.size(0), hd = k_bank.size(3), max_ctx = k_bank.size(2);
+  TORCH_CHECK(static_cast<int64_t>(lanes.size()) == B && static_cast<int64_t>(positions.size()) == B,
+              "dflash::attention_rows: one lane and one position per row");
+  std::vector<bool> used(n_lanes, false);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lanes[b] >= 0 && lanes[b] < n_lanes, "dflash::attention_rows: lane out of range");
+    TORCH_CHECK(!used[lanes[b]], "dflash::attention_rows: two rows in one lane");
+    used[lanes[b]] = true;
+    TORCH_CHECK(positions[b] >= 0 && positions[b] < max_ctx, "dflash::attention_rows: position past the cache");
+    longest = std::max(longest, positions[b] + 1);
+  }
+  at::Tensor qn, kn;
+  if (q_norm.has_value()) {
+    qn = q_norm->to(at::kFloat).contiguous();
+    kn = k_norm->to(at::kFloat).contiguous();
+    TORCH_CHECK(qn.dim() == 1 && qn.size(0) == hd && kn.sizes() == qn.sizes(),
+                "dflash::attention_rows: q_norm / k_norm must be (head_dim)");
+  }
+  TORCH_CHECK(hd % 8 == 0 && cos_in.size(-1) % 2 == 0 && cos_in.size(-1) <= hd,
+              "dflash::attention_rows: head_dim must be a multiple of 8 and the rotary width even and at most head_dim");
+  TORCH_CHECK(qkv_in.size(2) == ((gated ? 2 : 1) * nh + 2 * nkv) * hd,
+              "dflash::attention_rows: qkv width does not match heads");
+  TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == B && sin_in.sizes() == cos_in.sizes(),
+              "dflash::attention_rows: cos/sin must be (rows, rotary_dim)");
+  auto qkv = qkv_in.contiguous();
+  auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  auto out = at::empty({1, B, nh * hd}, qkv.options());
+  const bool fast = !portable && avx2();
+  const int64_t rot = cos.size(1), width = qkv.size(2), lane_elems = nkv * max_ctx * hd;
+  float* kb = k_bank.data_ptr<float>();
+  float* vb = v_bank.data_ptr<float>();
+  auto run = [&](auto* qp, auto* op) {
+    using CT = std::remove_pointer_t<decltype(qp)>;
+    std::vector<Step<CT>> steps;
+    steps.reserve(B);
+    for (int64_t b = 0; b < B; ++b) {
+      Geometry g{1, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
+                 qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
+                 static_cast<float>(norm_eps), gated};
+      steps.push_back(Step<CT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
+                               kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < nkv; ++h) fast ? write_kv_avx2(steps[b], h) : write_kv_portable(steps[b], h);
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));
+    at::parallel_for(0, B * nh, grain, [&](int64_t w0, int64_t w1) {
+      std::vector<float> scratch(longest + 2 * hd);
+      for (int64_t w = w0; w < w1; ++w)
+        fast ? query_avx2(steps[w / nh], w % nh, scratch.data()) : query_portable(steps[w / nh], w % nh, scratch.data());
+    });
+  };
+  switch (qkv.scalar_type()) {
+    case at::kFloat: run(qkv.data_ptr<float>(), out.data_ptr<float>()); break;
+    case at::kBFloat16: run(qkv.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(qkv.data_ptr<c10::Half>(), out.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "dflash::attention_rows: qkv must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace dflash {
@@ -381,14 +460,25 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
                         gated);
 }
+at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
+                             at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
+                             int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
+                             const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated) {
+  return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
+                        norm_eps, gated);
+}
 }  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=1e-6, bool gated=False) -> Tensor");
+  m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
+        "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
+        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("attention_step", &attention_step);
+  m.impl("attention_rows", &attention_rows);
 }

@@ -10,4 +10,8 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable,
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                              double norm_eps, bool gated);
+at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
+                             at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
+                             int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
+                             const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated);
 }  // namespace dflash
