@@ -48,12 +48,12 @@ def test_turns_prefill_only_the_new_part(tiny_dir):
     pipe = pipeline(tiny_dir("llama"))
     eng = Engine(pipe, prefix_slots=4)
     prefilled = []
-    orig = pipe.prefill
+    orig = pipe.prefill_steps
 
-    def spy(ids, start=0, **kw):
+    def spy(ids, start=0, *args, **kw):
         prefilled.append(len(ids))
-        return orig(ids, start=start, **kw)
-    pipe.prefill = spy
+        return orig(ids, start, *args, **kw)
+    pipe.prefill_steps = spy
     messages = [{"role": "system", "content": "You are terse."}]
     for turn, q in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": q})

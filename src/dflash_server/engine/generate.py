@@ -1,8 +1,12 @@
-"""The generation loop (one sequence at a time): prefill, then decode until a stop.
+"""The engine: a step loop over many sequences (continuous batching).
 
-Callers (CLI, HTTP server) see only ``GenerationRequest`` -> ``TokenEvent``s ->
-``GenerationResult``; speculative decoding and prefix caching plug in underneath. The
-engine is not thread-safe: one generation at a time (the server queues requests).
+Callers see ``GenerationRequest`` -> ``TokenEvent``s -> ``GenerationResult``. ``submit``
+queues a request as a ``Sequence``; each ``step`` lets the scheduler (``batching``) admit
+waiting sequences into free slots, runs one prefill forward (bounded by the step's token
+budget) and one decode step of every running sequence: all plain rows in one batched
+forward, a DFlash draft + verify for a drafting sequence. ``generate`` is one sequence
+driven to its end (the CLI); the server drives ``step`` from its worker thread. Speculative
+decoding and prefix caching plug in underneath. Not thread-safe: one thread drives it.
 """
 from __future__ import annotations
 
@@ -11,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-from ..errors import Cancelled
 from ..runtime.kv_pool import merge_stats
-from .output import OutputBuilder, ThinkBudget, TokenEvent
-from .sampling import Sampler, SamplingParams
-from .speculative import SpecStats, speculative_decode
+from .batching import StepScheduler
+from .output import TokenEvent
+from .sampling import SamplingParams
+from .sequence import Sequence
+from .speculative import SpecStats, speculative_step
 
 MAX_TOP_LOGPROBS = 20
 
@@ -82,12 +87,16 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
-                 prefix_bytes: int | None = None, disk_cache=None, checkpoint_interval: int = 0):
+                 prefix_bytes: int | None = None, disk_cache=None, checkpoint_interval: int = 0,
+                 step_tokens: int = 256):
         """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).
         ``prefix_slots``: in-memory prefix-cache snapshots (0 disables), with an optional
         byte budget; ``disk_cache``: a cache.disk.DiskCache for restart-persistent snapshots;
         ``checkpoint_interval`` > 0: during long generations, write a disk snapshot every
-        that many tokens (the next turn, which resends the answer, resumes from it)."""
+        that many tokens (the next turn, which resends the answer, resumes from it).
+        Sequences run concurrently in the pipeline's sequence slots (``pipeline.lanes``);
+        ``step_tokens``: the tokens one step may forward while others decode (a prompt's
+        prefill goes in pieces of at most that, less the decode rows)."""
         self.checkpoint_interval = checkpoint_interval
         from ..cache.prefix_index import PrefixIndex
         from .prefix import PrefixCache
@@ -96,42 +105,168 @@ class Engine:
         self.tokenizer = pipeline.tokenizer
         self.chunk = chunk
         self.proposer = proposer
+        if proposer is not None and pipeline.lanes > 1:
+            raise ValueError("speculative decoding runs one sequence slot (--parallel 1)")
         self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer, disk_cache)
+        self.scheduler = StepScheduler(pipeline.lanes, step_tokens)
+        self._next_id = 0
+        self.counters = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "step_s": 0.0}
+        self.batch_sizes: dict[int, int] = {}  # decode rows per step -> steps
+
+    # --- requests -------------------------------------------------------------------------
+    def submit(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
+               cancelled: Callable[[], bool] | None = None, tag=None) -> Sequence:
+        """Queue one request. ``on_event`` gets each token as it is produced (``token_id ==
+        -1`` marks a final text-only flush); ``cancelled`` is polled once per step and ends
+        the sequence with finish_reason "cancelled". ``tag``: the caller's, kept on the
+        sequence."""
+        pipe = self.pipeline
+        if len(req.prompt_ids) >= pipe.max_ctx:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context size is {pipe.max_ctx}")
+        seq = Sequence(self._next_id, req, self.tokenizer, pipe.config.vocab_size, pipe.device, on_event,
+                       cancelled, tag)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     def generate(self, req: GenerationRequest, on_event: Callable[[TokenEvent], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
-        """Run one request to completion. ``on_event`` gets each token as it is produced
-        (``token_id == -1`` marks a final text-only flush); ``cancelled`` is polled between
-        prefill chunks and once per decode step and ends generation with finish_reason
-        "cancelled"."""
-        pipe, prompt = self.pipeline, list(req.prompt_ids)
-        if len(prompt) >= pipe.max_ctx:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the context size is {pipe.max_ctx}")
-        sampler = Sampler(req.sampling, pipe.config.vocab_size, pipe.device, prompt)
-        out = OutputBuilder(self.tokenizer, req, on_event)
+        """Run one request to completion (with whatever else is queued)."""
+        seq = self.submit(req, on_event, cancelled)
+        while not seq.done:
+            self.step()
+        if seq.error is not None:
+            raise seq.error
+        return seq.result
+
+    # --- the step loop --------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One scheduling step; returns the sequences that ended in it (``result`` set, or
+        ``error``: a failure ends only the sequences of the forward that raised)."""
         t0 = time.perf_counter()
+        ended: list[Sequence] = []
+        sched = self.scheduler
+        for seq in list(sched.waiting) + sched.active:
+            if seq.cancelled:
+                self._end(seq, "cancelled", ended)
+        plan = sched.schedule()
+        if plan.prefill is not None:
+            self._prefill(plan.prefill, plan.prefill_tokens, ended)
+        rows = [s for s in plan.decode if not s.done]
+        if rows:
+            if self.proposer is not None:
+                for seq in rows:
+                    self._speculate(seq, ended)
+            else:
+                self._decode(rows, ended)
+            self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
+            self.counters["decode_rows"] += len(rows)
+        if not plan.empty:
+            self.counters["steps"] += 1
+            self.counters["step_s"] += time.perf_counter() - t0
+        return ended
+
+    def _prefill(self, seq: Sequence, budget: int | None, ended: list) -> None:
+        pipe = self.pipeline
+        pipe.select(seq.lane)
         try:
-            pre = self.prefix_cache.prefill(prompt, self.chunk, req.cache_scope, cancelled)
-        except Cancelled:
-            return self._result(out, "cancelled", req, t0, time.perf_counter())
-        logits = pre.logits
-        t1 = time.perf_counter()
+            if seq.prefill is None:
+                seq.t_start = time.perf_counter()
+                seq.prefill = self.prefix_cache.prefill_steps(seq.prompt, self.chunk, seq.req.cache_scope)
+                next(seq.prefill)          # up to the first forward: reset, cache lookup, restore
+            before = pipe.length
+            seq.prefill.send(budget)
+            self.counters["prefill_tokens"] += max(0, pipe.length - before)
+            return
+        except StopIteration as done:
+            seq.pre, seq.prefill = done.value, None
+        except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+            self._fail(seq, e, ended)
+            return
+        seq.t_decode = time.perf_counter()
+        self.scheduler.started(seq)
+        seq.on_commit = self._checkpointer(seq)
+        self._after_commit(seq, seq.commit(seq.pre.logits), ended)
+
+    def _decode(self, rows: list[Sequence], ended: list) -> None:
+        """One plain decode step of ``rows``: a single-sequence forward for one row, else
+        one forward of all rows (each in its own slot)."""
+        pipe = self.pipeline
         try:
-            res = self._decode(req, sampler, out, logits, cancelled, t0, t1)
-        except BaseException:
-            self.prefix_cache.discard(pre.pending)
-            raise
-        res.cached_tokens = pre.cached_tokens
-        res.extra["cache"] = pre.source
-        kv = pipe.kvflash_stats()
-        if kv:  # summed over stages (each runs its own pool of the same size)
-            res.extra["kvflash"] = merge_stats(kv)
-        if res.finish_reason in ("stop", "length"):
-            self.prefix_cache.commit(pre.pending)
+            if len(rows) == 1:
+                pipe.select(rows[0].lane)
+                logits = pipe.forward([rows[0].last], rows[0].pos).logits[-1:]
+            else:
+                logits = pipe.forward_rows([s.last for s in rows], [s.lane for s in rows], [s.pos for s in rows])
+        except Exception as e:  # noqa: BLE001 - the rows of this forward fail
+            for seq in rows:
+                self._fail(seq, e, ended)
+            return
+        for seq, row in zip(rows, logits):
+            seq.pos += 1
+            if seq.on_commit is not None:
+                pipe.select(seq.lane)
+                seq.on_commit(seq.pos, row)
+            self._after_commit(seq, seq.commit(row), ended)
+
+    def _speculate(self, seq: Sequence, ended: list) -> None:
+        self.pipeline.select(seq.lane)
+        try:
+            finish = speculative_step(self.pipeline, self.proposer, seq)
+        except Exception as e:  # noqa: BLE001
+            self._fail(seq, e, ended)
+            return
+        if finish is not None:
+            self._end(seq, finish, ended)
+
+    def _after_commit(self, seq: Sequence, finished: bool, ended: list) -> None:
+        if finished:
+            self._end(seq, seq.out.finish, ended)
+        elif self.proposer is None and seq.pos + 1 >= self.pipeline.max_ctx:
+            self._end(seq, "length", ended)
+
+    def _fail(self, seq: Sequence, e: BaseException, ended: list) -> None:
+        seq.error = e
+        self._end(seq, "error", ended)
+
+    def _end(self, seq: Sequence, finish: str, ended: list) -> None:
+        if seq.prefill is not None:        # cancelled or failed mid-prefill: drops its snapshot
+            self.pipeline.select(seq.lane)
+            seq.prefill.close()
+            seq.prefill = None
+        pending = seq.pre.pending if seq.pre is not None else None
+        if seq.error is None:
+            seq.result = self._result(seq, finish)
+        if seq.error is None and seq.result.finish_reason in ("stop", "length"):
+            self.prefix_cache.commit(pending)
         else:
-            self.prefix_cache.discard(pre.pending)
+            self.prefix_cache.discard(pending)
+        self.scheduler.finish(seq)
+        ended.append(seq)
+
+    def _result(self, seq: Sequence, finish: str) -> GenerationResult:
+        out = seq.out
+        out.close(finish)
+        now = time.perf_counter()
+        t_start = seq.t_start or now
+        t_decode = seq.t_decode or now
+        res = GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(seq.prompt), t_decode - t_start,
+                               now - t_decode, stop_reason=out.stop_reason, logprobs=out.events)
+        if seq.pre is not None:
+            res.cached_tokens = seq.pre.cached_tokens
+            res.extra["cache"] = seq.pre.source
+            kv = self.pipeline.kvflash_stats()
+            if kv:  # summed over stages (each runs its own pool of the same size)
+                res.extra["kvflash"] = merge_stats(kv)
+            if self.proposer is not None:
+                res.extra["spec"] = (seq.spec or SpecStats(self.proposer.block_size)).to_dict()
         return res
 
+    # --- lifecycle ------------------------------------------------------------------------
     def warm_up(self, max_tokens: int = 64) -> GenerationResult:
         """One throwaway greedy generation with the prefix cache off, so that lazily built
         things (``torch.compile``'s graphs: the decode step and, with a draft, the verify
@@ -164,12 +299,27 @@ class Engine:
             return {"status": "degraded", "error": dh["error"], "stage": "draft"}
         return h
 
-    def _checkpointer(self, req, out):
-        """on_commit(length, logits) writing a disk snapshot every checkpoint_interval tokens."""
-        cache, every = self.prefix_cache, self.checkpoint_interval
+    def stats(self) -> dict:
+        """Slots and step-loop counters (for /props, /slots and /metrics)."""
+        sched = self.scheduler
+        slots = []
+        for seq in sched.active:
+            slots.append({"id": seq.lane, "seq": seq.id, "state": seq.phase, "n_prompt_tokens": len(seq.prompt),
+                          "n_decoded": len(seq.out.tokens), "tag": seq.tag})
+        busy = {s["id"] for s in slots}
+        slots += [{"id": i, "state": "idle"} for i in range(sched.lanes) if i not in busy]
+        return {"slots_total": sched.lanes, "slots_busy": len(busy), "waiting": len(sched.waiting),
+                "running": len(sched.running), "prefilling": len(sched.prefilling), "step_tokens": sched.step_tokens,
+                "slots": sorted(slots, key=lambda s: s["id"]), **self.counters,
+                "batch_sizes": dict(sorted(self.batch_sizes.items()))}
+
+    def _checkpointer(self, seq: Sequence):
+        """on_commit(length, logits) writing a disk snapshot every checkpoint_interval tokens
+        (the sequence's slot is selected when it is called)."""
+        cache, every, req = self.prefix_cache, self.checkpoint_interval, seq.req
         if every <= 0 or cache.disk is None or req.cache_scope in ("off", "memory"):
             return None
-        prompt = list(req.prompt_ids)
+        prompt, out = seq.prompt, seq.out
         due = [len(prompt) + every]
 
         def on_commit(length: int, logits) -> None:
@@ -179,51 +329,3 @@ class Engine:
                     cache.checkpoint(ids, logits)
                 due[0] = length + every
         return on_commit
-
-    def _decode(self, req, sampler, out, logits, cancelled, t0, t1) -> GenerationResult:
-        pipe, spec = self.pipeline, self.proposer
-        pos = len(req.prompt_ids)
-        finish = "length"
-        think = ThinkBudget(req)
-        on_commit = self._checkpointer(req, out)
-        if spec:
-            return self._speculative(req, sampler, out, think, logits, pos, cancelled, t0, t1, on_commit)
-        while True:
-            tok = think.next_forced()
-            if tok is None:
-                tok = sampler.sample(logits)
-            think.observe(tok)
-            sampler.accept(tok)
-            if out.add(tok, logits):
-                break
-            if pos + 1 >= pipe.max_ctx:
-                break
-            if cancelled is not None and cancelled():
-                finish = "cancelled"
-                break
-            logits = pipe.forward([tok], pos).logits[-1]
-            pos += 1
-            if on_commit is not None:
-                on_commit(pos, logits)
-        return self._result(out, finish, req, t0, t1)
-
-    def _speculative(self, req, sampler, out, think, logits, pos, cancelled, t0, t1, on_commit) -> GenerationResult:
-        stats = SpecStats(self.proposer.block_size)
-        tok = think.next_forced()
-        if tok is None:
-            tok = sampler.sample(logits)
-        think.observe(tok)
-        sampler.accept(tok)
-        finish = "stop"
-        if not out.add(tok, logits):
-            finish = speculative_decode(self.pipeline, self.proposer, sampler, out, think, tok, pos,
-                                        req.max_tokens, stats, cancelled, on_commit)
-        res = self._result(out, finish, req, t0, t1)
-        res.extra["spec"] = stats.to_dict()
-        return res
-
-    def _result(self, out, finish, req, t0, t1) -> GenerationResult:
-        out.close(finish)
-        t2 = time.perf_counter()
-        return GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(req.prompt_ids), t1 - t0,
-                                t2 - t1, stop_reason=out.stop_reason, logprobs=out.events)

@@ -14,6 +14,7 @@ import torch
 
 from ..cache.boundaries import TurnBoundaries
 from ..cache.prefix_index import PrefixIndex
+from ..runtime.pipeline import drain
 
 SCOPES = ("off", "memory", "full")  # per request; None = the server's default
 
@@ -37,10 +38,9 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.index.enabled or self.disk is not None
 
-    def _run(self, ids: list[int], start: int, chunk: int, cancelled=None) -> torch.Tensor:
+    def _run(self, ids: list[int], start: int, chunk: int):
         spec = self.proposer
-        out = self.pipeline.prefill(ids, start=start, chunk=chunk, capture=spec.taps if spec else (),
-                                    cancelled=cancelled)
+        out = yield from self.pipeline.prefill_steps(ids, start, chunk, spec.taps if spec else ())
         if spec:
             spec.add_context(out.captures, start)
         return out.logits[-1]
@@ -79,6 +79,12 @@ class PrefixCache:
     def prefill(self, prompt: list[int], chunk: int, scope: str | None = None, cancelled=None) -> Prefilled:
         """``cancelled``: polled between prefill chunks (raises errors.Cancelled; nothing is
         committed to the cache)."""
+        return drain(self.prefill_steps(prompt, chunk, scope), cancelled)
+
+    def prefill_steps(self, prompt: list[int], chunk: int, scope: str | None = None):
+        """``prefill`` as a generator of forwards (``TargetPipeline.prefill_steps``) on the
+        selected sequence slot; returns the ``Prefilled``. Closing it early discards the
+        snapshot it took."""
         pipe, spec = self.pipeline, self.proposer
         if pipe.epoch != self.epoch:
             self.drop_memory()
@@ -108,14 +114,14 @@ class PrefixCache:
         save_at = max((b for b in bounds if b > start), default=None)
         pending = None
         if save_at is not None and not self.index.contains(prompt[:save_at]):
-            logits = self._run(prompt[start:save_at], start, chunk, cancelled)
+            logits = yield from self._run(prompt[start:save_at], start, chunk)
             slot = self.index.new_slot()
             pipe.snapshot_save(slot)
             self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if spec else None}
             pending = (tuple(prompt[:save_at]), slot, scope)
             start = save_at
         try:
-            logits = self._run(prompt[start:], start, chunk, cancelled)
+            logits = yield from self._run(prompt[start:], start, chunk)
         except BaseException:
             self.discard(pending)
             raise

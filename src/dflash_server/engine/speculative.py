@@ -1,4 +1,4 @@
-"""DFlash speculative decoding loop (one sequence).
+"""DFlash speculative decoding: one step of one sequence.
 
 Each step: the proposer drafts ``B-1`` tokens after the anchor in one pass; the target
 verifies ``[anchor, drafts]`` in one forward (capturing the tapped layers); tokens are taken
@@ -61,49 +61,42 @@ class SpecStats:
                 "position_acceptance": [round(x, 4) for x in self.position_acceptance()]}
 
 
-def speculative_decode(pipe, proposer, sampler, out, think, anchor: int, pos: int, max_tokens: int,
-                       stats: SpecStats, cancelled=None, on_commit=None) -> str:
-    """Continue after ``anchor`` (already emitted, at position ``pos``, not yet in the
-    target cache). Returns the finish reason when the output builder did not decide one.
-    ``on_commit(length, logits)``: called after each step with the committed length and
-    the logits that predicted the newest (not yet cached) token."""
-    taps, sizer = proposer.taps, getattr(proposer, "sizer", None)
-    if sizer is not None:
-        sizer.begin_request("greedy" if sampler.params.greedy else "sampled")
-    while True:
-        want = sizer.choose() if sizer is not None else proposer.block_size
-        block = min(want, max_tokens - len(out.tokens), pipe.max_ctx - pos)
-        if block < 1:
-            return "length"
-        if cancelled is not None and cancelled():
-            return "cancelled"
-        t0 = time.perf_counter()
-        drafts = proposer.propose(anchor, pos, block)
-        if block > 1:                               # a plain step (block 1) has nothing to roll back
-            pipe.checkpoint()
-        verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=taps)
-        acc, done, tok = 0, False, anchor
-        for i in range(block):
-            row = verify.logits[i]
-            tok = think.next_forced()
-            if tok is None:
-                tok = sampler.sample(row)
-            think.observe(tok)
-            sampler.accept(tok)
-            done = out.add(tok, row)
-            if done or i == block - 1 or drafts[i] != tok:
-                break
-            acc += 1
-        # positions pos .. pos+acc (anchor + accepted drafts) are committed
-        if block > 1:
-            pipe.rollback(pos + acc + 1)
-        proposer.add_context(verify.captures, pos, acc + 1, defer=block == 1)
-        stats.record(block - 1, acc)
+def speculative_step(pipe, proposer, seq) -> str | None:
+    """One draft + verify step of ``seq`` (anchor ``seq.last`` at ``seq.pos``, already
+    emitted, not yet in the target cache; its slot selected). Returns the finish reason when
+    the sequence ends here, None to go on. ``seq.on_commit(length, logits)`` is called with
+    the committed length and the logits that predicted the newest (not yet cached) token."""
+    sizer = proposer.sizer
+    if seq.spec is None:
+        seq.spec = SpecStats(proposer.block_size)
         if sizer is not None:
-            sizer.observe(block, None if done else acc, time.perf_counter() - t0)
-        if done:
-            return out.finish
-        pos += acc + 1
-        anchor = tok
-        if on_commit is not None:
-            on_commit(pos, verify.logits[acc])
+            sizer.begin_request("greedy" if seq.sampler.params.greedy else "sampled")
+    want = sizer.choose() if sizer is not None else proposer.block_size
+    anchor, pos = seq.last, seq.pos
+    block = min(want, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos)
+    if block < 1:
+        return "length"
+    t0 = time.perf_counter()
+    drafts = proposer.propose(anchor, pos, block)
+    if block > 1:                               # a plain step (block 1) has nothing to roll back
+        pipe.checkpoint()
+    verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=proposer.taps)
+    acc, done = 0, False
+    for i in range(block):
+        done = seq.commit(verify.logits[i])
+        if done or i == block - 1 or drafts[i] != seq.last:
+            break
+        acc += 1
+    # positions pos .. pos+acc (anchor + accepted drafts) are committed
+    if block > 1:
+        pipe.rollback(pos + acc + 1)
+    proposer.add_context(verify.captures, pos, acc + 1, defer=block == 1)
+    seq.spec.record(block - 1, acc)
+    if sizer is not None:
+        sizer.observe(block, None if done else acc, time.perf_counter() - t0)
+    if done:
+        return seq.out.finish
+    seq.pos = pos + acc + 1
+    if seq.on_commit is not None:
+        seq.on_commit(seq.pos, verify.logits[acc])
+    return None

@@ -110,13 +110,16 @@ class TargetPipeline:
         """Chunked prefill; returns the last position's logits and all captured rows.
         ``cancelled`` (a callable) is polled before every chunk: when it says so, raises
         ``Cancelled`` and leaves the state half-written (the next request resets it)."""
+        return drain(self.prefill_steps(ids, start, chunk, capture), cancelled)
+
+    def prefill_steps(self, ids: list[int], start: int = 0, chunk: int = 512, capture: tuple[int, ...] = ()):
+        """``prefill`` one forward at a time: a generator that yields before each forward
+        (the caller may run other work, e.g. other sequences' decode steps, and must
+        ``select`` this sequence's slot again before resuming), takes an optional token
+        budget for the next forward by ``send`` (None: ``chunk``), and returns the
+        ``PipelineOutput`` (``StopIteration.value``)."""
         if not ids:
             raise ValueError("prefill needs at least one token")
-
-        def check():
-            if cancelled is not None and cancelled():
-                raise Cancelled()
-
         chunk = max(1, min(chunk, self.max_forward))
         caps: dict[int, list[torch.Tensor]] = {}
         # KV Flash score policy: the prompt's last tokens run as their own forward so that their
@@ -126,14 +129,14 @@ class TargetPipeline:
         body = ids[:len(ids) - tail]
         out, off = None, 0
         while off < len(body):
-            check()
-            n = self._piece(start + off, min(chunk, len(body) - off))
+            budget = yield
+            n = self._piece(start + off, min(chunk, max(1, budget or chunk), len(body) - off))
             out = self.forward(body[off:off + n], start + off, logits="last", capture=capture)
             for k, v in out.captures.items():
                 caps.setdefault(k, []).append(v)
             off += n
         if tail > 0:
-            check()
+            yield
             pos = start + len(body)
             self.checkpoint()
             out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
@@ -211,6 +214,20 @@ class TargetPipeline:
         for k, st in enumerate(self.stages):
             prefix = f"ls{k}."
             st.snapshot_import(slot, {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)})
+
+
+def drain(steps, cancelled=None):
+    """Run a step generator (``prefill_steps``) to its end and return its value; ``cancelled``
+    is polled before each step (raises ``Cancelled``; the generator is closed)."""
+    try:
+        while True:
+            next(steps)
+            if cancelled is not None and cancelled():
+                raise Cancelled()
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()
 
 
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,

@@ -1,0 +1,65 @@
+"""One request in the engine: everything that belongs to a single sequence.
+
+A ``Sequence`` owns its prompt, sampled tokens, position, sampler and RNG, reasoning
+budget, output builder (events, stop strings, logprobs), speculative statistics, the
+prefix-cache snapshot it took, and its sequence slot while it holds one. Plain and
+speculative decoding both go through ``choose`` (forced or sampled token) and
+``out.add`` (the finish decision).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .output import OutputBuilder, ThinkBudget, TokenEvent
+from .sampling import Sampler
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, req, tokenizer, vocab_size: int, device,
+                 on_event: Callable[[TokenEvent], None] | None = None, cancelled: Callable[[], bool] | None = None,
+                 tag=None):
+        self.id, self.req, self.tag = seq_id, req, tag
+        self.prompt = list(req.prompt_ids)
+        self.sampler = Sampler(req.sampling, vocab_size, device, self.prompt)
+        self.out = OutputBuilder(tokenizer, req, on_event)
+        self.think = ThinkBudget(req)
+        self._cancelled = cancelled
+        self.phase = WAITING
+        self.lane: int | None = None       # sequence slot while admitted
+        self.pos = len(self.prompt)        # position of ``last`` (sampled, not yet in the cache)
+        self.last: int | None = None
+        self.prefill = None                # the prefill generator while prefilling
+        self.pre = None                    # prefix.Prefilled once prefilled
+        self.spec = None                   # SpecStats when drafting
+        self.on_commit = None              # disk checkpointer: (length, logits)
+        self.t_submit = time.perf_counter()
+        self.t_start: float | None = None  # slot granted: prefill begins
+        self.t_decode: float | None = None  # prefill done
+        self.result = None                 # GenerationResult once done
+        self.error: BaseException | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled is not None and self._cancelled()
+
+    @property
+    def done(self) -> bool:
+        return self.phase == DONE
+
+    def choose(self, logits) -> int:
+        """The next token: forced by the reasoning budget, else sampled from ``logits``."""
+        tok = self.think.next_forced()
+        if tok is None:
+            tok = self.sampler.sample(logits)
+        self.think.observe(tok)
+        self.sampler.accept(tok)
+        return tok
+
+    def commit(self, logits) -> bool:
+        """Choose and record the token ``logits`` predict (it becomes ``last``). Returns
+        True when the output is finished (a stop, a stop string, max_tokens)."""
+        self.last = self.choose(logits)
+        return self.out.add(self.last, logits)
