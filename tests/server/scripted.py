@@ -25,13 +25,69 @@ from .serverproc import free_port
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, scripts: dict[str, str], max_ctx: int = 4096, delay_s: float = 0.0):
+    def __init__(self, tokenizer, scripts: dict[str, str], max_ctx: int = 4096, delay_s: float = 0.0,
+                 lanes: int = 1):
         self.tokenizer, self.scripts, self.delay_s = tokenizer, scripts, delay_s
         self.pipeline = SimpleNamespace(max_ctx=max_ctx)
         self.prompts: list[str] = []
         self.requests: list = []
+        self.scheduler = SimpleNamespace(lanes=lanes, waiting=[], running=[])
+
+    # the engine's step-loop interface (what server.scheduler drives): each step advances
+    # every admitted sequence by one token; ``lanes`` of them at a time
+    def submit(self, req, on_event=None, cancelled=None, tag=None):
+        seq = SimpleNamespace(req=req, tag=tag, lane=None, t_start=None, result=None, error=None,
+                              cancelled=cancelled, gen=self._run(req, on_event, cancelled))
+        self.scheduler.waiting.append(seq)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self):
+        sched, ended = self.scheduler, []
+        while sched.waiting and len(sched.running) < sched.lanes:
+            seq = sched.waiting.pop(0)
+            seq.lane, seq.t_start = len(sched.running), time.monotonic()
+            sched.running.append(seq)
+        for seq in list(sched.running):
+            try:
+                next(seq.gen)
+                continue
+            except StopIteration as done:
+                seq.result = done.value
+            except Exception as e:  # noqa: BLE001 - a scripted failure ends this sequence
+                seq.error = e
+            sched.running.remove(seq)
+            ended.append(seq)
+        for seq in list(sched.waiting):  # cancelled while waiting: never run
+            if seq.cancelled is not None and seq.cancelled():
+                sched.waiting.remove(seq)
+                seq.result = GenerationResult([], "", "cancelled", len(seq.req.prompt_ids))
+                ended.append(seq)
+        return ended
+
+    def occupancy(self):
+        return len(self.scheduler.waiting), len(self.scheduler.running), self.scheduler.lanes
+
+    def abort(self, e):
+        ended = self.scheduler.waiting + self.scheduler.running
+        self.scheduler.waiting, self.scheduler.running = [], []
+        for seq in ended:
+            seq.error = e
+        return ended
 
     def generate(self, req, on_event=None, cancelled=None):
+        gen = self._run(req, on_event, cancelled)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                return done.value
+
+    def _run(self, req, on_event=None, cancelled=None):
+        """A generator: one yield per token, returns the GenerationResult."""
         prompt = self.tokenizer.decode(list(req.prompt_ids))
         self.prompts.append(prompt)
         self.requests.append(req)
@@ -69,6 +125,7 @@ class ScriptedEngine:
             if cancelled is not None and cancelled():
                 finish = "cancelled"
                 break
+            yield
         if stops.matched is None:
             tail = stops.push(detok.flush())[0] + stops.flush()
             if tail:

@@ -170,11 +170,13 @@ def load_engine(args, progress: bool = True):
     quantize = quantize_plan(source, args.quantize, kinds == {"cpu"} and dtype == torch.bfloat16,
                              cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
     kvflash = kvflash_config(args)
-    check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress)
+    lanes = choose_lanes(getattr(args, "parallel", "1"), source, shards, dtype, max_ctx, quantize,
+                         single=bool(draft_path) or kvflash is not None)
+    check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress, lanes)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
                                   progress=progress, remote=remote_options(args, shards), threads=args.threads,
-                                  kvflash=kvflash)
+                                  kvflash=kvflash, lanes=lanes)
     except (ShardError, ValueError) as e:
         raise UserError(str(e)) from None
     if args.compile:
@@ -191,12 +193,49 @@ def load_engine(args, progress: bool = True):
     if args.kv_cache_interval < 0:
         raise UserError("--kv-cache-interval must be >= 0")
     engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
-                    prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval)
+                    prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval,
+                    step_tokens=getattr(args, "step_tokens", 256))
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
 
 
-def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bool) -> None:
+AUTO_LANES = 4  # --parallel auto: at most this many sequence slots
+
+
+def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, single: bool) -> int:
+    """Sequence slots for ``--parallel``: a number, or ``auto``: up to AUTO_LANES, fewer when
+    their KV would take more than a quarter of the host's available memory (CPU shards)
+    or not fit a GPU; 1 where several cannot run (a draft, KV Flash, a remote shard)."""
+    from ..runtime.memory import check_fits, estimate, gpu_free, host_available
+
+    remote = any(s.device.startswith("remote:") for s in shards)
+    if flag != "auto":
+        try:
+            n = int(flag)
+        except ValueError:
+            raise UserError(f"--parallel must be a number of sequence slots or 'auto', got {flag!r}") from None
+        if n < 1:
+            raise UserError(f"--parallel must be >= 1, got {n}")
+        if n > 1 and (single or remote):
+            raise UserError("--parallel above 1 does not combine with a draft (--draft), KV Flash (--kvflash) or "
+                            "a remote shard yet: those run one sequence at a time")
+        return n
+    if single or remote:
+        return 1
+    for n in range(AUTO_LANES, 1, -1):
+        needs = estimate(source, shards, dtype, max_ctx, quantize, lanes=n)
+        host_kv = sum(d.kv for d in needs if d.device.startswith("cpu"))
+        if host_kv > host_available() // 4:
+            continue
+        try:
+            check_fits(needs, gpu_free(needs))
+        except ValueError:
+            continue
+        return n
+    return 1
+
+
+def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bool, lanes: int = 1) -> None:
     """Print what each device will hold (placements with a GPU) and stop before loading when
     a GPU cannot hold its share (``runtime.memory``). A KV Flash pool counts at its size (``auto``: its minimum;
     it grows into what is free)."""
@@ -207,7 +246,7 @@ def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bo
     if all(s.device.removeprefix("remote:").startswith("cpu") for s in shards):
         return  # (GPU placements only: there it decides whether the model loads at all)
     kv_tokens = kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
-    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens)
+    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes)
     if progress:
         print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
     try:

@@ -56,8 +56,16 @@ def add_parser(sub) -> None:
                              ("min-p", float, 0.05), ("repetition-penalty", float, 1.0)):
         g.add_argument(f"--default-{flag}", type=kind, help=f"{flag} when a request sets none (default: the "
                        f"model's generation_config.json / GGUF metadata, else llama.cpp's {what})")
+    g.add_argument("--parallel", default="auto",
+                   help="sequence slots: requests generated concurrently, batched into one forward per step "
+                        "(continuous batching). 'auto' (default): up to 4, fewer when their KV would not fit "
+                        "memory; 1 with a draft, KV Flash or a remote shard. Each slot holds its own KV "
+                        "(max-ctx tokens)")
+    g.add_argument("--step-tokens", type=positive_int, default=256,
+                   help="tokens one engine step may forward while other requests decode: a long prompt is "
+                        "prefilled in pieces of at most this many, between their steps (default 256)")
     g.add_argument("--max-queue", type=_non_negative_int, default=C.max_queue,
-                   help="requests that may wait behind the running one; beyond: 503 + Retry-After "
+                   help="requests that may wait for a sequence slot; beyond: 503 + Retry-After "
                         f"(default {C.max_queue})")
     g.add_argument("--max-body-mb", type=positive_int, default=C.max_body_bytes >> 20,
                    help=f"largest request body in MiB (default {C.max_body_bytes >> 20})")
@@ -118,7 +126,8 @@ def _model_info(args, source, pipeline) -> dict:
         "runtime": {"backend": "torch", "torch": torch.__version__, "dtype": str(pipeline.stages[0].dtype),
                     "quantize": args.quantize, "compile": bool(args.compile), "chunk": args.chunk,
                     "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-                    "kernels": kernels.status()},
+                    "kernels": kernels.status(), "parallel": pipeline.lanes,
+                    "step_tokens": getattr(args, "step_tokens", None)},
         "placement": [{"device": getattr(st, "label", str(st.device)), "layers": [st.begin, st.end],
                        "remote": hasattr(st, "health")} for st in pipeline.stages],
     }

@@ -175,7 +175,7 @@ class Engine:
         pipe.select(seq.lane)
         try:
             if seq.prefill is None:
-                seq.t_start = time.perf_counter()
+                seq.t_start = time.monotonic()
                 seq.prefill = self.prefix_cache.prefill_steps(seq.prompt, self.chunk, seq.req.cache_scope)
                 next(seq.prefill)          # up to the first forward: reset, cache lookup, restore
             before = pipe.length
@@ -187,7 +187,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
             self._fail(seq, e, ended)
             return
-        seq.t_decode = time.perf_counter()
+        seq.t_decode = time.monotonic()
         self.scheduler.started(seq)
         seq.on_commit = self._checkpointer(seq)
         self._after_commit(seq, seq.commit(seq.pre.logits), ended)
@@ -223,6 +223,19 @@ class Engine:
         if finish is not None:
             self._end(seq, finish, ended)
 
+    def abort(self, e: BaseException) -> list[Sequence]:
+        """Fail every sequence the engine holds with ``e`` (after an unexpected error in a
+        step, whose state is then unknown); returns them."""
+        ended: list[Sequence] = []
+        for seq in list(self.scheduler.waiting) + self.scheduler.active:
+            seq.error = e
+            try:
+                self._end(seq, "error", ended)
+            except Exception:  # noqa: BLE001 - freeing its slot is what matters
+                self.scheduler.finish(seq)
+                ended.append(seq)
+        return ended
+
     def _after_commit(self, seq: Sequence, finished: bool, ended: list) -> None:
         if finished:
             self._end(seq, seq.out.finish, ended)
@@ -251,7 +264,7 @@ class Engine:
     def _result(self, seq: Sequence, finish: str) -> GenerationResult:
         out = seq.out
         out.close(finish)
-        now = time.perf_counter()
+        now = time.monotonic()
         t_start = seq.t_start or now
         t_decode = seq.t_decode or now
         res = GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(seq.prompt), t_decode - t_start,
@@ -298,6 +311,11 @@ class Engine:
         if dh["status"] != "ok":
             return {"status": "degraded", "error": dh["error"], "stage": "draft"}
         return h
+
+    def occupancy(self) -> tuple[int, int, int]:
+        """(sequences waiting for a slot, sequences holding one, slots)."""
+        sched = self.scheduler
+        return len(sched.waiting), len(sched.prefilling) + len(sched.running), sched.lanes
 
     def stats(self) -> dict:
         """Slots and step-loop counters (for /props, /slots and /metrics)."""

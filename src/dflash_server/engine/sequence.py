@@ -35,7 +35,7 @@ class Sequence:
         self.pre = None                    # prefix.Prefilled once prefilled
         self.spec = None                   # SpecStats when drafting
         self.on_commit = None              # disk checkpointer: (length, logits)
-        self.t_submit = time.perf_counter()
+        self.t_submit = time.monotonic()
         self.t_start: float | None = None  # slot granted: prefill begins
         self.t_decode: float | None = None  # prefill done
         self.result = None                 # GenerationResult once done

@@ -52,9 +52,11 @@ def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[-1] % 32 == 0 and "norm" not in name and "conv" not in name
 
 
-def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_tokens: int | None = None) -> list[DeviceNeed]:
+def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_tokens: int | None = None,
+             lanes: int = 1) -> list[DeviceNeed]:
     """Per shard (in order): bytes of its weights and of its preallocated attention KV.
-    ``kv_tokens``: KV rows per layer when a KV Flash pool bounds them (else ``max_ctx``)."""
+    ``kv_tokens``: KV rows per layer when a KV Flash pool bounds them (else ``max_ctx``);
+    ``lanes``: sequence slots, each with its own KV."""
     cfg = source.config
     layer_mode, head_mode = (quantize, quantize) if isinstance(quantize, str) else quantize
     elt = torch.empty((), dtype=dtype).element_size()
@@ -79,7 +81,7 @@ def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_toke
         device = sh.device.removeprefix("remote:")
         kv_elt = 4 if device == "cpu" else elt  # attention KV is fp32 on a CPU (faster there)
         attn = sum(1 for t in cfg.layer_types[sh.begin:sh.end] if t != "linear_attention")
-        kv = attn * 2 * cfg.num_kv_heads * cfg.head_dim * (kv_tokens or max_ctx) * kv_elt
+        kv = attn * 2 * cfg.num_kv_heads * cfg.head_dim * (kv_tokens or max_ctx) * kv_elt * lanes
         out.append(DeviceNeed(sh.device, weights, kv))
     return out
 
@@ -109,3 +111,18 @@ def gpu_free(needs: list[DeviceNeed]) -> dict[str, int]:
         if n.device.startswith("cuda") and n.device not in out:
             out[n.device] = torch.cuda.mem_get_info(torch.device(n.device))[0]
     return out
+
+
+def host_available() -> int:
+    """Bytes of host memory available to new allocations (Linux MemAvailable; else the
+    physical total)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -113,9 +113,9 @@ class Metrics:
         return generate_latest(self.registry)
 
     # --- scheduler hooks (called from the worker thread) -----------------------------
-    def queue_changed(self, depth: int, running: bool) -> None:
+    def queue_changed(self, depth: int, running: int) -> None:
         self.queue_depth.set(depth)
-        self.running.set(1 if running else 0)
+        self.running.set(int(running))
 
     def token(self, job, now: float) -> None:
         if job.t_first is None:

@@ -97,7 +97,7 @@ def props(state) -> dict:
             "reasoning_efforts": {k: v for k, v in EFFORT_BUDGETS.items()},
             "logprobs": True, "max_top_logprobs": 20, "max_n": 8, "max_stop": 4, "streaming": True,
         },
-        "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running is not None},
+        "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running},
         "shards": _shards(state.engine),
         "kvflash": _kvflash(state.engine),
     })

@@ -1,13 +1,13 @@
-"""Request scheduling: a FIFO queue in front of one engine worker thread.
+"""Request scheduling: the bridge between the event loop and the engine's step loop.
 
-The interface is what a continuous-batching scheduler would also offer, so one can
-replace this without touching the protocol code:
+One worker thread drives the engine (``Engine.submit`` / ``Engine.step``: continuous
+batching over the engine's sequence slots); the event loop sees:
 
 - ``submit(req) -> Job`` (on the event loop thread; raises ``QueueFull`` / ``ShuttingDown``)
 - ``await job.next()`` yields ``TokenEvent``s, then exactly one terminal item: the
   ``GenerationResult`` or the exception the engine raised
 - ``job.cancel()`` (idempotent; a queued job is dropped, a running one stops within one
-  decode step because the engine polls ``job.cancelled``)
+  engine step because the engine polls ``job.cancelled``)
 - ``close(cancel_running)`` for shutdown
 
 Events cross from the worker thread to the loop with ``call_soon_threadsafe``; a job's
@@ -48,6 +48,7 @@ class Job:
         self.t_start: float | None = None
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self.seq = None   # the engine's Sequence once handed over
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -76,11 +77,15 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine, *, max_queue: int, hooks=None):
+        """``max_queue``: requests that may wait for a sequence slot (beyond those running)."""
         self.engine, self.max_queue, self.hooks = engine, max_queue, hooks
-        self._waiting: collections.deque[Job] = collections.deque()
+        self._incoming: collections.deque[Job] = collections.deque()  # not yet handed to the engine
+        self._jobs: set[Job] = set()      # in the engine: waiting for a slot or running
         self._cv = threading.Condition()
         self._closing = False
-        self.running: Job | None = None
+        self._waiting = 0                 # in the engine without a slot (worker thread's count)
+        self._running = 0
+        self._lanes = max(1, engine.occupancy()[2])
         self._durations: collections.deque[float] = collections.deque(maxlen=16)
         self._thread = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
         self._thread.start()
@@ -91,14 +96,14 @@ class Scheduler:
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._waiting) >= self.max_queue and self.running is not None:
+            if self.queue_depth >= self.max_queue and self._busy_locked():
                 if self.hooks:
                     self.hooks.rejected()
                 raise QueueFull(self._retry_after_locked())
-            self._waiting.append(job)
+            self._incoming.append(job)
             self._cv.notify()
         if self.hooks:
-            self.hooks.queue_changed(self.queue_depth, self.running is not None)
+            self.hooks.queue_changed(self.queue_depth, self._running)
         return job
 
     @property
@@ -107,11 +112,20 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a sequence slot."""
+        return len(self._incoming) + self._waiting
+
+    @property
+    def running(self) -> int:
+        """Requests holding a sequence slot (prefilling or decoding)."""
+        return self._running
+
+    def _busy_locked(self) -> bool:
+        return self._running + len(self._incoming) + self._waiting >= self._lanes
 
     def _retry_after_locked(self) -> int:
         per_job = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0
-        return max(1, min(60, math.ceil(per_job * (len(self._waiting) + 1))))
+        return max(1, min(60, math.ceil(per_job * (self.queue_depth + 1) / self._lanes)))
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Refuse new work now; let queued and running jobs finish for ``grace_s`` seconds,
@@ -124,60 +138,74 @@ class Scheduler:
 
         def expire():
             deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and (self._waiting or self.running is not None):
+            while time.monotonic() < deadline and (self._incoming or self._jobs):
                 time.sleep(0.05)
             self.close(cancel_running=True, timeout=0)
 
         threading.Thread(target=expire, name="dflash-shutdown", daemon=True).start()
 
     def close(self, cancel_running: bool = True, timeout: float = 30.0) -> None:
-        """Stop taking work, fail queued jobs, optionally cancel the running one, join.
-        A cancelled running job is failed at once (its client gets its 503 now, not when
-        the engine reaches its next check); what the engine still sends it is dropped."""
+        """Stop taking work, fail queued jobs, optionally cancel the running ones, join.
+        A cancelled job is failed at once (its client gets its 503 now, not when the engine
+        reaches its next step); what the engine still sends it is dropped."""
         with self._cv:
             self._closing = True
-            dropped = list(self._waiting)
-            self._waiting.clear()
-            if cancel_running and self.running is not None:
-                self.running.cancel()
-                dropped.append(self.running)
+            dropped = list(self._incoming)
+            self._incoming.clear()
+            for job in list(self._jobs):
+                if cancel_running or job.seq is None or job.seq.lane is None:
+                    dropped.append(job)
+            for job in dropped:
+                job.cancel()
             self._cv.notify_all()
         for job in dropped:
             job._put(ShuttingDown("the server is shutting down"))
         if self.hooks:
-            self.hooks.queue_changed(0, self.running is not None)
+            self.hooks.queue_changed(0, self._running)
         self._thread.join(timeout)
 
     # --- worker thread ----------------------------------------------------------------
     def _work(self) -> None:
+        engine = self.engine
         while True:
             with self._cv:
-                while not self._waiting and not self._closing:
+                while not self._incoming and not engine.has_work and not self._closing:
                     self._cv.wait()
-                if not self._waiting:
+                if not self._incoming and not engine.has_work:
                     return  # closing and drained
-                job = self._waiting.popleft()
-                if job.cancelled:  # its client left while it waited: never run it
-                    job._put(GenerationResult([], "", "cancelled", len(job.req.prompt_ids)))
-                    if self.hooks:
-                        self.hooks.skipped(job)
-                        self.hooks.queue_changed(self.queue_depth, self.running is not None)
-                    continue
-                self.running = job
-            if self.hooks:
-                self.hooks.queue_changed(self.queue_depth, True)
-            self._run(job)
-            with self._cv:
-                self.running = None
-            if self.hooks:
-                self.hooks.queue_changed(self.queue_depth, False)
+                new = list(self._incoming)
+                self._incoming.clear()
+            for job in new:
+                self._hand_over(job)
+            if engine.has_work:
+                try:
+                    ended = engine.step()
+                except Exception as e:  # noqa: BLE001 - an engine bug: fail what it holds, live on
+                    log.exception("engine step failed")
+                    ended = engine.abort(e)
+                for seq in ended:
+                    self._ended(seq)
+            self._count()
 
-    def _run(self, job: Job) -> None:
-        job.t_start = time.monotonic()
+    def _count(self) -> None:
+        waiting, running, _ = self.engine.occupancy()
+        with self._cv:
+            self._waiting, self._running = waiting, running
+        if self.hooks:
+            self.hooks.queue_changed(self.queue_depth, self._running)
+
+    def _hand_over(self, job: Job) -> None:
         hooks = self.hooks
+        if job.cancelled:  # its client left while it waited: never run it
+            job._put(GenerationResult([], "", "cancelled", len(job.req.prompt_ids)))
+            if hooks:
+                hooks.skipped(job)
+            return
 
         def on_event(ev: TokenEvent) -> None:
             now = time.monotonic()
+            if job.t_start is None and job.seq is not None:
+                job.t_start = job.seq.t_start
             if ev.token_id >= 0:
                 if hooks:
                     hooks.token(job, now)
@@ -187,17 +215,34 @@ class Scheduler:
             job._put(ev)
 
         try:
-            result = self.engine.generate(job.req, on_event=on_event, cancelled=job._cancel.is_set)
-        except Exception as e:  # noqa: BLE001 - reported to the request, the worker lives on
-            if isinstance(e, ShardError):  # expected and handled: the worker restarts
-                log.warning("generation failed: %s", e)
-            elif not isinstance(e, ValueError):
-                log.exception("generation failed")
-            if hooks:
-                hooks.failed(job)
-            job._put(e)
+            job.seq = self.engine.submit(job.req, on_event=on_event, cancelled=job._cancel.is_set, tag=job)
+        except Exception as e:  # noqa: BLE001 - a request the engine refuses
+            self._failed(job, e)
             return
-        self._durations.append(time.monotonic() - job.t_start)
-        if hooks:
-            hooks.finished(job, result)
+        self._jobs.add(job)
+
+    def _ended(self, seq) -> None:
+        job = seq.tag
+        self._jobs.discard(job)
+        job.t_start = job.t_start or seq.t_start
+        if seq.error is not None:
+            self._failed(job, seq.error)
+            return
+        result = seq.result
+        if job.t_start is None:     # cancelled before it got a slot
+            if self.hooks:
+                self.hooks.skipped(job)
+        else:
+            self._durations.append(time.monotonic() - job.t_start)
+            if self.hooks:
+                self.hooks.finished(job, result)
         job._put(result)
+
+    def _failed(self, job: Job, e: BaseException) -> None:
+        if isinstance(e, ShardError):  # expected and handled: the worker restarts
+            log.warning("generation failed: %s", e)
+        elif not isinstance(e, ValueError):
+            log.error("generation failed", exc_info=e)
+        if self.hooks:
+            self.hooks.failed(job)
+        job._put(e)
