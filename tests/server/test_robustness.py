@@ -19,7 +19,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 @pytest.fixture(scope="module")
 def srv(tiny_dir):
-    s = start_tiny(tiny_dir, "llama", "--api-key", KEY, "--max-queue", "2", "--max-body-mb", "1")
+    # one sequence slot: these tests queue requests behind a running one
+    s = start_tiny(tiny_dir, "llama", "--api-key", KEY, "--max-queue", "2", "--max-body-mb", "1", "--parallel", "1")
     yield s
     assert s.stop() == 0, s.output()
 
