@@ -157,3 +157,30 @@ def test_a_failing_forward_ends_only_its_rows(tiny_dir, monkeypatch):
     while eng.has_work:
         eng.step()
     assert c.error is None and len(c.result.token_ids) == 3 and eng.scheduler.free == [0, 1]
+
+
+def test_parallel_flag(tiny_dir, monkeypatch):
+    from dflash_server.cli import common
+    from dflash_server.errors import UserError
+    from dflash_server.runtime import memory
+    from dflash_server.runtime.placement import ShardSpec
+
+    src = open_model(tiny_dir("llama"))
+    local, remote = [ShardSpec("cpu", 0, src.config.num_layers)], [ShardSpec("remote:cpu", 0, src.config.num_layers)]
+
+    def lanes(flag, shards=local, single=False):
+        return common.choose_lanes(flag, src, shards, torch.bfloat16, 512, "int8", single)
+    assert lanes("3") == 3 and lanes("auto") == common.AUTO_LANES
+    assert lanes("auto", single=True) == 1 and lanes("auto", remote) == 1
+    for bad, why in (("0", ">= 1"), ("many", "number of sequence slots"), ("-2", ">= 1")):
+        with pytest.raises(UserError, match=why):
+            lanes(bad)
+    with pytest.raises(UserError, match="does not combine"):
+        lanes("2", single=True)
+    with pytest.raises(UserError, match="does not combine"):
+        lanes("2", remote)
+    kv = memory.estimate(src, local, torch.bfloat16, 512, "int8")[0].kv
+    monkeypatch.setattr(memory, "host_available", lambda: 4 * kv * 2)  # room for two slots' KV in a quarter
+    assert lanes("auto") == 2
+    monkeypatch.setattr(memory, "host_available", lambda: kv)
+    assert lanes("auto") == 1

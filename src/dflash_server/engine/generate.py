@@ -323,7 +323,7 @@ class Engine:
         slots = []
         for seq in sched.active:
             slots.append({"id": seq.lane, "seq": seq.id, "state": seq.phase, "n_prompt_tokens": len(seq.prompt),
-                          "n_decoded": len(seq.out.tokens), "tag": seq.tag})
+                          "n_decoded": len(seq.out.tokens)})
         busy = {s["id"] for s in slots}
         slots += [{"id": i, "state": "idle"} for i in range(sched.lanes) if i not in busy]
         return {"slots_total": sched.lanes, "slots_busy": len(busy), "waiting": len(sched.waiting),

@@ -17,7 +17,7 @@ from . import protocol_anthropic, protocol_completions, protocol_openai, protoco
 from .errors import APIError, error_body, is_anthropic_path, redact_paths
 from .metrics import CONTENT_TYPE_LATEST
 from .middleware import Gate
-from .props import props
+from .props import props, slots
 from .schemas_common import Model
 from .schemas_openai import Message, hf_messages
 from .sse import ClientGone
@@ -162,6 +162,10 @@ def create_app(state, on_shutdown=None):
     @api.get("/props")
     async def get_props():
         return props(state)
+
+    @api.get("/slots")
+    async def get_slots():
+        return slots(state)
 
     @api.get("/metrics")
     async def metrics():

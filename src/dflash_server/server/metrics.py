@@ -7,12 +7,51 @@ reports them.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _TPS_BUCKETS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
+
+
+class _EngineCollector:
+    """The step loop's counters, read from ``Engine.stats()`` at scrape time: slots,
+    running / waiting sequences, steps, step time, and decode rows per step (a histogram)."""
+
+    BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+    def __init__(self):
+        self.engine = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return
+        try:
+            st = stats()
+        except Exception:  # noqa: BLE001 - a scrape must never fail on a racing step
+            return
+        for key, doc in (("slots_total", "sequence slots"), ("slots_busy", "sequence slots holding a request"),
+                         ("waiting", "requests waiting for a slot"), ("running", "sequences decoding"),
+                         ("prefilling", "sequences prefilling")):
+            yield GaugeMetricFamily(f"dflash_engine_{key}", doc, value=st[key])
+        for key, name, doc in (("steps", "steps", "engine steps run"),
+                               ("step_s", "step_seconds", "seconds spent in engine steps"),
+                               ("decode_rows", "decode_rows", "decode rows run (one per sequence per step)"),
+                               ("prefill_tokens", "prefill_tokens", "prompt tokens prefilled by engine steps")):
+            yield CounterMetricFamily(f"dflash_engine_{name}", doc, value=st[key])
+        sizes = st["batch_sizes"]
+        buckets, acc = [], 0
+        for le in self.BATCH_BUCKETS:
+            acc = sum(n for b, n in sizes.items() if b <= le)
+            buckets.append((str(le), acc))
+        buckets.append(("+Inf", sum(sizes.values())))
+        yield HistogramMetricFamily("dflash_engine_batch_size", "decode rows per engine step", buckets=buckets,
+                                    sum_value=sum(b * n for b, n in sizes.items()))
 
 
 class _CacheCollector:
@@ -60,6 +99,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.cache = _CacheCollector()
         r.register(self.cache)
+        self.engine_stats = _EngineCollector()
+        r.register(self.engine_stats)
         p = "dflash_"
         self.requests = Counter(p + "requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)

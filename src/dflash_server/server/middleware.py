@@ -15,7 +15,7 @@ log = logging.getLogger("dflash_server.http")
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                     "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/props",
-                    "/metrics"})
+                    "/metrics", "/slots"})
 
 
 async def send_error(send, err: APIError, path: str) -> None:

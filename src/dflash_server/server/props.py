@@ -62,6 +62,37 @@ def _shards(engine) -> list[dict]:
     return out
 
 
+def _engine_stats(engine) -> dict | None:
+    stats = getattr(engine, "stats", None)
+    try:
+        return stats() if stats is not None else None
+    except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
+        return None
+
+
+def _slots_summary(engine) -> dict:
+    st = _engine_stats(engine)
+    if st is None:
+        return {}
+    return {k: st[k] for k in ("slots_total", "slots_busy", "waiting", "running", "prefilling", "step_tokens")}
+
+
+def slots(state) -> list[dict]:
+    """``GET /slots`` in llama-server's shape (a list, one object per slot: id, n_ctx,
+    is_processing, id_task) plus this server's state / token counts."""
+    st = _engine_stats(state.engine) if state.status == "ready" else None
+    if st is None:
+        return []
+    n_ctx = state.info.get("max_ctx")
+    out = []
+    for s in st["slots"]:
+        busy = s["state"] != "idle"
+        out.append({"id": s["id"], "id_task": s.get("seq", -1) if busy else -1, "n_ctx": n_ctx,
+                    "is_processing": busy, "state": s["state"], "n_prompt_tokens": s.get("n_prompt_tokens", 0),
+                    "n_decoded": s.get("n_decoded", 0)})
+    return out
+
+
 def props(state) -> dict:
     cfg, info = state.config, state.info
     out = {
@@ -98,6 +129,7 @@ def props(state) -> dict:
             "logprobs": True, "max_top_logprobs": 20, "max_n": 8, "max_stop": 4, "streaming": True,
         },
         "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running},
+        "slots": _slots_summary(state.engine),
         "shards": _shards(state.engine),
         "kvflash": _kvflash(state.engine),
     })

@@ -49,6 +49,7 @@ class ServerState:
         self.engine = engine
         self.scheduler = Scheduler(engine, max_queue=self.config.max_queue, hooks=self.metrics)
         self.metrics.cache.engine = engine
+        self.metrics.engine_stats.engine = engine
         self.service = Service(self.config, tok, self.scheduler, self.prompts, self.think, max_ctx)
         self.status = "ready"
 
