@@ -63,3 +63,44 @@ def test_penalties():
 def test_invalid_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def _reference_probs(logits, p):
+    """Temperature, top-k mask, softmax, top-p over the fully sorted vocabulary, min-p."""
+    logits = logits.float() / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if p.top_p < 1.0:
+        sp, idx = probs.sort(descending=True)
+        sp = sp.masked_fill((sp.cumsum(-1) - sp) >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sp)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.999), dict(top_k=40, top_p=0.95, min_p=0.05),
+                                dict(min_p=0.3), dict(top_k=7), dict()])
+def test_candidate_sampling_equals_full_sort(kw):
+    """Sampling only sorts candidates (top-k, or a widening top-n probe for top-p): the
+    distribution equals the full-vocabulary one, also when top-p needs most of a flat
+    vocabulary (the probe widens past its first 512)."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.05, 3.0):      # nearly flat (top-p keeps thousands of tokens) and peaked
+        logits = torch.randn(6000, generator=g) * scale
+        params = SamplingParams(temperature=0.7, seed=5, **kw)
+        got = Sampler(params, 6000, "cpu").probs(logits)
+        torch.testing.assert_close(got, _reference_probs(logits, params), rtol=1e-5, atol=1e-7)
+
+
+def test_sampling_matches_its_distribution_and_seed():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.1, -1.0, -3.0])
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    s = Sampler(params, 6, "cpu")
+    draws = [s.sample(logits) for _ in range(20000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=6).float() / len(draws)
+    torch.testing.assert_close(freq, s.probs(logits), atol=0.015, rtol=0)
+    again = Sampler(params, 6, "cpu")
+    assert [again.sample(logits) for _ in range(50)] == draws[:50]

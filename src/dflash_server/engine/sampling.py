@@ -85,31 +85,64 @@ class Sampler:
         return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution actually sampled from (after temperature and truncation)."""
-        p = self.params
-        logits = self.process(logits)
-        if p.greedy:
+        """The distribution actually sampled from (after temperature and truncation), over
+        the whole vocabulary."""
+        if self.params.greedy:
+            logits = self.process(logits)
             out = torch.zeros_like(logits)
             out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
             return out
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs, ids = self._truncated(logits)
+        if ids is None:
+            return probs
+        n = min(logits.shape[-1], self.vocab_size)
+        return torch.zeros(n, dtype=probs.dtype, device=probs.device).scatter_(-1, ids, probs)
+
+    def _truncated(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(probs, ids): the sampling distribution on the tokens that can survive the
+        truncation (``ids``; None: every token, ``probs`` over the vocabulary), normalized.
+
+        Temperature, then top-k (softmax over the k best), then top-p (a token is dropped
+        when the mass of the more likely ones already reaches top_p; at least one stays),
+        then min-p (below min_p times the best token's probability). Only candidates are
+        sorted: the k best, or for top-p alone the fewest best tokens whose mass reaches
+        top_p (found by widening a top-n probe), so a step costs a top-k over the vocabulary
+        instead of a sort of it."""
+        p = self.params
+        logits = self.process(logits) / p.temperature
+        V = logits.shape[-1]
+        ids = None
+        if 0 < p.top_k < V:
+            vals, ids = torch.topk(logits, p.top_k)
+            probs = torch.softmax(vals, dim=-1)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            if p.top_p < 1.0:
+                n = min(V, 512)
+                while True:
+                    top, top_ids = torch.topk(probs, n)
+                    # every token past the n best has at least their mass before it: dropped
+                    if n == V or float(top.sum()) >= p.top_p:
+                        probs, ids = top, top_ids
+                        break
+                    n = min(V, 4 * n)
+            elif p.min_p > 0.0:
+                ids = torch.nonzero(probs >= p.min_p * probs.max()).squeeze(-1)
+                probs = probs[ids]
         if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(dim=-1, descending=True)
-            # drop a token when the mass before it already reaches top_p (keeps at least one)
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+            drop = (probs.cumsum(-1) - probs) >= p.top_p
+            probs = probs.masked_fill(drop, 0.0)
         if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), 0.0)
-        return probs / probs.sum(-1, keepdim=True)
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return probs / probs.sum(), ids
 
     def sample(self, logits: torch.Tensor) -> int:
-        """One token from (V,) logits."""
+        """One token from (V,) logits (inverse CDF with one uniform draw from the request's
+        generator: seeded requests repeat exactly)."""
         if self.params.greedy:
             return int(self.process(logits).argmax(-1))
-        probs = self.probs(logits)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        probs, ids = self._truncated(logits)
+        cdf = probs.double().cumsum(-1)
+        u = torch.rand((1,), generator=self.generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
+        i = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
+        return int(ids[i]) if ids is not None else i
