@@ -28,9 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tune_openmp(argv: list[str]) -> None:
-    """A remote split or a shard worker: set libgomp's spin-wait before torch loads it
-    (runtime/openmp.py says why and what was measured)."""
-    if any("remote:" in a for a in argv) or "shard-worker" in argv:
+    """A remote split, a shard worker or the server: set libgomp's spin-wait before torch
+    loads it (runtime/openmp.py says why and what was measured)."""
+    if any("remote:" in a for a in argv) or "shard-worker" in argv or "serve" in argv:
         from ..runtime.openmp import tune_for_split
 
         tune_for_split()

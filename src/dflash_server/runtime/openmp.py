@@ -18,6 +18,11 @@ of 100-200 steps per run, 2-3 runs per setting; "alone": runs of unsplit by itse
 
 Alternating every step flatters the split (unsplit loses the cache reuse between its own
 steps); whole generations at 30,000 (benchmarks/split.py) give 0.82-0.89x.
+
+``serve`` uses it too: its event loop thread (SSE writes) shares the cores with the engine's
+OpenMP threads. Measured 2026-11-24 (default model, 2 threads, ``--parallel 4``, 128-token
+greedy streams, two alternating rounds): concurrency 4, 283-289 tok/s at the default vs
+292-317 at 30,000; concurrency 1, 150-151 vs 157-159.
 """
 from __future__ import annotations
 
