@@ -1,5 +1,5 @@
-"""libgomp's spin-wait is set for remote splits and shard workers (runtime/openmp.py),
-before torch loads, without overriding the user's own setting."""
+"""libgomp's spin-wait is set for remote splits, shard workers and the server
+(runtime/openmp.py), before torch loads, without overriding the user's own setting."""
 import os
 import subprocess
 import sys
@@ -27,10 +27,11 @@ def probe(argv, **env):
 @pytest.mark.parametrize("argv, want", [
     (["serve", "--target-devices", "cpu,remote:cpu"], SPLIT_SPINCOUNT),
     (["shard-worker", "--bind", "tcp://127.0.0.1:5555"], SPLIT_SPINCOUNT),
-    (["serve", "--target-devices", "cpu,cpu"], "None"),  # one process: libgomp's default
-    (["generate", "--prompt", "hi"], "None"),
+    (["serve", "--target-devices", "cpu,cpu"], SPLIT_SPINCOUNT),  # the event loop shares the cores
+    (["generate", "--prompt", "hi"], "None"),                     # one process, no server: the default
+    (["generate", "--prompt", "hi", "--target-devices", "cpu,cpu"], "None"),
 ])
-def test_cli_sets_spin_before_torch_only_for_remote_splits(argv, want):
+def test_cli_sets_spin_before_torch_for_splits_and_serve(argv, want):
     assert probe(argv) == [want, "False"]
 
 
