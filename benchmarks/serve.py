@@ -10,10 +10,11 @@ idles while the other runs), so background load on a shared machine hits them al
 Writes JSON (default benchmarks/results/serve.json) and prints a Markdown table; medians
 over ``--runs``.
 
-TTFT is measured from sending the request (HTTP) / calling ``generate`` (in-process) to the
-first token; decode tok/s from the first to the last token of one stream; the concurrency-4
-rows also give aggregate tok/s (all tokens / wall time): the server runs one generation at
-a time, so later streams wait in its queue, exactly as in-process calls would run back to back.
+TTFT is measured from sending the request (HTTP) / submitting it (in-process) to the first
+token; decode tok/s from the first to the last token of one stream; the concurrency-4 rows
+also give aggregate tok/s (all tokens / wall time): both paths run the engine's step loop,
+so concurrent requests share steps up to its sequence slots (``--parallel``). For the
+comparison with llama-server at several concurrencies see ``serve_concurrency.py``.
 """
 from __future__ import annotations
 
@@ -57,15 +58,17 @@ class InProcess:
         self.req = GenerationRequest(tuple(ids), SamplingParams(temperature=0.0), tokens, ignore_eos=True)
         self.engine.generate(GenerationRequest(tuple(ids), max_tokens=8, ignore_eos=True))  # warm-up
 
-    def one(self, t0: float):
-        stamps = []
-        self.engine.generate(self.req, on_event=lambda ev: ev.token_id >= 0 and stamps.append(time.perf_counter()))
-        return t0, stamps, len(stamps)
-
     def run(self, conc: int):
-        """``conc`` requests "sent" together and served back to back, like the server's queue."""
+        """``conc`` requests submitted together and stepped to the end, as the server's worker
+        thread drives the engine (they share steps up to the engine's sequence slots)."""
+        stamps = [[] for _ in range(conc)]
         w0 = time.perf_counter()
-        return [self.one(w0) for _ in range(conc)], time.perf_counter() - w0
+        for i in range(conc):
+            self.engine.submit(self.req, on_event=lambda ev, i=i: ev.token_id >= 0 and stamps[i].append(
+                time.perf_counter()))
+        while self.engine.has_work:
+            self.engine.step()
+        return [(w0, st, len(st)) for st in stamps], time.perf_counter() - w0
 
 
 # --- over HTTP ---------------------------------------------------------------------------------

@@ -15,8 +15,10 @@ from helpers.build import prompt_ids
 
 
 def _pipe(path, lanes, stages=1, max_ctx=512):
+    """``stages``: a count of local stages, or "remote" (a local stage + a shard worker)."""
     src = open_model(path)
-    shards = plan_placement(src.config.num_layers, ["cpu"] * stages, None)
+    devices = ["cpu", "remote:cpu"] if stages == "remote" else ["cpu"] * stages
+    shards = plan_placement(src.config.num_layers, devices, None)
     return build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=max_ctx, quantize="int8", progress=False,
                           lanes=lanes)
 
@@ -41,18 +43,23 @@ def _run_together(eng, reqs, when=None):
     return seqs, steps
 
 
-@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1)])
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("llama", "remote")])
 def test_concurrent_equals_alone(tiny_dir, family, stages):
+    """One stage, an in-process split, and a split onto a shard worker (which holds the
+    slots of its layers)."""
     path = tiny_dir(family)
-    alone = Engine(_pipe(path, 1, stages))
+    alone = Engine(_pipe(path, 1, 2 if stages == "remote" else stages))  # remote == local split, bit for bit
     eng = Engine(_pipe(path, 3, stages))
-    reqs = [_req(prompt_ids(alone.pipeline, n, seed=n), 10 + n % 5) for n in (7, 30, 12, 19, 5)]
-    reqs.append(_req(prompt_ids(alone.pipeline, 9, seed=1), 14,
-                     sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=123)))  # sampled: its own RNG
-    want = [alone.generate(r).token_ids for r in reqs]
-    seqs, _ = _run_together(eng, reqs, when=[0, 0, 0, 2, 5, 6])  # more requests than slots, joining late
-    assert [s.result.token_ids for s in seqs] == want
-    assert max(eng.batch_sizes) == 3
+    try:
+        reqs = [_req(prompt_ids(alone.pipeline, n, seed=n), 10 + n % 5) for n in (7, 30, 12, 19, 5)]
+        reqs.append(_req(prompt_ids(alone.pipeline, 9, seed=1), 14,
+                         sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=123)))  # sampled: its own RNG
+        want = [alone.generate(r).token_ids for r in reqs]
+        seqs, _ = _run_together(eng, reqs, when=[0, 0, 0, 2, 5, 6])  # more requests than slots, joining late
+        assert [s.result.token_ids for s in seqs] == want
+        assert max(eng.batch_sizes) == 3
+    finally:
+        eng.pipeline.close()
 
 
 def test_long_prompt_prefills_between_running_steps(tiny_dir):
@@ -170,15 +177,13 @@ def test_parallel_flag(tiny_dir, monkeypatch):
 
     def lanes(flag, shards=local, single=False):
         return common.choose_lanes(flag, src, shards, torch.bfloat16, 512, "int8", single)
-    assert lanes("3") == 3 and lanes("auto") == common.AUTO_LANES
-    assert lanes("auto", single=True) == 1 and lanes("auto", remote) == 1
+    assert lanes("3") == 3 and lanes("auto") == common.AUTO_LANES and lanes("2", remote) == 2
+    assert lanes("auto", single=True) == 1 and lanes("auto", remote) == common.AUTO_LANES
     for bad, why in (("0", ">= 1"), ("many", "number of sequence slots"), ("-2", ">= 1")):
         with pytest.raises(UserError, match=why):
             lanes(bad)
     with pytest.raises(UserError, match="does not combine"):
         lanes("2", single=True)
-    with pytest.raises(UserError, match="does not combine"):
-        lanes("2", remote)
     kv = memory.estimate(src, local, torch.bfloat16, 512, "int8")[0].kv
     monkeypatch.setattr(memory, "host_available", lambda: 4 * kv * 2)  # room for two slots' KV in a quarter
     assert lanes("auto") == 2

@@ -204,11 +204,11 @@ AUTO_LANES = 4  # --parallel auto: at most this many sequence slots
 
 def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, single: bool) -> int:
     """Sequence slots for ``--parallel``: a number, or ``auto``: up to AUTO_LANES, fewer when
-    their KV would take more than a quarter of the host's available memory (CPU shards)
-    or not fit a GPU; 1 where several cannot run (a draft, KV Flash, a remote shard)."""
+    their KV would take more than a quarter of the host's available memory (CPU shards, a
+    shard worker on this host included) or not fit a GPU; 1 where several cannot run (a
+    draft, KV Flash)."""
     from ..runtime.memory import check_fits, estimate, gpu_free, host_available
 
-    remote = any(s.device.startswith("remote:") for s in shards)
     if flag != "auto":
         try:
             n = int(flag)
@@ -216,15 +216,15 @@ def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, singl
             raise UserError(f"--parallel must be a number of sequence slots or 'auto', got {flag!r}") from None
         if n < 1:
             raise UserError(f"--parallel must be >= 1, got {n}")
-        if n > 1 and (single or remote):
-            raise UserError("--parallel above 1 does not combine with a draft (--draft), KV Flash (--kvflash) or "
-                            "a remote shard yet: those run one sequence at a time")
+        if n > 1 and single:
+            raise UserError("--parallel above 1 does not combine with a draft (--draft) or KV Flash (--kvflash) "
+                            "yet: those run one sequence at a time")
         return n
-    if single or remote:
+    if single:
         return 1
     for n in range(AUTO_LANES, 1, -1):
         needs = estimate(source, shards, dtype, max_ctx, quantize, lanes=n)
-        host_kv = sum(d.kv for d in needs if d.device.startswith("cpu"))
+        host_kv = sum(d.kv for d in needs if d.device.removeprefix("remote:").startswith("cpu"))
         if host_kv > host_available() // 4:
             continue
         try:

@@ -251,11 +251,11 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
     if far:
         from .remote import RemoteOptions, RemoteStage
 
-        if batch != 1 or lanes != 1:
-            raise ValueError("a remote shard runs one sequence at a time (batch 1, one sequence slot)")
+        if batch != 1:
+            raise ValueError("a remote shard runs batch 1")
         q = (quantize, quantize) if isinstance(quantize, str) else quantize
         stages.append(RemoteStage(source.path, [(s.device, s.begin, s.end) for s in far], dtype=dtype,
                                   max_ctx=max_ctx, quantize=q, home=local[-1].device,
                                   options=remote or RemoteOptions(), fingerprint=source.fingerprint(mtime=False),
-                                  threads=threads, kvflash=kvflash))
+                                  threads=threads, kvflash=kvflash, lanes=lanes))
     return TargetPipeline(stages, source)

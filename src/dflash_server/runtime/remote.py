@@ -22,18 +22,20 @@ class RemoteStage:
 
     def __init__(self, model: str, shards: list[tuple[str, int, int]], *, dtype: torch.dtype, max_ctx: int,
                  quantize: tuple[str, str], home: str, options: RemoteOptions, fingerprint: str | None = None,
-                 threads: int | None = None, kvflash=None):
+                 threads: int | None = None, kvflash=None, lanes: int = 1):
         """``shards``: the worker's (device, begin, end) ranges, contiguous, ending at the
-        last layer; ``home``: the local device results are delivered to."""
+        last layer; ``home``: the local device results are delivered to; ``lanes``: sequence
+        slots the worker holds (every state operation names the selected one)."""
         self.begin, self.end = shards[0][1], shards[-1][2]
         self.device, self.dtype, self.max_ctx = torch.device(home), dtype, max_ctx
         self.label = f"remote:{','.join(s[0] for s in shards)}"
         self._load = {"model": str(model), "shards": [list(s) for s in shards], "max_ctx": max_ctx,
                       "dtype": DTYPE_NAMES[dtype],
                       "quantize": list(quantize), "fingerprint": fingerprint, "threads": threads,
-                      "kvflash": dataclasses.asdict(kvflash) if kvflash is not None else None}
+                      "kvflash": dataclasses.asdict(kvflash) if kvflash is not None else None, "lanes": lanes}
         self._kvflash_stats: list[dict] = []
-        self.length = 0
+        self.num_lanes, self.lane = lanes, 0
+        self.lengths = [0] * lanes
         self.link = WorkerLink(options, [("load", self._load)],
                                f"{self.label}, layers {self.begin}-{self.end - 1}")
 
@@ -51,26 +53,34 @@ class RemoteStage:
     def close(self) -> None:
         self.link.close()
 
+    @property
+    def length(self) -> int:
+        return self.lengths[self.lane]
+
     def _call(self, op: str, args: dict | None = None, tensors: dict | None = None):
+        """One operation on the selected sequence slot."""
         epoch = self.link.epoch
-        res, out = self.link.call(op, args, tensors)
-        if self.link.epoch != epoch:
-            self.length = 0
+        res, out = self.link.call(op, {**(args or {}), "lane": self.lane}, tensors)
+        if self.link.epoch != epoch:  # a restarted worker holds no sequence any more
+            self.lengths = [0] * self.num_lanes
         if "length" in res:
-            self.length = int(res["length"])
+            self.lengths[self.lane] = int(res["length"])
         return res, out
 
     # --- the stage interface ------------------------------------------------------------
-    num_lanes = 1  # one sequence slot: the worker holds one sequence's state
-
     def select(self, lane: int) -> None:
-        if lane != 0:
-            raise ValueError("a remote shard holds one sequence slot")
+        if not 0 <= lane < self.num_lanes:
+            raise ValueError(f"sequence slot {lane} outside [0, {self.num_lanes})")
+        self.lane = lane
 
-    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int]):
-        if len(lanes) != 1 or lanes[0] != 0:
-            raise ValueError("a remote shard holds one sequence slot")
-        return self.forward(x, positions[0], logits="last")
+    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int]) -> StageOutput:
+        res, out = self._call("forward_rows", {"lanes": [int(v) for v in lanes],
+                                               "positions": [int(v) for v in positions]}, {"x": x.to(self.dtype)})
+        for lane, n in zip(lanes, res.get("lengths", [])):
+            self.lengths[lane] = int(n)
+        lg = out.get("logits")
+        return StageOutput(hidden=out["hidden"].to(self.device) if "hidden" in out else None,
+                           head_logits=lg.to(self.device) if lg is not None else None)
 
     def compile_decode(self) -> None:
         if ("compile", {}) not in self.link.setup:

@@ -73,8 +73,11 @@ class ShardWorker:
         from .stage import LocalStage
 
         kv = a.get("kvflash")
+        lanes = a.get("lanes", 1)
+        if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= 256:
+            raise ValueError(f"lanes must be an integer in [1, 256], got {lanes!r}")
         key = (a["model"], tuple(map(tuple, a["shards"])), a["dtype"], a["max_ctx"], tuple(a["quantize"]),
-               tuple(sorted(kv.items())) if isinstance(kv, dict) else None)
+               tuple(sorted(kv.items())) if isinstance(kv, dict) else None, lanes)
         if key != self.load_key:
             self.stages, self.load_key = [], None
             if a.get("threads"):
@@ -91,9 +94,13 @@ class ShardWorker:
                 if not 0 <= b < e <= n or (k and b != shards[k - 1][2]):
                     raise ValueError(f"bad layer ranges {shards} for a model of {n} layers")
                 stages.append(LocalStage(source, b, e, dev, dtype, int(a["max_ctx"]), is_first=False,
-                                         is_last=e == n, quantize=tuple(a["quantize"]), kvflash=kvflash))
+                                         is_last=e == n, quantize=tuple(a["quantize"]), kvflash=kvflash,
+                                         lanes=lanes))
             self.stages, self.load_key = stages, key
-        self._each("reset")
+        for lane in range(lanes):
+            self._each("select", lane)
+            self._each("reset")
+        self._each("select", 0)
         return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid()}, {}
 
     def _need(self):
@@ -101,13 +108,40 @@ class ShardWorker:
             raise ValueError("no layers loaded (send load first)")
         return self.stages
 
+    def _select(self, a) -> None:
+        """Point every stage at the request's sequence slot (``lane``, default 0)."""
+        lane = a.get("lane", 0)
+        if not isinstance(lane, int) or isinstance(lane, bool):
+            raise ValueError(f"argument 'lane' must be an integer, got {lane!r}")
+        for st in self._need():
+            st.select(lane)
+
     def _each(self, name, *args):
         for st in self.stages:
             getattr(st, name)(*args)
         return {"length": self.stages[-1].length if self.stages else 0}, {}
 
+    def op_forward_rows(self, a, t):
+        stages = self._need()
+        lanes, positions = a.get("lanes"), a.get("positions")
+        for v in (lanes, positions):
+            if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+                raise ValueError("forward_rows: lanes and positions must be lists of integers")
+        x, out_t = _tensor(t, "x"), {}
+        t0 = time.perf_counter()
+        for st in stages:
+            out = st.forward_rows(x, lanes, positions)
+            x = out.hidden
+        if out.head_logits is not None:
+            out_t["logits"] = out.head_logits
+        if out.hidden is not None:
+            out_t["hidden"] = out.hidden
+        return {"lengths": [stages[-1].lanes[lane].length for lane in lanes],
+                "compute_s": time.perf_counter() - t0}, out_t
+
     def op_forward(self, a, t):
         stages = self._need()
+        self._select(a)
         x, start, mode, capture = _tensor(t, "x"), _int(a, "start"), a.get("logits", "last"), a.get("capture", [])
         if mode not in ("last", "all", "none") or not isinstance(capture, list) or \
                 not all(isinstance(c, int) for c in capture):
@@ -132,6 +166,7 @@ class ShardWorker:
         return res, out_t
 
     def op_reselect(self, a, t):
+        self._select(a)
         return {"changed": any([st.reselect() for st in self._need()])}, {}
 
     def op_project(self, a, t):
@@ -141,21 +176,27 @@ class ShardWorker:
         return self._each("compile_decode")
 
     def op_reset(self, a, t):
+        self._select(a)
         return self._each("reset")
 
     def op_checkpoint(self, a, t):
+        self._select(a)
         return self._each("checkpoint")
 
     def op_rollback(self, a, t):
+        self._select(a)
         return self._each("rollback", _int(a, "length"))
 
     def op_commit(self, a, t):
+        self._select(a)
         return self._each("commit")
 
     def op_snapshot_save(self, a, t):
+        self._select(a)
         return self._each("snapshot_save", _int(a, "slot"))
 
     def op_snapshot_restore(self, a, t):
+        self._select(a)
         return self._each("snapshot_restore", _int(a, "slot"))
 
     def op_snapshot_free(self, a, t):
