@@ -126,6 +126,28 @@ def test_prefix_cache_hits_in_the_batch(tiny_dir):
     assert [g.cached_tokens for g in got] == [w.cached_tokens for w in want]
 
 
+def test_kvflash_pools_per_slot(tiny_dir):
+    """KV Flash with several slots: each has its own pool and page table; prompts longer
+    than the pool page chunks in and out next to each other and give each one's solo output."""
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+
+    path = tiny_dir("llama")
+
+    def kv_pipe(lanes):
+        src = open_model(path)
+        return build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.float32,
+                              max_ctx=512, progress=False, lanes=lanes, kvflash=KvFlashConfig(96, chunk=16))
+    alone, eng = Engine(kv_pipe(1), chunk=64), Engine(kv_pipe(3), chunk=64)
+    reqs = [_req(prompt_ids(alone.pipeline, n, seed=n), 30) for n in (150, 40, 210)]
+    want = [alone.generate(r) for r in reqs]
+    seqs, _ = _run_together(eng, reqs, when=[0, 1, 1])
+    got = [s.result for s in seqs]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert got[2].extra["kvflash"]["page_outs"] > 0       # its own pool paged
+    st = eng.pipeline.stages[0]
+    assert len({id(lane.pool) for lane in st.lanes}) == 3 and st.kv_bytes() == 3 * alone.pipeline.stages[0].kv_bytes()
+
+
 def test_hundred_requests_on_four_slots(tiny_dir):
     path = tiny_dir("llama")
     alone = Engine(_pipe(path, 1, max_ctx=64))
@@ -184,6 +206,8 @@ def test_parallel_flag(tiny_dir, monkeypatch):
             lanes(bad)
     with pytest.raises(UserError, match="does not combine"):
         lanes("2", single=True)
+    pooled = common.choose_lanes("auto", src, local, torch.bfloat16, 512, "int8", False, kv_tokens=128)
+    assert pooled == common.AUTO_LANES
     kv = memory.estimate(src, local, torch.bfloat16, 512, "int8")[0].kv
     monkeypatch.setattr(memory, "host_available", lambda: 4 * kv * 2)  # room for two slots' KV in a quarter
     assert lanes("auto") == 2

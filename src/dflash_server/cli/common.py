@@ -171,7 +171,7 @@ def load_engine(args, progress: bool = True):
                              cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
     kvflash = kvflash_config(args)
     lanes = choose_lanes(getattr(args, "parallel", "1"), source, shards, dtype, max_ctx, quantize,
-                         single=bool(draft_path) or kvflash is not None)
+                         single=bool(draft_path), kv_tokens=kv_pool_tokens(kvflash, max_ctx))
     check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress, lanes)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
@@ -202,11 +202,12 @@ def load_engine(args, progress: bool = True):
 AUTO_LANES = 4  # --parallel auto: at most this many sequence slots
 
 
-def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, single: bool) -> int:
+def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, single: bool,
+                 kv_tokens: int | None = None) -> int:
     """Sequence slots for ``--parallel``: a number, or ``auto``: up to AUTO_LANES, fewer when
     their KV would take more than a quarter of the host's available memory (CPU shards, a
-    shard worker on this host included) or not fit a GPU; 1 where several cannot run (a
-    draft, KV Flash)."""
+    shard worker on this host included) or not fit a GPU; 1 with a draft (it runs one
+    sequence at a time)."""
     from ..runtime.memory import check_fits, estimate, gpu_free, host_available
 
     if flag != "auto":
@@ -217,13 +218,13 @@ def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, singl
         if n < 1:
             raise UserError(f"--parallel must be >= 1, got {n}")
         if n > 1 and single:
-            raise UserError("--parallel above 1 does not combine with a draft (--draft) or KV Flash (--kvflash) "
-                            "yet: those run one sequence at a time")
+            raise UserError("--parallel above 1 does not combine with a draft (--draft) yet: speculative "
+                            "decoding runs one sequence at a time (use --no-draft, or --parallel 1)")
         return n
     if single:
         return 1
     for n in range(AUTO_LANES, 1, -1):
-        needs = estimate(source, shards, dtype, max_ctx, quantize, lanes=n)
+        needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes=n)
         host_kv = sum(d.kv for d in needs if d.device.removeprefix("remote:").startswith("cpu"))
         if host_kv > host_available() // 4:
             continue
@@ -245,14 +246,19 @@ def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bo
 
     if all(s.device.removeprefix("remote:").startswith("cpu") for s in shards):
         return  # (GPU placements only: there it decides whether the model loads at all)
-    kv_tokens = kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
-    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes)
+    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_pool_tokens(kvflash, max_ctx), lanes)
     if progress:
         print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
     try:
         check_fits(needs, gpu_free(needs))
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def kv_pool_tokens(kvflash, max_ctx: int) -> int | None:
+    """KV rows per layer and slot under KV Flash (``auto``: its minimum; it grows into what
+    is free); None without it (the whole context)."""
+    return kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
 
 
 def kvflash_config(args):

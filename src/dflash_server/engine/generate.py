@@ -272,6 +272,8 @@ class Engine:
         if seq.pre is not None:
             res.cached_tokens = seq.pre.cached_tokens
             res.extra["cache"] = seq.pre.source
+            if seq.lane is not None:
+                self.pipeline.select(seq.lane)
             kv = self.pipeline.kvflash_stats()
             if kv:  # summed over stages (each runs its own pool of the same size)
                 res.extra["kvflash"] = merge_stats(kv)

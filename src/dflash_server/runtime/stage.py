@@ -34,10 +34,12 @@ def _static_model_guards(entries) -> list[bool]:
 
 @dataclass
 class Lane:
-    """One sequence slot's state in a stage: its layer states, valid length and checkpoint."""
+    """One sequence slot's state in a stage: its layer states, valid length, checkpoint and
+    (KV Flash) its own pool."""
     states: list
     length: int = 0
     ckpt_length: int | None = None
+    pool: KvPool | None = None
 
 
 @dataclass
@@ -112,10 +114,12 @@ class LocalStage:
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
         self.batch = batch
-        if lanes < 1 or (lanes > 1 and (batch > 1 or kvflash is not None)):
-            raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch or KV Flash")
-        pager = kvflash.new_pager(max_ctx, self._kv_budget_tokens(kvflash)) if kvflash is not None else None
-        kv_rows = pager.pool_tokens if pager is not None else max_ctx
+        if lanes < 1 or (lanes > 1 and batch > 1):
+            raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch")
+        # KV Flash: a pool (and page table) per slot, each of the pool size
+        pagers = [kvflash.new_pager(max_ctx, self._kv_budget_tokens(kvflash, lanes)) for _ in range(lanes)] \
+            if kvflash is not None else None
+        kv_rows = pagers[0].pool_tokens if pagers else max_ctx
         # per layer: the KV bank of all lanes (None for recurrent layers: a state per lane)
         self.banks = []
         per_lane: list[list] = [[] for _ in range(lanes)]
@@ -130,9 +134,9 @@ class LocalStage:
             else:
                 for i in range(lanes):
                     per_lane[i].append(layer.new_state(kv_rows, self.device, dtype, 1))
-        self.lanes = [Lane(states) for states in per_lane]
+        self.lanes = [Lane(states, pool=KvPool(pagers[i], states, self.device, kvflash.tau) if pagers else None)
+                      for i, states in enumerate(per_lane)]
         self.lane = 0
-        self.pool = KvPool(pager, self.states, self.device, kvflash.tau) if pager is not None else None
         self._decode_fn = None
         self._compiled_verify_rows = 0  # verify blocks up to this length run the compiled graph
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -159,6 +163,10 @@ class LocalStage:
     @length.setter
     def length(self, n: int) -> None:
         self.lanes[self.lane].length = n
+
+    @property
+    def pool(self) -> KvPool | None:
+        return self.lanes[self.lane].pool
 
     @property
     def _ckpt_length(self) -> int | None:
@@ -272,6 +280,8 @@ class LocalStage:
             if not 0 <= pos <= st.length or pos >= self.max_ctx or st.ckpt_length is not None:
                 raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} "
                                  f"(length {st.length}, context {self.max_ctx}) or it holds a checkpoint")
+        if self.lanes[0].pool is not None:
+            return self._rows_one_by_one(x, lanes, positions)
         x = x.to(self.device)
         h = self.embed(x) if self.is_first else x.to(self.dtype)
         idx = torch.tensor(positions, device=self.device)
@@ -288,24 +298,39 @@ class LocalStage:
             out.hidden = None
         return out
 
+    def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int]) -> StageOutput:
+        """``forward_rows`` as one single-row forward per slot (KV Flash: each slot's pool
+        pages on its own)."""
+        keep, outs = self.lane, []
+        try:
+            for b, (lane, pos) in enumerate(zip(lanes, positions)):
+                self.select(lane)
+                outs.append(self.forward(x[:, b:b + 1], pos, logits="last"))
+        finally:
+            self.select(keep)
+        if self.is_last:
+            return StageOutput(hidden=None, head_logits=torch.cat([o.head_logits for o in outs], dim=0))
+        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1))
+
     # --- KV Flash ---------------------------------------------------------------------------
-    def _kv_budget_tokens(self, kvflash) -> int | None:
+    def _kv_budget_tokens(self, kvflash, lanes: int = 1) -> int | None:
         """``--kvflash auto`` on a GPU: the tokens of KV that half the free memory (after a
-        1.5 GiB reserve) holds for this stage's attention layers; None elsewhere."""
+        1.5 GiB reserve) holds for this stage's attention layers, shared by ``lanes`` pools;
+        None elsewhere."""
         if kvflash.pool != "auto" or self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
         probe = [layer.new_state(1, "meta", self.dtype) for layer in self.layers]
         per_token = sum(2 * s.k.numel() * s.k.element_size() for s in probe if s.kind == "kv")
-        return max(0, (free - (3 << 29)) // 2) // per_token if per_token else None
+        return max(0, (free - (3 << 29)) // 2) // (per_token * lanes) if per_token else None
 
     @property
     def pager(self):
         return self.pool.pager if self.pool is not None else None
 
     def kv_bytes(self) -> int:
-        """Bytes of attention KV held on the device (the pool, or the full preallocation)."""
-        return sum(s.k.numel() * s.k.element_size() * 2 for s in self.states if s.kind == "kv")
+        """Bytes of attention KV held on the device (the pools, or the full preallocation), all slots."""
+        return sum(s.k.numel() * s.k.element_size() * 2 for lane in self.lanes for s in lane.states if s.kind == "kv")
 
     def kvflash_stats(self) -> dict | None:
         return dict(self.pool.stats(), device_kv_bytes=self.kv_bytes()) if self.pool is not None else None
