@@ -92,6 +92,21 @@ def test_rows_are_invariant_and_paths_identical(qname):
     assert 0 in paths and len(paths) >= 2  # the portable path and at least one SIMD path here
     for isa in paths:
         assert torch.equal(torch.ops.dflash.qmm(x, packed, qtype, n, k, isa), full), kernels.ISAS[isa]
+    # the activation quantizer and the output rounding are vectorized too: bf16 / fp16 inputs,
+    # all-zero blocks, ties, and blocks holding NaN / inf give the same bits on every path
+    x[9, :32] = 0.0
+    x[10, 64:96] = torch.arange(32) * 0.5 - 8  # many exact .5 ties after scaling
+    x[11, 100] = float("nan")
+    x[12, 300] = float("inf")
+    x[13, 301] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.clamp(-6e4, 6e4).to(dtype) if dtype == torch.float16 else x.to(dtype)
+        xd[12, 300] = float("inf")
+        ref = torch.ops.dflash.qmm(xd, packed, qtype, n, k, 0)
+        assert ref[11].isnan().all() and ref[12].isnan().all() and not ref[14].isnan().any()
+        for isa in paths[1:]:
+            torch.testing.assert_close(torch.ops.dflash.qmm(xd, packed, qtype, n, k, isa), ref, rtol=0, atol=0,
+                                       equal_nan=True, msg=f"{kernels.ISAS[isa]} {dtype}")
 
 
 def test_zero_blocks_bf16_and_batch_dims():

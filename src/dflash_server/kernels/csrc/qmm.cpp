@@ -94,44 +94,122 @@ struct Acts {
   const int32_t* s_lo;  // (M, nb) sum of the block's first 16 codes (Q6_K's half blocks)
 };
 
+#define DFLASH_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define DFLASH_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define DFLASH_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// One block of 32 values -> int8 codes (scale = max|x| / 127, codes rounded to nearest even and
+// clamped to +-127), its scale, scale * sum and the sums; a block holding NaN / inf gives NaN
+// scales (NaN out, as a float matmul would give). The scalar form is the reference; the
+// vector forms below do the same IEEE operations (a multiply, round-to-nearest-even under the
+// default rounding mode, exact integer sums), so all give bit-identical codes and scales.
+template <typename T>
+void quantize_block(const T* xb, int8_t* qb, float& d, float& ds, int32_t& s, int32_t& s_lo) {
+  float v[QK], amax = 0.f;
+  bool finite = true;
+  for (int i = 0; i < QK; ++i) {
+    v[i] = static_cast<float>(xb[i]);
+    amax = std::fmax(amax, std::fabs(v[i]));
+    finite &= std::isfinite(v[i]);
+  }
+  if (!finite) {
+    std::memset(qb, 0, QK);
+    d = ds = std::numeric_limits<float>::quiet_NaN();
+    s = s_lo = 0;
+    return;
+  }
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  int32_t sum = 0, sum_lo = 0;
+  for (int i = 0; i < QK; ++i) {
+    const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * id));
+    qb[i] = static_cast<int8_t>(c < -127 ? -127 : (c > 127 ? 127 : c));
+    sum += qb[i];
+    if (i == 15) sum_lo = sum;
+  }
+  d = db;
+  ds = db * static_cast<float>(sum);
+  s = sum;
+  s_lo = sum_lo;
+}
+
+// 8 floats of x (fp32, bf16 -> the high half of an fp32, fp16 by F16C: all exact)
+DFLASH_TARGET_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+DFLASH_TARGET_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+DFLASH_TARGET_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+DFLASH_TARGET_AVX2 inline int32_t hsum8(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+}
+
+template <typename T>
+DFLASH_TARGET_AVX2 void quantize_block_avx2(const T* xb, int8_t* qb, float& d, float& ds, int32_t& s,
+                                            int32_t& s_lo) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = load8(xb + 8 * j);
+    const __m256 a = _mm256_and_ps(v[j], absmask);
+    amax = _mm256_max_ps(amax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or NaN
+  }
+  if (_mm256_movemask_ps(bad)) return quantize_block(xb, qb, d, ds, s, s_lo);  // the NaN path
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float db = am / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  const __m256 idv = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j)
+    c[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv)), lo), hi);
+  const int32_t sum_lo = hsum8(_mm256_add_epi32(c[0], c[1]));
+  const int32_t sum = sum_lo + hsum8(_mm256_add_epi32(c[2], c[3]));
+  // packs interleave the 128-bit lanes: dwords come out as c0lo c1lo c2lo c3lo c0hi c1hi c2hi c3hi
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  d = db;
+  ds = db * static_cast<float>(sum);
+  s = sum;
+  s_lo = sum_lo;
+}
+
+// 8 floats -> bf16 as c10::BFloat16 rounds them: to nearest even, NaN -> 0x7FC0
+DFLASH_TARGET_AVX2 inline void store8_bf16(const float* src, c10::BFloat16* dst) {
+  const __m256 f = _mm256_loadu_ps(src);
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s,
-                   int32_t* s_lo) {
+                   int32_t* s_lo, bool vector) {
   const int64_t nb = k / QK;
-  // threads only for many rows (a row of a few thousand values takes a microsecond or two)
-  at::parallel_for(0, m_rows, std::max<int64_t>(1, 16384 / k), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
+  // threads only for many rows (vectorized, a row of a few thousand values takes ~1 us)
+  at::parallel_for(0, m_rows, std::max<int64_t>(1, 65536 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
-        const T* xb = x + m * k + b * QK;
-        float v[QK], amax = 0.f;
-        bool finite = true;
-        for (int i = 0; i < QK; ++i) {
-          v[i] = static_cast<float>(xb[i]);
-          amax = std::fmax(amax, std::fabs(v[i]));
-          finite &= std::isfinite(v[i]);
-        }
-        int8_t* qb = q + m * k + b * QK;
-        if (!finite) {  // NaN / inf in: NaN out, as a float matmul would give
-          std::memset(qb, 0, QK);
-          d[m * nb + b] = ds[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
-          s[m * nb + b] = s_lo[m * nb + b] = 0;
-          continue;
-        }
-        const float db = amax / 127.f;
-        const float id = db != 0.f ? 1.f / db : 0.f;
-        int32_t sum = 0, sum_lo = 0;
-        for (int i = 0; i < QK; ++i) {
-          const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * id));
-          qb[i] = static_cast<int8_t>(c < -127 ? -127 : (c > 127 ? 127 : c));
-          sum += qb[i];
-          if (i == 15) sum_lo = sum;
-        }
-        d[m * nb + b] = db;
-        ds[m * nb + b] = db * static_cast<float>(sum);
-        s[m * nb + b] = sum;
-        s_lo[m * nb + b] = sum_lo;
+        const int64_t i = m * nb + b;
+        if (vector)
+          quantize_block_avx2(x + m * k + b * QK, q + m * k + b * QK, d[i], ds[i], s[i], s_lo[i]);
+        else
+          quantize_block(x + m * k + b * QK, q + m * k + b * QK, d[i], ds[i], s[i], s_lo[i]);
       }
-    }
   });
 }
 
@@ -185,10 +263,6 @@ void group_portable(const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, 
 
 // ---- x86 paths: one body, three integer dot products ---------------------------------------
 enum class Dot { AVX2, AVXVNNI, AVX512VNNI };
-
-#define DFLASH_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define DFLASH_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-#define DFLASH_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // acc + lane-wise dot of 4 unsigned bytes u with 4 signed bytes s (u <= 63 here, or
 // |w| <= 128 for AVX2's Q8_0 sign trick, so AVX2's int16 pair sums cannot saturate)
@@ -389,11 +463,12 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   d.resize(m_rows * nb);
   ds.resize(m_rows * nb);
   s.resize(m_rows * nb);
+  const bool vec = isa != Isa::Portable;  // every SIMD path has AVX2
   switch (x.scalar_type()) {
-    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data()); break;
-    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data());
+    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec); break;
+    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec);
       break;
-    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data()); break;
+    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec); break;
     default: TORCH_CHECK(false, "dflash::qmm: x must be float32, bfloat16 or float16");
   }
   const Acts a{q.data(), d.data(), ds.data(), s.data(), s_lo.data()};
@@ -404,12 +479,17 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ystride = y.size(1);
   // a group's (rows, 8) tile into y, in y's dtype
-  auto store = [&y, ystride](const float* tile, int64_t m0, int64_t rows, int64_t col) {
+  auto store = [&y, ystride, vec](const float* tile, int64_t m0, int64_t rows, int64_t col) {
     switch (y.scalar_type()) {
       case at::kBFloat16: {
         auto* p = y.data_ptr<c10::BFloat16>();
-        for (int64_t r = 0; r < rows; ++r)
+        for (int64_t r = 0; r < rows; ++r) {
+          if (vec) {
+            store8_bf16(tile + r * NR, p + (m0 + r) * ystride + col);
+            continue;
+          }
           for (int i = 0; i < NR; ++i) p[(m0 + r) * ystride + col + i] = c10::BFloat16(tile[r * NR + i]);
+        }
         break;
       }
       case at::kHalf: {
