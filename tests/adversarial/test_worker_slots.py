@@ -65,6 +65,46 @@ def test_bad_rows(worker, lanes, positions, rows, why):
     assert not h["ok"] and h["error"]["kind"] == "value" and why in h["error"]["message"], h
 
 
+@pytest.mark.parametrize("capture", ["1", [True], [1.5], {"1": 1}, [None]])
+def test_bad_capture_in_rows(worker, capture):
+    h, _ = _call(worker, "forward_rows", {"lanes": [0], "positions": [0], "capture": capture}, _x(worker, 1))
+    assert not h["ok"] and h["error"]["kind"] == "value" and "capture" in h["error"]["message"], h
+
+
+def test_draft_worker_slots(tiny_dir, tmp_path):
+    """The draft's operations in a worker name a sequence slot too (each holds a context);
+    a hostile slot is a value error and leaves the contexts as they were."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.remote_draft import MAX_LANES, DraftOps
+
+    c = open_model(tiny_dir("llama")).config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(0, 1),
+                      num_target_layers=c.num_layers)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(DFlashDraft(cfg, DFlashDraft.random_tensors(cfg), "cpu", torch.float32, 64).zlab_state_dict(),
+              str(tmp_path / "model.safetensors"))
+    ops = DraftOps()
+    ops.op_draft_load({"path": str(tmp_path), "device": "cpu", "dtype": "f32", "max_ctx": 64}, {})
+    feats = {"features": torch.randn(1, 3, 2 * c.hidden_size)}
+    assert ops.op_draft_append({"start": 0, "lane": 1}, feats)[0]["context_length"] == 3
+    for bad in (-1, MAX_LANES, "0", True, 1.5, [0], None):
+        for op, args, t in ((ops.op_draft_reset, {}, {}), (ops.op_draft_append, {"start": 0}, feats),
+                            (ops.op_draft_export, {}, {}),
+                            (ops.op_draft_hidden, {"start": 3}, {"embeds": torch.randn(1, 4, c.hidden_size)})):
+            with pytest.raises(ValueError, match="lane"):
+                op({**args, "lane": bad}, t)
+    assert int(ops.op_draft_export({"lane": 1}, {})[1]["length"]) == 3   # slot 1 kept its context
+    assert int(ops.op_draft_export({"lane": 0}, {})[1]["length"]) == 0   # slot 0 never had one
+    assert ops.op_draft_hidden({"start": 3, "lane": 1}, {"embeds": torch.randn(1, 4, c.hidden_size)})[1][
+        "hidden"].shape == (1, 4, c.hidden_size)
+
+
 def test_serves_after_bad_input(worker):
     for lane in (0, 1):
         assert _call(worker, "reset", {"lane": lane})[0]["ok"]
@@ -74,3 +114,7 @@ def test_serves_after_bad_input(worker):
     assert h["ok"] and h["result"]["length"] == 4
     h, _ = _call(worker, "forward", {"start": 1, "lane": 0}, _x(worker, 1))
     assert h["ok"] and h["result"]["length"] == 2          # slot 0 kept its own length
+    n = open_model(worker.load_args["model"]).config.num_layers
+    h, out = _call(worker, "forward_rows", {"lanes": [0, 1], "positions": [2, 4], "capture": [1, n - 1, n + 5]},
+                   _x(worker, 2))
+    assert h["ok"] and out[f"cap.{n - 1}"].shape == (1, 2, worker.hidden) and "cap.1" in out

@@ -172,11 +172,11 @@ def test_a_failing_forward_ends_only_its_rows(tiny_dir, monkeypatch):
     orig = eng.pipeline.forward_rows
     calls = {"n": 0}
 
-    def flaky(*args):
+    def flaky(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return orig(*args)
+        return orig(*args, **kw)
     monkeypatch.setattr(eng.pipeline, "forward_rows", flaky)
     b = eng.submit(_req(prompt_ids(eng.pipeline, 6, seed=2), 3))
     while eng.has_work:
@@ -197,19 +197,112 @@ def test_parallel_flag(tiny_dir, monkeypatch):
     src = open_model(tiny_dir("llama"))
     local, remote = [ShardSpec("cpu", 0, src.config.num_layers)], [ShardSpec("remote:cpu", 0, src.config.num_layers)]
 
-    def lanes(flag, shards=local, single=False):
-        return common.choose_lanes(flag, src, shards, torch.bfloat16, 512, "int8", single)
+    def lanes(flag, shards=local):
+        return common.choose_lanes(flag, src, shards, torch.bfloat16, 512, "int8")
     assert lanes("3") == 3 and lanes("auto") == common.AUTO_LANES and lanes("2", remote) == 2
-    assert lanes("auto", single=True) == 1 and lanes("auto", remote) == common.AUTO_LANES
+    assert lanes("auto", remote) == common.AUTO_LANES
     for bad, why in (("0", ">= 1"), ("many", "number of sequence slots"), ("-2", ">= 1")):
         with pytest.raises(UserError, match=why):
             lanes(bad)
-    with pytest.raises(UserError, match="does not combine"):
-        lanes("2", single=True)
-    pooled = common.choose_lanes("auto", src, local, torch.bfloat16, 512, "int8", False, kv_tokens=128)
+    pooled = common.choose_lanes("auto", src, local, torch.bfloat16, 512, "int8", kv_tokens=128)
     assert pooled == common.AUTO_LANES
     kv = memory.estimate(src, local, torch.bfloat16, 512, "int8")[0].kv
     monkeypatch.setattr(memory, "host_available", lambda: 4 * kv * 2)  # room for two slots' KV in a quarter
     assert lanes("auto") == 2
     monkeypatch.setattr(memory, "host_available", lambda: kv)
     assert lanes("auto") == 1
+
+
+def _draft_proposer(pipe, adaptive=False, block=4):
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.proposer import DFlashProposer
+
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=block, mask_token_id=5, target_layer_ids=(0, 1),
+                      num_target_layers=c.num_layers)
+    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
+    return DFlashProposer(draft, pipe, adaptive=adaptive)
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("qwen3_5", 1), ("llama", "remote")])
+def test_draft_in_the_batch(tiny_dir, family, stages):
+    """With a draft and several slots: a sequence decoding alone speculates, several decode
+    in one batched forward that feeds each one's own draft context. Outputs equal plain
+    decoding alone (greedy and sampled), and each slot's draft context holds exactly what
+    that sequence's context holds when it runs alone with the draft."""
+    path = tiny_dir(family)
+    plain = Engine(_pipe(path, 1, 2 if stages == "remote" else stages))
+    solo_pipe = _pipe(path, 1, 2 if stages == "remote" else stages)
+    solo = Engine(solo_pipe, proposer=_draft_proposer(solo_pipe))
+    pipe = _pipe(path, 3, stages)
+    eng = Engine(pipe, proposer=_draft_proposer(pipe, adaptive=True))
+    try:
+        reqs = [_req(prompt_ids(plain.pipeline, n, seed=n), m) for n, m in ((7, 6), (30, 26), (12, 9))]
+        reqs.append(_req(prompt_ids(plain.pipeline, 9, seed=1), 8,
+                         sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=123)))
+        want = [plain.generate(r).token_ids for r in reqs]
+        contexts = []
+        for r in reqs[:3]:
+            assert solo.generate(r).token_ids == want[len(contexts)]
+            solo.proposer.flush()
+            contexts.append(solo.proposer.draft.context_export())
+        seqs, _ = _run_together(eng, reqs, when=[0, 0, 0, 4])
+        assert [s.result.token_ids for s in seqs] == want
+        spec = seqs[1].result.extra["spec"]  # the longest: alone at its end, so it speculated
+        assert spec["steps"] > 0 and spec["plain_steps"] > 0
+        assert max(eng.batch_sizes) == 3
+        for s, ctx in zip(seqs[:3], contexts):  # each slot's draft context == the sequence's own
+            eng.proposer.select(s.lane)
+            eng.proposer.flush()
+            if s.lane == seqs[3].lane:
+                continue  # reused by the late request
+            got = eng.proposer.draft.context_export()
+            n = int(ctx["length"])
+            assert int(got["length"]) == n
+            for k in ctx:
+                if k != "length":
+                    torch.testing.assert_close(got[k], ctx[k], rtol=0, atol=0)
+        assert eng.proposer.sizer.requests.keys() <= {None}  # ended requests leave the sizer
+    finally:
+        eng.pipeline.close()
+        eng.proposer.draft.close() if hasattr(eng.proposer.draft, "close") else None
+
+
+def test_draft_in_a_worker_with_slots(tiny_dir, tmp_path):
+    """A draft in its own worker process keeps one context per slot there (the slot travels
+    with every draft operation)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_server.runtime.worker_link import RemoteOptions
+    from dflash_server.spec.proposer import DFlashProposer
+    from dflash_server.spec.remote_draft import RemoteDraft
+
+    path = tiny_dir("llama")
+    plain = Engine(_pipe(path, 1))
+    pipe = _pipe(path, 2)
+    local = _draft_proposer(pipe).draft
+    (tmp_path / "config.json").write_text(json.dumps(local.cfg.to_dict()))
+    save_file(local.zlab_state_dict(), str(tmp_path / "model.safetensors"))
+    rd = RemoteDraft(tmp_path, device="cpu", home="cpu", dtype=torch.float32, max_ctx=pipe.max_ctx,
+                     options=RemoteOptions(timeout_s=10))
+    try:
+        eng = Engine(pipe, proposer=DFlashProposer(rd, pipe))
+        reqs = [_req(prompt_ids(pipe, n, seed=n), m) for n, m in ((8, 5), (21, 16), (13, 11))]
+        want = [plain.generate(r).token_ids for r in reqs]
+        seqs, _ = _run_together(eng, reqs, when=[0, 0, 1])
+        assert [s.result.token_ids for s in seqs] == want
+        assert seqs[1].result.extra["spec"]["steps"] > 0
+        lengths = {}
+        for lane in (0, 1):
+            rd.select(lane)
+            eng.proposer.select(lane)
+            eng.proposer.flush()
+            lengths[lane] = rd.context.length
+        # the two last sequences' slots: every position but the last token's (never forwarded)
+        assert sorted(lengths.values()) == sorted(len(s.prompt) + len(s.result.token_ids) - 1 for s in seqs[1:])
+    finally:
+        rd.close()

@@ -18,17 +18,21 @@ def _pipe(path, lanes, quantize="int8", dtype=torch.bfloat16, stages=1):
     return build_pipeline(src, shards, dtype=dtype, max_ctx=256, quantize=quantize, progress=False, lanes=lanes)
 
 
+TAPS = (0, 1)  # layers whose outputs a draft would take (captured alongside)
+
+
 def _alone(path, prompt, steps, **kw):
     """Greedy continuation of one prompt by single-row forwards on a one-slot pipeline:
-    the tokens and each step's logits."""
+    the tokens and each step's (logits, captured layer outputs)."""
     pipe = _pipe(path, 1, **kw)
     logits = pipe.prefill(prompt).logits[-1]
     toks, rows = [], []
     for i in range(steps):
         tok = int(logits.argmax())
         toks.append(tok)
-        logits = pipe.forward([tok], len(prompt) + i).logits[-1]
-        rows.append(logits)
+        out = pipe.forward([tok], len(prompt) + i, capture=TAPS)
+        logits = out.logits[-1]
+        rows.append((logits, out.captures))
     return toks, rows
 
 
@@ -50,19 +54,22 @@ def test_rows_equal_alone(tiny_dir, family, stages):
         # the row set changes: slot 1 sits out step 2, the others run in another order
         active = [0, 2] if step == 2 else ([2, 0, 1] if step % 2 else [0, 1, 2])
         toks = [int(logits[i].argmax()) for i in active]
-        out = pipe.forward_rows(toks, active, [pos[i] for i in active])
+        out = pipe.forward_rows(toks, active, [pos[i] for i in active], capture=TAPS)
+        assert sorted(out.captures) == list(TAPS)
         for r, i in enumerate(active):
-            got[i].append((toks[r], out[r]))
-            logits[i] = out[r]
+            got[i].append((toks[r], out.logits[r], {c: out.captures[c][:, r:r + 1] for c in TAPS}))
+            logits[i] = out.logits[r]
             pos[i] += 1
+    exact = kernels.enabled() and kernels.load()  # native kernels: row-invariant, bit for bit
     for i, (toks, rows) in enumerate(want):
         n = len(got[i])
-        assert [t for t, _ in got[i]] == toks[:n]
-        for (_, g), w in zip(got[i], rows[:n]):
-            if kernels.enabled() and kernels.load():
-                assert torch.equal(g, w)    # native kernels: row-invariant, bit for bit
-            else:
-                torch.testing.assert_close(g, w, rtol=0, atol=2e-2)
+        assert [t for t, _, _ in got[i]] == toks[:n]
+        for (_, g, caps), (w, wcaps) in zip(got[i], rows[:n]):
+            for a, b in [(g, w)] + [(caps[c], wcaps[c]) for c in TAPS]:
+                if exact:
+                    assert torch.equal(a, b)
+                else:
+                    torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2)
 
 
 def test_rows_validate(tiny_dir):

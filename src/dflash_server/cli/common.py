@@ -171,7 +171,7 @@ def load_engine(args, progress: bool = True):
                              cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
     kvflash = kvflash_config(args)
     lanes = choose_lanes(getattr(args, "parallel", "1"), source, shards, dtype, max_ctx, quantize,
-                         single=bool(draft_path), kv_tokens=kv_pool_tokens(kvflash, max_ctx))
+                         kv_tokens=kv_pool_tokens(kvflash, max_ctx))
     check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress, lanes)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
@@ -202,12 +202,10 @@ def load_engine(args, progress: bool = True):
 AUTO_LANES = 4  # --parallel auto: at most this many sequence slots
 
 
-def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, single: bool,
-                 kv_tokens: int | None = None) -> int:
+def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, kv_tokens: int | None = None) -> int:
     """Sequence slots for ``--parallel``: a number, or ``auto``: up to AUTO_LANES, fewer when
     their KV would take more than a quarter of the host's available memory (CPU shards, a
-    shard worker on this host included) or not fit a GPU; 1 with a draft (it runs one
-    sequence at a time)."""
+    shard worker on this host included) or not fit a GPU."""
     from ..runtime.memory import check_fits, estimate, gpu_free, host_available
 
     if flag != "auto":
@@ -217,12 +215,7 @@ def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, singl
             raise UserError(f"--parallel must be a number of sequence slots or 'auto', got {flag!r}") from None
         if n < 1:
             raise UserError(f"--parallel must be >= 1, got {n}")
-        if n > 1 and single:
-            raise UserError("--parallel above 1 does not combine with a draft (--draft) yet: speculative "
-                            "decoding runs one sequence at a time (use --no-draft, or --parallel 1)")
         return n
-    if single:
-        return 1
     for n in range(AUTO_LANES, 1, -1):
         needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes=n)
         host_kv = sum(d.kv for d in needs if d.device.removeprefix("remote:").startswith("cpu"))

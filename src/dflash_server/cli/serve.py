@@ -59,7 +59,9 @@ def add_parser(sub) -> None:
     g.add_argument("--parallel", default="auto",
                    help="sequence slots: requests generated concurrently, batched into one forward per step "
                         "(continuous batching). 'auto' (default): up to 4, fewer when their KV would not fit "
-                        "memory; 1 with a draft. Each slot holds its own KV (max-ctx tokens, or a KV Flash pool)")
+                        "memory. Each slot holds its own KV (max-ctx tokens, or a KV Flash pool) and, with a "
+                        "draft, its own draft context: a request decoding alone speculates, several decode "
+                        "in one batched forward")
     g.add_argument("--step-tokens", type=positive_int, default=256,
                    help="tokens one engine step may forward while other requests decode: a long prompt is "
                         "prefilled in pieces of at most this many, between their steps (default 256)")

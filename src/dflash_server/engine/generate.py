@@ -20,7 +20,7 @@ from .batching import StepScheduler
 from .output import TokenEvent
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .speculative import SpecStats, speculative_step
+from .speculative import SpecStats, spec_begin, spec_end, speculative_step
 
 MAX_TOP_LOGPROBS = 20
 
@@ -105,8 +105,6 @@ class Engine:
         self.tokenizer = pipeline.tokenizer
         self.chunk = chunk
         self.proposer = proposer
-        if proposer is not None and pipeline.lanes > 1:
-            raise ValueError("speculative decoding runs one sequence slot (--parallel 1)")
         self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer, disk_cache)
         self.scheduler = StepScheduler(pipeline.lanes, step_tokens)
         self._next_id = 0
@@ -158,9 +156,11 @@ class Engine:
             self._prefill(plan.prefill, plan.prefill_tokens, ended)
         rows = [s for s in plan.decode if not s.done]
         if rows:
-            if self.proposer is not None:
-                for seq in rows:
-                    self._speculate(seq, ended)
+            # with a draft, a sequence decoding alone speculates (draft + verify); several
+            # decode plainly in one batched forward, which also feeds each one's draft context
+            # (on a CPU a row in a batch costs a fraction of a verify block)
+            if self.proposer is not None and len(rows) == 1:
+                self._speculate(rows[0], ended)
             else:
                 self._decode(rows, ended)
             self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
@@ -170,9 +170,15 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - t0
         return ended
 
+    def _select(self, seq: Sequence) -> None:
+        """Point the pipeline (and the draft) at ``seq``'s sequence slot."""
+        self.pipeline.select(seq.lane)
+        if self.proposer is not None:
+            self.proposer.select(seq.lane)
+
     def _prefill(self, seq: Sequence, budget: int | None, ended: list) -> None:
         pipe = self.pipeline
-        pipe.select(seq.lane)
+        self._select(seq)
         try:
             if seq.prefill is None:
                 seq.t_start = time.monotonic()
@@ -194,27 +200,43 @@ class Engine:
 
     def _decode(self, rows: list[Sequence], ended: list) -> None:
         """One plain decode step of ``rows``: a single-sequence forward for one row, else
-        one forward of all rows (each in its own slot)."""
-        pipe = self.pipeline
+        one forward of all rows (each in its own slot). With a draft, the forward captures
+        its taps and each row's features extend that sequence's draft context."""
+        pipe, spec = self.pipeline, self.proposer
+        if spec is not None:
+            for seq in [s for s in rows if s.pos >= pipe.max_ctx]:
+                self._end(seq, "length", ended)
+            rows = [s for s in rows if not s.done]
+            if not rows:
+                return
+        taps = spec.taps if spec is not None else ()
         try:
             if len(rows) == 1:
                 pipe.select(rows[0].lane)
-                logits = pipe.forward([rows[0].last], rows[0].pos).logits[-1:]
+                out = pipe.forward([rows[0].last], rows[0].pos, capture=taps)
+                logits = out.logits[-1:]
             else:
-                logits = pipe.forward_rows([s.last for s in rows], [s.lane for s in rows], [s.pos for s in rows])
+                out = pipe.forward_rows([s.last for s in rows], [s.lane for s in rows], [s.pos for s in rows],
+                                        capture=taps)
+                logits = out.logits
         except Exception as e:  # noqa: BLE001 - the rows of this forward fail
             for seq in rows:
                 self._fail(seq, e, ended)
             return
-        for seq, row in zip(rows, logits):
+        for b, (seq, row) in enumerate(zip(rows, logits)):
+            if spec is not None:
+                self._select(seq)
+                spec_begin(spec, seq)
+                spec.add_context({c: out.captures[c][:, b:b + 1] for c in taps}, seq.pos, 1, defer=True)
+                seq.spec.record(0, 0)
             seq.pos += 1
             if seq.on_commit is not None:
-                pipe.select(seq.lane)
+                self._select(seq)
                 seq.on_commit(seq.pos, row)
             self._after_commit(seq, seq.commit(row), ended)
 
     def _speculate(self, seq: Sequence, ended: list) -> None:
-        self.pipeline.select(seq.lane)
+        self._select(seq)
         try:
             finish = speculative_step(self.pipeline, self.proposer, seq)
         except Exception as e:  # noqa: BLE001
@@ -248,7 +270,7 @@ class Engine:
 
     def _end(self, seq: Sequence, finish: str, ended: list) -> None:
         if seq.prefill is not None:        # cancelled or failed mid-prefill: drops its snapshot
-            self.pipeline.select(seq.lane)
+            self._select(seq)
             seq.prefill.close()
             seq.prefill = None
         pending = seq.pre.pending if seq.pre is not None else None
@@ -258,6 +280,8 @@ class Engine:
             self.prefix_cache.commit(pending)
         else:
             self.prefix_cache.discard(pending)
+        if self.proposer is not None:
+            spec_end(self.proposer, seq)
         self.scheduler.finish(seq)
         ended.append(seq)
 

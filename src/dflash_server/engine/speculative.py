@@ -61,16 +61,30 @@ class SpecStats:
                 "position_acceptance": [round(x, 4) for x in self.position_acceptance()]}
 
 
+def spec_begin(proposer, seq) -> None:
+    """Start ``seq``'s speculation statistics (its first step), or point the adaptive block
+    size at its request (sequences take turns in the step loop)."""
+    sizer = proposer.sizer
+    if seq.spec is None:
+        seq.spec = SpecStats(proposer.block_size)
+        if sizer is not None:
+            sizer.begin_request("greedy" if seq.sampler.params.greedy else "sampled", key=seq.id)
+    elif sizer is not None:
+        sizer.select(seq.id)
+
+
+def spec_end(proposer, seq) -> None:
+    if proposer.sizer is not None:
+        proposer.sizer.end_request(seq.id)
+
+
 def speculative_step(pipe, proposer, seq) -> str | None:
     """One draft + verify step of ``seq`` (anchor ``seq.last`` at ``seq.pos``, already
     emitted, not yet in the target cache; its slot selected). Returns the finish reason when
     the sequence ends here, None to go on. ``seq.on_commit(length, logits)`` is called with
     the committed length and the logits that predicted the newest (not yet cached) token."""
     sizer = proposer.sizer
-    if seq.spec is None:
-        seq.spec = SpecStats(proposer.block_size)
-        if sizer is not None:
-            sizer.begin_request("greedy" if seq.sampler.params.greedy else "sampled")
+    spec_begin(proposer, seq)
     want = sizer.choose() if sizer is not None else proposer.block_size
     anchor, pos = seq.last, seq.pos
     block = min(want, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos)

@@ -43,14 +43,18 @@ class TargetPipeline:
         for st in self.stages:
             st.select(lane)
 
-    def forward_rows(self, tokens: list[int], lanes: list[int], positions: list[int]) -> torch.Tensor:
+    def forward_rows(self, tokens: list[int], lanes: list[int], positions: list[int],
+                     capture: tuple[int, ...] = ()) -> PipelineOutput:
         """One decode token per sequence, each in its own slot: ``tokens[b]`` at
-        ``positions[b]`` of slot ``lanes[b]``. Returns the rows' logits (B, V) fp32."""
+        ``positions[b]`` of slot ``lanes[b]``. Returns the rows' logits (B, V) fp32 and the
+        outputs (1, B, H) of the ``capture`` layers."""
         x = torch.tensor([list(tokens)], dtype=torch.long)
+        caps: dict[int, torch.Tensor] = {}
         for st in self.stages:
-            out = st.forward_rows(x, lanes, positions)
+            out = st.forward_rows(x, lanes, positions, capture)
+            caps.update(out.captures)
             x = out.hidden
-        return out.logits
+        return PipelineOutput(out.logits, caps)
 
     @property
     def device(self) -> torch.device:

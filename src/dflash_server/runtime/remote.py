@@ -73,14 +73,18 @@ class RemoteStage:
             raise ValueError(f"sequence slot {lane} outside [0, {self.num_lanes})")
         self.lane = lane
 
-    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int]) -> StageOutput:
+    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
+                     capture: tuple[int, ...] = ()) -> StageOutput:
+        mine = [c for c in capture if self.begin <= c < self.end]
         res, out = self._call("forward_rows", {"lanes": [int(v) for v in lanes],
-                                               "positions": [int(v) for v in positions]}, {"x": x.to(self.dtype)})
+                                               "positions": [int(v) for v in positions], "capture": mine},
+                              {"x": x.to(self.dtype)})
         for lane, n in zip(lanes, res.get("lengths", [])):
             self.lengths[lane] = int(n)
         lg = out.get("logits")
+        caps = {c: out[f"cap.{c}"].to(self.device) for c in mine if f"cap.{c}" in out}
         return StageOutput(hidden=out["hidden"].to(self.device) if "hidden" in out else None,
-                           head_logits=lg.to(self.device) if lg is not None else None)
+                           head_logits=lg.to(self.device) if lg is not None else None, captures=caps)
 
     def compile_decode(self) -> None:
         if ("compile", {}) not in self.link.setup:

@@ -123,14 +123,15 @@ class ShardWorker:
 
     def op_forward_rows(self, a, t):
         stages = self._need()
-        lanes, positions = a.get("lanes"), a.get("positions")
-        for v in (lanes, positions):
+        lanes, positions, capture = a.get("lanes"), a.get("positions"), a.get("capture", [])
+        for v in (lanes, positions, capture):
             if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-                raise ValueError("forward_rows: lanes and positions must be lists of integers")
+                raise ValueError("forward_rows: lanes, positions and capture must be lists of integers")
         x, out_t = _tensor(t, "x"), {}
         t0 = time.perf_counter()
         for st in stages:
-            out = st.forward_rows(x, lanes, positions)
+            out = st.forward_rows(x, lanes, positions, tuple(capture))
+            out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
             x = out.hidden
         if out.head_logits is not None:
             out_t["logits"] = out.head_logits

@@ -263,13 +263,15 @@ class LocalStage:
         return out
 
     @torch.inference_mode()
-    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int]) -> StageOutput:
+    def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
+                     capture: tuple[int, ...] = ()) -> StageOutput:
         """One decode row in each of several lanes: row b is the token of the sequence in
         ``lanes[b]`` at ``positions[b]`` (at most that lane's length; the lane's length
         becomes ``positions[b] + 1``). x: token ids (1, B) on the first stage, else hidden
         (1, B, H). The last stage returns the rows' logits (B, V). Each row's result equals
         that sequence's own single-row ``forward`` where the ops are row-invariant (the
-        native kernels): the matmuls take all rows, attention reads each row's own lane."""
+        native kernels): the matmuls take all rows, attention reads each row's own lane.
+        ``capture``: global layer ids whose outputs (1, B, H) to return (a draft's taps)."""
         B = x.shape[1]
         if len(lanes) != B or len(positions) != B or len(set(lanes)) != B:
             raise ValueError("forward_rows: one row per lane, one position per row")
@@ -281,36 +283,42 @@ class LocalStage:
                 raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} "
                                  f"(length {st.length}, context {self.max_ctx}) or it holds a checkpoint")
         if self.lanes[0].pool is not None:
-            return self._rows_one_by_one(x, lanes, positions)
+            return self._rows_one_by_one(x, lanes, positions, capture)
         x = x.to(self.device)
         h = self.embed(x) if self.is_first else x.to(self.dtype)
         idx = torch.tensor(positions, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
                              positions=tuple(positions))
+        caps = {}
         for i, layer in enumerate(self.layers):
             bank = self.banks[i]
             h = layer(h, ctx, bank if bank is not None else [self.lanes[lane].states[i] for lane in lanes])
+            if layer.index in capture:
+                caps[layer.index] = h
         for lane, pos in zip(lanes, positions):
             self.lanes[lane].length = pos + 1
-        out = StageOutput(hidden=h)
+        out = StageOutput(hidden=h, captures=caps)
         if self.is_last:
             out.head_logits = self.lm_head(self.final_norm(h))[0]
             out.hidden = None
         return out
 
-    def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int]) -> StageOutput:
+    def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
+                         capture: tuple[int, ...] = ()) -> StageOutput:
         """``forward_rows`` as one single-row forward per slot (KV Flash: each slot's pool
         pages on its own)."""
         keep, outs = self.lane, []
         try:
             for b, (lane, pos) in enumerate(zip(lanes, positions)):
                 self.select(lane)
-                outs.append(self.forward(x[:, b:b + 1], pos, logits="last"))
+                outs.append(self.forward(x[:, b:b + 1], pos, logits="last", capture=capture))
         finally:
             self.select(keep)
+        caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}
         if self.is_last:
-            return StageOutput(hidden=None, head_logits=torch.cat([o.head_logits for o in outs], dim=0))
-        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1))
+            return StageOutput(hidden=None, head_logits=torch.cat([o.head_logits for o in outs], dim=0),
+                               captures=caps)
+        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1), captures=caps)
 
     # --- KV Flash ---------------------------------------------------------------------------
     def _kv_budget_tokens(self, kvflash, lanes: int = 1) -> int | None:

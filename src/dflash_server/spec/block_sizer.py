@@ -47,18 +47,27 @@ class BlockSizer:
         self.samples: dict[int, int] = {}         # B -> steps measured
         # earlier requests' counts per kind, decayed; index k = draft position
         self.history: dict[str, tuple[list[float], list[float]]] = {}
+        self.requests: dict = {}   # key -> (kind, reach, hits) of each running request
         self.steps = 0
         self.begin_request()
 
-    def begin_request(self, kind: str = "greedy") -> None:
+    def begin_request(self, kind: str = "greedy", key=None) -> None:
         """Start a request of ``kind`` (e.g. greedy / sampled): its acceptance is shrunk
-        towards earlier requests of that kind only."""
+        towards earlier requests of that kind only. ``key`` names it where several run at
+        once (continuous batching): ``select(key)`` before each of its steps."""
         if kind not in self.history:
             self.history[kind] = ([0.0] * self.max_block, [0.0] * self.max_block)
-        self.kind = kind
-        self.reach, self.hits = self.history[kind]
-        self.req_reach = [0] * self.max_block     # this request
-        self.req_hits = [0] * self.max_block
+        self.requests[key] = (kind, [0] * self.max_block, [0] * self.max_block)
+        self.select(key)
+
+    def select(self, key=None) -> None:
+        """Make request ``key`` the one ``choose``/``observe`` act on."""
+        self.kind, self.req_reach, self.req_hits = self.requests[key]  # this request's counts
+        self.reach, self.hits = self.history[self.kind]
+
+    def end_request(self, key=None) -> None:
+        if key is not None:
+            self.requests.pop(key, None)
 
     def acceptance(self) -> list[float]:
         """[k-1] = estimated chance that draft position k is accepted once 1..k-1 were.

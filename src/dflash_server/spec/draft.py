@@ -144,7 +144,8 @@ class DFlashDraft(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.quantize_(quantize)
-        self.context = self._empty_context()
+        self.contexts = {0: self._empty_context()}  # sequence slot -> its context
+        self.context = self.contexts[0]
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -239,6 +240,13 @@ class DFlashDraft(nn.Module):
 
     def reset(self) -> None:
         self.context.length = 0
+
+    def select(self, lane: int) -> None:
+        """Make ``lane``'s context the one the other methods act on (continuous batching:
+        one context per sequence slot, allocated at its first use)."""
+        if lane not in self.contexts:
+            self.contexts[lane] = self._empty_context()
+        self.context = self.contexts[lane]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """(1, n, taps*H) tapped target outputs -> (1, n, H) context vectors."""

@@ -34,6 +34,7 @@ class DFlashProposer:
         self.mask_id = draft.cfg.mask_token_id
         self.sizer = BlockSizer(self.block_size) if adaptive else None
         self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
+        self._pendings = {0: self._pending}                  # per sequence slot
         self.vocab = getattr(draft, "vocab_ids", None)       # None: the whole vocabulary
         if fast_head is None:
             fast_head = pipeline.device.type == "cpu" and pipeline.stages[-1].dtype == torch.bfloat16
@@ -66,8 +67,13 @@ class DFlashProposer:
             return None, None           # a dense full copy would only duplicate the pipeline's head
         return head, rows
 
+    def select(self, lane: int) -> None:
+        """Act on sequence slot ``lane``'s draft context from now on (continuous batching)."""
+        self.draft.select(lane)
+        self._pending = self._pendings.setdefault(lane, [])
+
     def reset(self) -> None:
-        self._pending = []
+        self._pending.clear()
         self.draft.reset()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -75,7 +81,7 @@ class DFlashProposer:
         return self.draft.context_export()
 
     def restore(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._pending = []
+        self._pending.clear()
         self.draft.context_import(tensors)
 
     @property
@@ -102,7 +108,7 @@ class DFlashProposer:
         """Append deferred positions to the draft's context."""
         if self._pending:
             start, feats = self._pending[0][0], torch.cat([f for _, f in self._pending], dim=1)
-            self._pending = []
+            self._pending.clear()
             self.draft.append_context(feats, start)
 
     @torch.inference_mode()

@@ -18,16 +18,24 @@ from .config import DraftConfig
 from .draft import DFlashDraft, check_vocab_ids
 
 
+MAX_LANES = 256  # sequence slots a draft worker keeps contexts for (as the shard worker)
+
+
 class DraftOps:
-    """Worker side: holds one DFlashDraft."""
+    """Worker side: holds one DFlashDraft (a context per sequence slot)."""
 
     def __init__(self):
         self.draft: DFlashDraft | None = None
         self.key = None
 
-    def _need(self) -> DFlashDraft:
+    def _need(self, a=None) -> DFlashDraft:
+        """The draft, pointed at the request's sequence slot (``lane``, default 0)."""
         if self.draft is None:
             raise ValueError("no draft loaded (send draft_load first)")
+        lane = (a or {}).get("lane", 0)
+        if not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES:
+            raise ValueError(f"argument 'lane' must be an integer in [0, {MAX_LANES}), got {lane!r}")
+        self.draft.select(lane)
         return self.draft
 
     def op_draft_load(self, a, t):
@@ -39,7 +47,10 @@ class DraftOps:
             self.draft = DFlashDraft.load(a["path"], device=a["device"], dtype=dtype, max_ctx=int(a["max_ctx"]),
                                           quantize=quantize)
             self.key = key
-        self.draft.reset()
+        for lane in list(self.draft.contexts):
+            self.draft.select(lane)
+            self.draft.reset()
+        self.draft.select(0)
         return {"config": self.draft.cfg.to_dict(), "nbytes": self.draft.nbytes()}, {}
 
     def op_draft_vocab(self, a, t):
@@ -47,22 +58,22 @@ class DraftOps:
         return {}, ({} if ids is None else {"vocab_ids": ids})
 
     def op_draft_reset(self, a, t):
-        self._need().reset()
+        self._need(a).reset()
         return {"context_length": 0}, {}
 
     def op_draft_append(self, a, t):
-        d = self._need()
+        d = self._need(a)
         d.append_context(t["features"], int(a["start"]))
         return {"context_length": d.context.length}, {}
 
     def op_draft_hidden(self, a, t):
-        return {}, {"hidden": self._need().draft_hidden(t["embeds"], int(a["start"]))}
+        return {}, {"hidden": self._need(a).draft_hidden(t["embeds"], int(a["start"]))}
 
     def op_draft_export(self, a, t):
-        return {}, self._need().context_export()
+        return {}, self._need(a).context_export()
 
     def op_draft_import(self, a, t):
-        d = self._need()
+        d = self._need(a)
         d.context_import(t)
         return {"context_length": d.context.length}, {}
 
@@ -76,7 +87,8 @@ class RemoteDraft:
                  quantize: str = "dense"):
         """``device``: the worker's device for the draft; ``home``: where results land."""
         self.device, self.dtype, self.quantize = torch.device(home), dtype, quantize
-        self.context = _Context()
+        self.lane, self.contexts = 0, {0: _Context()}  # per sequence slot: its context length
+        self.context = self.contexts[0]
         self.link = WorkerLink(options, [("draft_load", {"path": str(path), "device": device,
                                                           "dtype": DTYPE_NAMES[dtype], "max_ctx": max_ctx,
                                                           "quantize": quantize})],
@@ -89,11 +101,18 @@ class RemoteDraft:
 
     check_target = DFlashDraft.check_target
 
+    def select(self, lane: int) -> None:
+        if not 0 <= lane < MAX_LANES:
+            raise ValueError(f"sequence slot {lane} outside [0, {MAX_LANES})")
+        self.lane = lane
+        self.context = self.contexts.setdefault(lane, _Context())
+
     def _call(self, op, args=None, tensors=None):
         epoch = self.link.epoch
-        res, out = self.link.call(op, args, tensors)
-        if self.link.epoch != epoch:
-            self.context.length = 0
+        res, out = self.link.call(op, {**(args or {}), "lane": self.lane}, tensors)
+        if self.link.epoch != epoch:   # the worker restarted: every slot's context is gone
+            for c in self.contexts.values():
+                c.length = 0
         if "context_length" in res:
             self.context.length = int(res["context_length"])
         return res, out
