@@ -46,7 +46,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
-    """family: "llama" | "qwen3" | "qwen3_5". Returns dst (an HF model directory)."""
+    """family: "llama" | "qwen3" | "qwen3_5" | "gemma3". Returns dst (an HF model directory)."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -87,6 +87,22 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
         cfg.update(overrides)
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg))
         write_qwen_tokenizer(dst, "qwen3_5")
+    elif family == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        # a small window (the prompts of the tests are longer), full layers with a scaled
+        # RoPE and sliding ones at their own base, a query scale that is not head_dim's
+        cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                   sliding_window=24, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                       "factor": 8.0}})
+        cfg.update(overrides)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
+        write_smol_tokenizer(dst)
     else:
         raise ValueError(family)
     _perturb(model, seed)

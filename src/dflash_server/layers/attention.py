@@ -44,8 +44,12 @@ class Attention(nn.Module):
                  num_heads: int, num_kv_heads: int, head_dim: int,
                  q_bias=None, k_bias=None, v_bias=None, o_bias=None,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 output_gate: bool = False, window: int | None = None, scale: float | None = None):
+                 output_gate: bool = False, window: int | None = None, scale: float | None = None,
+                 local_rope: bool = False):
+        """``window``: sliding-window attention (a query sees the last ``window`` positions);
+        ``local_rope``: rotate with the context's local rotary rows (Gemma's sliding layers)."""
         super().__init__()
+        self.local_rope = local_rope
         self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
         self.q_dim = num_heads * head_dim * (2 if output_gate else 1)
@@ -92,7 +96,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
         qkv = self.qkv(x)
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
-            cos, sin = ctx.rope_f32()
+            cos, sin = ctx.rope_f32(self.local_rope)
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale, **self.native_args)
             return self.o(out)
@@ -103,13 +107,13 @@ class Attention(nn.Module):
         KV bank (lanes, nkv, ctx, hd) at ``ctx.positions[b]``; the projections take all rows."""
         qkv = self.qkv(x)
         if self.native_rows_ok(x, bank) and kernels.inference(qkv):
-            cos, sin = ctx.rope_f32()
+            cos, sin = ctx.rope_f32(self.local_rope)
             out = torch.ops.dflash.attention_rows(qkv, cos, sin, bank.k, bank.v, ctx.lanes, ctx.positions, self.nh,
                                                   self.nkv, self.scale, **self.native_args)
             return self.o(out)
         outs = []
         for b, (lane, pos) in enumerate(zip(ctx.lanes, ctx.positions)):
-            row = ForwardContext(pos, 1, ctx.cos[b:b + 1], ctx.sin[b:b + 1])
+            row = ctx.row(b, pos)
             lane_kv = KVState(bank.k[lane:lane + 1], bank.v[lane:lane + 1])
             outs.append(self._attend(qkv[:, b:b + 1], row, lane_kv, x.dtype))
         return self.o(torch.cat(outs, dim=1))
@@ -119,19 +123,21 @@ class Attention(nn.Module):
         the output before the O projection."""
         B, T, _ = qkv.shape
         gate = None
+        cos, sin = ctx.rope(self.local_rope)
+        cos, sin = cos[:, None], sin[:, None]
         if self.output_gate:
             qg = qkv[..., :self.q_dim].view(B, T, self.nh, 2 * self.hd)
             q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(B, T, self.nh * self.hd)
             k = qkv[..., self.q_dim:self.q_dim + self.kv_dim].view(B, T, self.nkv, self.hd)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, ctx.cos[:, None], ctx.sin[:, None]), apply_rope(k, ctx.cos[:, None], ctx.sin[:, None])
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
             # rotate q and k heads together: (B, T, nh + nkv, hd)
             qk = qkv[..., :self.q_dim + self.kv_dim].view(B, T, self.nh + self.nkv, self.hd)
             if self.q_norm is not None:
                 qk = torch.cat([self.q_norm(qk[:, :, :self.nh]), self.k_norm(qk[:, :, self.nh:])], dim=2)
-            qk = apply_rope(qk, ctx.cos[:, None], ctx.sin[:, None])
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
         v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
         if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)

@@ -31,15 +31,30 @@ class ForwardContext:
     # positions[b] (start/length then only give the row count; cos/sin are per row)
     lanes: tuple[int, ...] | None = None
     positions: tuple[int, ...] | None = None
+    # the rotary rows of sliding-window layers where they have their own base (Gemma)
+    cos_local: torch.Tensor | None = None
+    sin_local: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
-    def rope_f32(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos_local, self.sin_local) if local else (self.cos, self.sin)
+
+    def rope_f32(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin in fp32 (what the native attention step reads), converted once per forward
         rather than once per layer."""
-        got = self._masks.get("rope_f32")
+        key = ("rope_f32", local)
+        got = self._masks.get(key)
         if got is None:
-            got = self._masks["rope_f32"] = (self.cos.float().contiguous(), self.sin.float().contiguous())
+            cos, sin = self.rope(local)
+            got = self._masks[key] = (cos.float().contiguous(), sin.float().contiguous())
         return got
+
+    def row(self, b: int, pos: int) -> "ForwardContext":
+        """Row ``b`` of a rows forward as a single-row context at ``pos``."""
+        local = self.cos_local is not None
+        return ForwardContext(pos, 1, self.cos[b:b + 1], self.sin[b:b + 1],
+                              cos_local=self.cos_local[b:b + 1] if local else None,
+                              sin_local=self.sin_local[b:b + 1] if local else None)
 
     @property
     def end(self) -> int:

@@ -1,4 +1,4 @@
-"""The pre-norm decoder block shared by the Llama, Qwen3 and Qwen3.5 families."""
+"""The pre-norm decoder block shared by the Llama, Qwen3, Qwen3.5 and Gemma 3 families."""
 from __future__ import annotations
 
 import torch
@@ -13,11 +13,15 @@ from .norms import RMSNorm
 
 class DecoderLayer(nn.Module):
     """``x += mixer(norm1(x)); x += mlp(norm2(x))``. ``mixer`` is attention or a recurrent
-    (GDN) layer; its ``new_state`` decides the layer's state kind (``kv`` / ``recurrent``)."""
+    (GDN) layer; its ``new_state`` decides the layer's state kind (``kv`` / ``recurrent``).
+    ``mixer_out_norm`` / ``mlp_out_norm``: Gemma's "sandwich" norms, applied to the mixer's
+    and the MLP's outputs before each residual add."""
 
-    def __init__(self, index: int, input_norm: RMSNorm, mixer: nn.Module, post_norm: RMSNorm, mlp: nn.Module):
+    def __init__(self, index: int, input_norm: RMSNorm, mixer: nn.Module, post_norm: RMSNorm, mlp: nn.Module,
+                 mixer_out_norm: RMSNorm | None = None, mlp_out_norm: RMSNorm | None = None):
         super().__init__()
         self.index = index
+        self.mixer_out_norm, self.mlp_out_norm = mixer_out_norm, mlp_out_norm
         self.input_norm, self.mixer, self.post_norm, self.mlp = input_norm, mixer, post_norm, mlp
         self._fused: bool | None = None  # _native_layer(), decided at the first forward
 
@@ -31,7 +35,8 @@ class DecoderLayer(nn.Module):
         checks cost ~7 us per layer through nn.Module attribute lookups, 0.2 ms a token."""
         if self._fused is None:
             m, f = self.mixer, self.mlp
-            self._fused = (isinstance(m, Attention) and m.native and isinstance(f, SwiGLU) and self.input_norm.native
+            self._fused = (isinstance(m, Attention) and m.native and isinstance(f, SwiGLU) and f.act == "silu"
+                           and self.mixer_out_norm is None and self.mlp_out_norm is None and self.input_norm.native
                            and self.post_norm.native and all(lin.mode == "native" and lin.bias is None
                                                              for lin in (m.qkv, m.o, f.gate_up, f.down)))
         return self._fused
@@ -42,25 +47,30 @@ class DecoderLayer(nn.Module):
         if self._native_layer() and self.mixer.native_step_ok(x, ctx, state) and kernels.inference(x):
             # the ops below in one C++ call (bit-identical; ~12 fewer Python-level calls)
             m, f = self.mixer, self.mlp
-            cos, sin = ctx.rope_f32()
+            cos, sin = ctx.rope_f32(m.local_rope)
             return torch.ops.dflash.decoder_layer(
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
                 f.down.weight, f.down.qtype, **m.native_args)
-        x = x + self.mixer(self.input_norm(x), ctx, state)
-        return x + self.mlp(self.post_norm(x))
+        return self._mlp(x + self._out(self.mixer(self.input_norm(x), ctx, state), self.mixer_out_norm))
+
+    @staticmethod
+    def _out(y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        return y if norm is None else norm(y)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self._out(self.mlp(self.post_norm(x)), self.mlp_out_norm)
 
     def _forward_rows(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
         """Decode rows of several sequences (``ctx.lanes``); ``state``: the KV bank of an
         attention layer, or the rows' recurrent states (a list)."""
         if self._native_layer() and self.mixer.native_rows_ok(x, state) and kernels.inference(x):
             m, f = self.mixer, self.mlp
-            cos, sin = ctx.rope_f32()
+            cos, sin = ctx.rope_f32(m.local_rope)
             return torch.ops.dflash.decoder_layer_rows(
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.lanes, ctx.positions, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
                 f.down.weight, f.down.qtype, **m.native_args)
-        x = x + self.mixer.forward_rows(self.input_norm(x), ctx, state)
-        return x + self.mlp(self.post_norm(x))
+        return self._mlp(x + self._out(self.mixer.forward_rows(self.input_norm(x), ctx, state), self.mixer_out_norm))

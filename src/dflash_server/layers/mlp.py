@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward with a fused gate+up projection."""
+"""Gated feed-forward (SwiGLU, or GeGLU with the tanh GELU: Gemma) with a fused gate+up projection."""
 from __future__ import annotations
 
 import torch
@@ -9,12 +9,18 @@ from .linear import Linear
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    """``down(act(gate(x)) * up(x))``; ``act``: "silu" or "gelu_tanh"."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str = "silu"):
         super().__init__()
-        self.inter = gate.shape[0]
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {act!r}")
+        self.inter, self.act = gate.shape[0], act
         self.gate_up = Linear.fused([gate, up])
         self.down = Linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
-        return self.down(F.silu(h[..., :self.inter]) * h[..., self.inter:])
+        g = h[..., :self.inter]
+        g = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
+        return self.down(g * h[..., self.inter:])

@@ -33,6 +33,15 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 (default head_dim), sliding layers'
+    # own RoPE base, GELU-tanh MLP, embeddings times sqrt(hidden), norms after the attention and
+    # the MLP too ("sandwich"), logits soft-capped
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -52,6 +61,10 @@ class ModelConfig:
         bad = set(self.layer_types) - {"full_attention", "sliding_attention", "linear_attention"}
         if bad:
             raise ValueError(f"model config: unknown layer types {sorted(bad)}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError("model config: sliding-window layers need a positive sliding_window")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"model config: unsupported activation {self.hidden_act!r}")
 
     @property
     def rotary_dim(self) -> int:

@@ -1,13 +1,14 @@
 """Family registry: HF ``architectures[0]`` / ``model_type`` and GGUF
-``general.architecture`` -> family. New families (gemma, laguna) register here."""
+``general.architecture`` -> family. New families register here."""
 from __future__ import annotations
 
 from .base import Family
+from .gemma3 import Gemma3Family
 from .llama import LlamaFamily
 from .qwen3 import Qwen3Family
 from .qwen3_5 import Qwen3_5Family
 
-FAMILIES: tuple[Family, ...] = (LlamaFamily(), Qwen3Family(), Qwen3_5Family())
+FAMILIES: tuple[Family, ...] = (LlamaFamily(), Qwen3Family(), Qwen3_5Family(), Gemma3Family())
 
 
 def family_for_hf_config(cfg: dict) -> Family:

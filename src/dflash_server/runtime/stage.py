@@ -113,6 +113,9 @@ class LocalStage:
             mod.quantize_(head_mode if mod is self.lm_head else layer_mode)
         self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
                                 self.device, dtype)
+        # sliding-window layers with their own RoPE base (Gemma): plain RoPE at that base
+        self.rope_local = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta, max_ctx, None,
+                                      self.device, dtype) if cfg.rope_local_theta else None
         self.batch = batch
         if lanes < 1 or (lanes > 1 and batch > 1):
             raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch")
@@ -236,6 +239,8 @@ class LocalStage:
         h = self.embed(x) if self.is_first else x.to(self.dtype)
         cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
+        if self.rope_local is not None:
+            ctx.cos_local, ctx.sin_local = self.rope_local.rows(start, T)
         if self.pool is not None:
             self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
         caps = {}
@@ -289,6 +294,8 @@ class LocalStage:
         idx = torch.tensor(positions, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
                              positions=tuple(positions))
+        if self.rope_local is not None:
+            ctx.cos_local, ctx.sin_local = self.rope_local.cos[idx], self.rope_local.sin[idx]
         caps = {}
         for i, layer in enumerate(self.layers):
             bank = self.banks[i]
