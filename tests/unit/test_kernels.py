@@ -268,6 +268,37 @@ def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot):
         torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, max_ctx - 2, nh, nkv, hd ** -0.5)
 
 
+def test_attention_window_matches_masked_reference():
+    """A sliding window (Gemma): each row sees keys (p - window, p]; rows stay invariant and
+    the portable build equals the vectorized one."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, max_ctx, start, T, window = 4, 2, 32, 96, 40, 6, 9
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    cos, sin = table.rows(start, T)
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    _, rk, rv = _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5)
+    q = qkv[0, :, :nh * hd].view(T, nh, hd)
+    q = q * cos[:, None] + q.roll(hd // 2, -1) * sin[:, None]
+    keys, values = rk[0].repeat_interleave(nh // nkv, 0), rv[0].repeat_interleave(nh // nkv, 0)
+    s = torch.einsum("thd,hld->htl", q.double(), keys[:, :start + T]) * hd ** -0.5
+    qp, kp = start + torch.arange(T)[:, None], torch.arange(start + T)[None, :]
+    s = s.masked_fill(~((kp <= qp) & (kp > qp - window))[None], float("-inf"))
+    ref = torch.einsum("htl,hld->thd", s.softmax(-1), values[:, :start + T]).reshape(1, T, nh * hd)
+    k1, v1 = kc.clone(), vc.clone()
+    out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5, window=window)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    k2, v2 = kc.clone(), vc.clone()
+    rows = [torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k2, v2, start + t, nh, nkv,
+                                            hd ** -0.5, window=window) for t in range(T)]
+    assert torch.equal(torch.cat(rows, dim=1), out)
+    assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv,
+                                                       hd ** -0.5, True, window=window), out)
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5, window=-1)
+
+
 def test_non_finite_activations_give_nan_not_numbers():
     _, rows = gguf_rows("Q4_1", 16, 64)
     qtype, packed = kernels.repack(rows, 64)

@@ -63,13 +63,16 @@ class Attention(nn.Module):
         # where the native kernels are on (kernels.attention_step)
         norms_ok = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps
                                       and q_norm.weight.shape == k_norm.weight.shape == (head_dim,))
-        self.native = (o.device.type == "cpu" and norms_ok and window is None
-                       and head_dim % 8 == 0 and kernels.enabled() and kernels.load())
-        # the per-head q/k norms (Qwen3, Qwen3.5) and the output gate (Qwen3.5) as the native step takes them
+        self.native = (o.device.type == "cpu" and norms_ok and head_dim % 8 == 0 and kernels.enabled()
+                       and kernels.load())
+        # the per-head q/k norms (Qwen3, Qwen3.5), the output gate (Qwen3.5) and the sliding
+        # window (Gemma) as the native step takes them
         self.native_args = {} if q_norm is None else {"q_norm": q_norm.weight, "k_norm": k_norm.weight,
                                                        "norm_eps": q_norm.eps}
         if output_gate:
             self.native_args["gated"] = True
+        if window is not None:
+            self.native_args["window"] = int(window)
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState:
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one

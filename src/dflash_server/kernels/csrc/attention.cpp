@@ -1,4 +1,4 @@
-// One attention step over a position-addressed KV cache, fused: split the fused QKV
+// One attention step over a position-addressed KV cache (optionally a sliding window), fused: split the fused QKV
 // projection, normalize q and k per head where the family does (Qwen3), rotate q and k (NeoX half rotation, full or partial), write k and v at rows
 // [start, start + T) of the fp32 caches, and attend causally (query t sees keys
 // [0, start + t]) with grouped-query heads. For decode and verify blocks (a few rows);
@@ -60,6 +60,7 @@ struct Geometry {
   const float* k_norm;
   float norm_eps;
   bool gated;  // each query head is [q | gate] (Qwen3.5): out = attention * sigmoid(gate)
+  int64_t window = 0;  // > 0: sliding window, a query at p sees keys (p - window, p]
 };
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
@@ -281,8 +282,9 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   const T* src = s.qkv + t * s.width() + h * s.qhead();
   rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
          q);
-  (AVX2 ? attend_row_avx2 : attend_row)(q, s.kc + kvh * g.max_ctx * g.hd, s.vc + kvh * g.max_ctx * g.hd,
-                                        g.start + t + 1, g.hd, g.scale, scores, o);
+  const int64_t n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
+  (AVX2 ? attend_row_avx2 : attend_row)(q, s.kc + (kvh * g.max_ctx + lo) * g.hd, s.vc + (kvh * g.max_ctx + lo) * g.hd,
+                                        n - lo, g.hd, g.scale, scores, o);
   T* dst = s.out + t * s.odim() + h * g.hd;
   if (g.gated) {
     for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[g.hd + i])));
@@ -324,9 +326,10 @@ bool avx2() {
 at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
                           double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
-                          const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated) {
+                          const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated, int64_t window) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
+  TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == 1 && k_cache.size(1) == nkv &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -342,7 +345,7 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   }
   Geometry g{qkv_in.size(1), nh, nkv, k_cache.size(3), cos_in.size(-1), start, k_cache.size(2),
              static_cast<float>(scale), qn.defined() ? qn.data_ptr<float>() : nullptr,
-             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps), gated};
+             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps), gated, window};
   TORCH_CHECK(g.hd % 8 == 0 && g.rot % 2 == 0 && g.rot <= g.hd, "dflash::attention_step: head_dim must be a "
               "multiple of 8 and the rotary width even and at most head_dim");
   TORCH_CHECK(qkv_in.size(2) == ((gated ? 2 : 1) * nh + 2 * nkv) * g.hd,
@@ -380,9 +383,10 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions,
                           int64_t nh, int64_t nkv, double scale, bool portable,
                           const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                          double norm_eps, bool gated) {
+                          double norm_eps, bool gated, int64_t window) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
+  TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
   TORCH_CHECK(k_bank.scalar_type() == at::kFloat && v_bank.scalar_type() == at::kFloat && k_bank.dim() == 4 &&
                   k_bank.sizes() == v_bank.sizes() && k_bank.size(1) == nkv && k_bank.is_contiguous() &&
                   v_bank.is_contiguous(),
@@ -428,7 +432,7 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     for (int64_t b = 0; b < B; ++b) {
       Geometry g{1, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
                  qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
-                 static_cast<float>(norm_eps), gated};
+                 static_cast<float>(norm_eps), gated, window};
       steps.push_back(Step<CT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
     }
@@ -458,24 +462,24 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                              double norm_eps, bool gated) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated);
+                        gated, 0);
 }
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                              const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated) {
   return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
-                        norm_eps, gated);
+                        norm_eps, gated, 0);
 }
 }  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float norm_eps=1e-6, bool gated=False) -> Tensor");
+        "float norm_eps=1e-6, bool gated=False, int window=0) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
-        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False) -> Tensor");
+        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
