@@ -224,3 +224,21 @@ def test_chat_template_file_overrides_the_model_template(srv):
         assert r.json()["choices"][0]["message"]["content"] == SCRIPTS["answer"]
     finally:
         other.stop()
+
+
+def test_one_log_line_per_request(srv, oa, an, caplog):
+    """Each finished request logs one info line (endpoint, prompt and cached tokens, TTFT,
+    output tokens and speed, finish reason); a failed one logs its reason."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dflash_server.requests"):
+        chat(oa, "answer")
+        an.messages.create(model="scripted", max_tokens=50, messages=[{"role": "user", "content": ask("answer")}])
+        with pytest.raises(openai.APIError):
+            chat(oa, "fail_early")
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash_server.requests"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("chat: ") and "prompt tokens" in lines[0] and "ttft" in lines[0] \
+        and "finish stop" in lines[0], lines[0]
+    assert lines[1].startswith("messages: ") and "tok/s" in lines[1], lines[1]
+    assert lines[2].startswith("chat failed after") and "Error: " in lines[2], lines[2]

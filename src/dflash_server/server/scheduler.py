@@ -236,6 +236,7 @@ class Scheduler:
             self._durations.append(time.monotonic() - job.t_start)
             if self.hooks:
                 self.hooks.finished(job, result)
+        log_request(job, result)
         job._put(result)
 
     def _failed(self, job: Job, e: BaseException) -> None:
@@ -245,4 +246,28 @@ class Scheduler:
             log.error("generation failed", exc_info=e)
         if self.hooks:
             self.hooks.failed(job)
+        log_request(job, None, e)
         job._put(e)
+
+
+request_log = logging.getLogger("dflash_server.requests")
+
+
+def log_request(job: Job, result: GenerationResult | None, error: BaseException | None = None) -> None:
+    """One info line per finished request (llama-server's and Flyweight's habit): endpoint,
+    prompt tokens and the cached share, time to first token, output tokens and speed,
+    DFlash acceptance length, finish reason; or the failure's reason."""
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    what = job.label or "generate"
+    if result is None:
+        reason = f"{type(error).__name__}: {error}" if error is not None else "unknown"
+        request_log.info("%s failed after %.2f s: %s", what, time.monotonic() - job.t_submit, reason[:300])
+        return
+    prompt, cached = result.prompt_tokens, result.cached_tokens
+    ttft = f"{job.t_first - job.t_submit:.3f} s" if job.t_first is not None else "-"
+    spec = result.extra.get("spec") if result.extra else None
+    tau = f", acceptance {spec['acceptance_length']:.2f}" if spec and spec.get("steps") else ""
+    request_log.info("%s: %d prompt tokens (%d cached, %.0f%%), ttft %s, %d tokens in %.2f s (%.1f tok/s)%s, "
+                     "finish %s", what, prompt, cached, 100.0 * cached / prompt if prompt else 0.0, ttft,
+                     len(result.token_ids), result.decode_s, result.decode_tokens_per_s, tau, result.finish_reason)
