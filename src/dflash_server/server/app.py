@@ -89,6 +89,14 @@ def create_app(state, on_shutdown=None):
     async def responses(request: Request):
         return await protocol_responses.handle(state, request)
 
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return await protocol_responses.get(state, response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await protocol_responses.delete(state, response_id)
+
     @api.post("/v1/messages")
     async def messages(request: Request):
         return await protocol_anthropic.handle(state, request)
@@ -173,6 +181,6 @@ def create_app(state, on_shutdown=None):
 
     asgi = Gate(api, state)
     if state.config.cors_origins:
-        asgi = CORSMiddleware(asgi, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
+        asgi = CORSMiddleware(asgi, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST", "DELETE"],
                               allow_headers=["*"], max_age=600)
     return asgi

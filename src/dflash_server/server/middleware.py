@@ -41,8 +41,10 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        route = path if path in ROUTES or path.startswith("/v1/models/") else "other"
-        route = "/v1/models/{id}" if route.startswith("/v1/models/") else route
+        route = path if path in ROUTES else "other"
+        for prefix in ("/v1/models/", "/v1/responses/"):
+            if path.startswith(prefix) and len(path) > len(prefix):
+                route = prefix + "{id}"
         status = {"code": 500, "started": False}
 
         async def send_wrapped(message):

@@ -1,4 +1,5 @@
-"""OpenAI Responses: POST /v1/responses (JSON and SSE), stateless."""
+"""OpenAI Responses: POST /v1/responses (JSON and SSE), with a store of recent responses
+(``previous_response_id``, ``GET`` / ``DELETE /v1/responses/{id}``: ``response_store``)."""
 from __future__ import annotations
 
 import secrets
@@ -8,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from . import sse
-from .errors import error_body
+from .errors import APIError, error_body
 from .generation import GenOptions, Run, stream_failure
 from .output_parser import Delta
 from .logprobs import chat_entries
@@ -39,7 +40,8 @@ class _Response:
                "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": self.tool_choice,
                "tools": self.tools, "temperature": b.temperature, "top_p": b.top_p,
                "reasoning": b.reasoning.model_dump() if b.reasoning else None,
-               "text": {"format": {"type": "text"}}, "metadata": b.metadata or {}, "usage": None}
+               "text": {"format": {"type": "text"}}, "metadata": b.metadata or {}, "usage": None,
+               "previous_response_id": b.previous_response_id, "store": b.store is not False}
         if run is not None and run.result is not None:
             res = run.result
             out["usage"] = {"input_tokens": res.prompt_tokens,
@@ -72,10 +74,40 @@ def call_item(item_id: str, call, status: str = "completed") -> dict:
             "arguments": call.arguments if status == "completed" else "", "status": status}
 
 
+def _not_found(rid: str, param: str | None = None) -> APIError:
+    what = "Previous response" if param else "Response"
+    return APIError(404, f"{what} with id {rid[:256]!r} not found", param=param, code="not_found")
+
+
+def _remember(app, body: ResponsesRequest, resp: _Response, obj: dict, conversation: list[dict]) -> None:
+    """Keep a finished response (unless ``store: false``) with the conversation it closes."""
+    if body.store is not False:
+        app.responses.put(resp.id, obj, conversation + resp.output)
+
+
+async def get(app, rid: str) -> dict:
+    got = app.responses.get(rid)
+    if got is None:
+        raise _not_found(rid)
+    return got[0]
+
+
+async def delete(app, rid: str) -> dict:
+    if not app.responses.delete(rid):
+        raise _not_found(rid)
+    return {"id": rid, "object": "response.deleted", "deleted": True}
+
+
 async def handle(app, request: Request):
     body = await app.parse(request, ResponsesRequest)
     app.check_model(body.model)
     body.check_supported()
+    if body.previous_response_id:
+        earlier = app.responses.get(body.previous_response_id)
+        if earlier is None:
+            raise _not_found(body.previous_response_id, "previous_response_id")
+        body.continue_from(earlier[1])
+    conversation = body.input_items()  # what a later turn replays (instructions are not carried over)
     tools, thinking = body.toolset(), body.thinking()
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.output_limit, sampling=body.sampling(app.sampling_defaults),
@@ -84,7 +116,7 @@ async def handle(app, request: Request):
     runs = app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:
-        return await sse.start_stream(request, runs, _stream(app, runs[0], resp))
+        return await sse.start_stream(request, runs, _stream(app, runs[0], resp, body, conversation))
     lps = (await sse.collect(request, runs))[0]
     run = runs[0]
     entries = chat_entries(lps, app.token_texts) if body.top_logprobs is not None else None
@@ -96,10 +128,12 @@ async def handle(app, request: Request):
             entries = None  # all of them on the first message
         else:
             resp.output.append(call_item(_id("fc"), b.call))
-    return JSONResponse(resp.obj(_status(run), run))
+    obj = resp.obj(_status(run), run)
+    _remember(app, body, resp, obj, conversation)
+    return JSONResponse(obj)
 
 
-async def _stream(app, run: Run, resp: _Response):
+async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conversation: list[dict]):
     seq = 0
 
     def ev(kind: str, **fields) -> bytes:
@@ -171,8 +205,9 @@ async def _stream(app, run: Run, resp: _Response):
             yield open_("message")
         yield close()
         status = _status(run)
-        yield ev("response.completed" if status == "completed" else "response.incomplete",
-                 response=resp.obj(status, run))
+        obj = resp.obj(status, run)
+        _remember(app, body, resp, obj, conversation)
+        yield ev("response.completed" if status == "completed" else "response.incomplete", response=obj)
     except Exception as e:  # noqa: BLE001 - every failure becomes an error event
         e = stream_failure(app, e, "responses")
         err = error_body(e, anthropic=False)["error"]

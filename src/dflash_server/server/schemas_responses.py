@@ -1,7 +1,7 @@
 """OpenAI Responses request model and the conversion of its input items to messages.
 
-Stateless: ``previous_response_id`` / ``conversation`` are refused (the client sends the
-whole input each turn, as Codex does with ``store: false``).
+``previous_response_id`` continues a stored response (``response_store``); the
+``conversation`` object (OpenAI's server-side conversations) is refused.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class ResponsesRequest(SamplingFields):
     reasoning: ReasoningIn | None = None
     text: TextIn | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, max_length=256)
     conversation: Any = None
     chat_template_kwargs: Json | None = None
     store: bool | None = None
@@ -88,9 +88,11 @@ class ResponsesRequest(SamplingFields):
         return given.pop() if given else None
 
     def check_supported(self) -> None:
-        if self.previous_response_id or self.conversation:
-            raise bad_request("previous_response_id / conversation are not supported: this server keeps no "
-                              "state; send the full input", "previous_response_id")
+        if self.conversation:
+            raise bad_request("conversation is not supported: continue a response with previous_response_id, "
+                              "or send the full input", "conversation")
+        if self.previous_response_id is not None and not self.previous_response_id:
+            raise bad_request("previous_response_id is empty", "previous_response_id")
         if self.text and self.text.format and self.text.format.type != "text":
             raise bad_request(f"text.format {self.text.format.type!r} is not supported", "text.format")
 
@@ -116,6 +118,16 @@ class ResponsesRequest(SamplingFields):
                                 self.parallel_tool_calls is not False)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
+
+    def input_items(self) -> list[dict]:
+        """The input as item dicts (a string input is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [it.model_dump(exclude_none=True) for it in self.input]
+
+    def continue_from(self, earlier: list[dict]) -> None:
+        """Prepend a stored conversation's items to this request's input."""
+        self.input = [Item.model_validate(d, strict=False) for d in earlier + self.input_items()]
 
     def hf_messages(self) -> list[dict]:
         out: list[dict] = []

@@ -15,6 +15,7 @@ from .logprobs import TokenTexts
 from .metrics import Metrics
 from .prompt import Prompt, PromptBuilder
 from .reasoning import Thinking, think_tokens
+from .response_store import ResponseStore
 from .scheduler import Scheduler
 
 log = logging.getLogger("dflash_server")
@@ -32,6 +33,7 @@ class ServerState:
         self.engine = None
         self.scheduler: Scheduler | None = None
         self.service: Service | None = None
+        self.responses = ResponseStore()
         self._closed = False
 
     # --- lifecycle ---------------------------------------------------------------------
