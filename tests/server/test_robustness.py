@@ -71,7 +71,9 @@ def test_auth(srv):
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 50}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 50, "logprobs": true}',
-    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+    b'"json_schema": {"name": "x", "schema": {"type": "nope"}}}}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
     b'"function": {"name": "bad name <>"}}]}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',

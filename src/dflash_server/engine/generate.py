@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..runtime.kv_pool import merge_stats
 from .batching import StepScheduler
+from .grammar import GrammarCompiler
 from .output import TokenEvent
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -42,6 +43,7 @@ class GenerationRequest:
     think_end_id: int | None = None
     think_close_ids: tuple[int, ...] = ()
     cache_scope: str | None = None      # prefix cache: "off" | "memory" | "full" | None (default)
+    grammar: str | None = None          # llguidance grammar (engine.grammar): the output must match it
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -54,6 +56,8 @@ class GenerationRequest:
             raise ValueError(f"cache scope must be off, memory or full, got {self.cache_scope!r}")
         if self.think_budget is not None and (self.think_budget < 0 or not self.think_close_ids):
             raise ValueError("think_budget needs a non-negative budget and think_close_ids")
+        if self.grammar is not None and (self.think_budget is not None or self.think_open):
+            raise ValueError("a grammar constrains the whole output: it does not combine with a think block")
 
 
 @dataclass
@@ -107,6 +111,7 @@ class Engine:
         self.proposer = proposer
         self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer, disk_cache)
         self.scheduler = StepScheduler(pipeline.lanes, step_tokens)
+        self.grammars = GrammarCompiler(self.tokenizer, pipeline.config.vocab_size)
         self._next_id = 0
         self.counters = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "step_s": 0.0}
         self.batch_sizes: dict[int, int] = {}  # decode rows per step -> steps
@@ -121,8 +126,9 @@ class Engine:
         pipe = self.pipeline
         if len(req.prompt_ids) >= pipe.max_ctx:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context size is {pipe.max_ctx}")
+        constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
         seq = Sequence(self._next_id, req, self.tokenizer, pipe.config.vocab_size, pipe.device, on_event,
-                       cancelled, tag)
+                       cancelled, tag, constraint)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
@@ -196,7 +202,7 @@ class Engine:
         seq.t_decode = time.monotonic()
         self.scheduler.started(seq)
         seq.on_commit = self._checkpointer(seq)
-        self._after_commit(seq, seq.commit(seq.pre.logits), ended)
+        self._commit(seq, seq.pre.logits, ended)
 
     def _decode(self, rows: list[Sequence], ended: list) -> None:
         """One plain decode step of ``rows``: a single-sequence forward for one row, else
@@ -233,7 +239,7 @@ class Engine:
             if seq.on_commit is not None:
                 self._select(seq)
                 seq.on_commit(seq.pos, row)
-            self._after_commit(seq, seq.commit(row), ended)
+            self._commit(seq, row, ended)
 
     def _speculate(self, seq: Sequence, ended: list) -> None:
         self._select(seq)
@@ -257,6 +263,16 @@ class Engine:
                 self.scheduler.finish(seq)
                 ended.append(seq)
         return ended
+
+    def _commit(self, seq: Sequence, logits, ended: list) -> None:
+        """Choose and record ``seq``'s next token; a failure there (e.g. its grammar's)
+        ends only this sequence."""
+        try:
+            finished = seq.commit(logits)
+        except Exception as e:  # noqa: BLE001
+            self._fail(seq, e, ended)
+            return
+        self._after_commit(seq, finished, ended)
 
     def _after_commit(self, seq: Sequence, finished: bool, ended: list) -> None:
         if finished:

@@ -91,6 +91,11 @@ class OutputBuilder:
         self._emit(ev)
         return self.finish is not None
 
+    def finish_stop(self) -> bool:
+        """End here with "stop" (a grammar that admits nothing more)."""
+        self.finish = self.finish or "stop"
+        return True
+
     def _emit(self, ev: TokenEvent):
         if ev.text:
             self.pieces.append(ev.text)

@@ -20,8 +20,9 @@ WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 class Sequence:
     def __init__(self, seq_id: int, req, tokenizer, vocab_size: int, device,
                  on_event: Callable[[TokenEvent], None] | None = None, cancelled: Callable[[], bool] | None = None,
-                 tag=None):
+                 tag=None, constraint=None):
         self.id, self.req, self.tag = seq_id, req, tag
+        self.constraint = constraint       # engine.grammar.Constraint: masks each token's logits
         self.prompt = list(req.prompt_ids)
         self.sampler = Sampler(req.sampling, vocab_size, device, self.prompt)
         self.out = OutputBuilder(tokenizer, req, on_event)
@@ -60,6 +61,12 @@ class Sequence:
 
     def commit(self, logits) -> bool:
         """Choose and record the token ``logits`` predict (it becomes ``last``). Returns
-        True when the output is finished (a stop, a stop string, max_tokens)."""
+        True when the output is finished (a stop, a stop string, max_tokens, a grammar
+        that admits nothing more)."""
+        c = self.constraint
+        if c is not None:
+            logits = c.mask(logits)
         self.last = self.choose(logits)
-        return self.out.add(self.last, logits)
+        if c is not None:
+            c.consume(self.last)
+        return self.out.add(self.last, logits) or (c is not None and c.stopped and self.out.finish_stop())

@@ -33,6 +33,7 @@ class GenOptions:
     tools: ToolSet | None = None
     parse_output: bool = True               # split <think> / tool calls (chat APIs)
     cache_scope: str | None = None          # prefix cache override: off | memory | full
+    grammar: str | None = None              # llguidance grammar the output must match (response_format)
 
 
 @dataclass
@@ -208,7 +209,7 @@ class Service:
         try:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
                                      stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs,
-                                     cache_scope=opts.cache_scope,
+                                     cache_scope=opts.cache_scope, grammar=opts.grammar,
                                      **budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens))
         except ValueError as e:
             raise bad_request(str(e)) from None

@@ -52,13 +52,15 @@ async def handle(app, request: Request):
     app.check_model(body.model)
     body.check_supported()
     tools = body.toolset()
-    thinking = chat_thinking(body)
+    grammar = await app.check_grammar(body.grammar(), "response_format")
+    # a grammar shapes the whole output: no think block before it
+    thinking = chat_thinking(body) if grammar is None else Thinking(enabled=False)
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.max_completion_tokens or body.max_tokens,
                       sampling=body.sampling(app.sampling_defaults), stop=stop_list(body.stop, 4),
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                       ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope)
+                      cache_scope=body.cache_scope, grammar=grammar)
     runs = app.service.start(prompt, opts, body.n or 1, label="chat")
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     model = body.model or app.config.model_name

@@ -14,6 +14,7 @@ from .generation import GenOptions, Run, stream_failure
 from .output_parser import Delta
 from .logprobs import chat_entries
 from .schemas_common import stop_list
+from .reasoning import Thinking
 from .schemas_responses import ResponsesRequest
 
 
@@ -31,6 +32,8 @@ class _Response:
         self.tools = [t.model_dump(exclude_none=True) for t in body.function_tools()]
         tc = body.tool_choice
         self.tool_choice = tc.model_dump() if hasattr(tc, "model_dump") else (tc or "auto")
+        fmt = body.text.format if body.text and body.text.format else None
+        self.text_format = fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
 
     def obj(self, status: str, run: Run | None = None, output: list | None = None) -> dict:
         b = self.body
@@ -40,7 +43,7 @@ class _Response:
                "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": self.tool_choice,
                "tools": self.tools, "temperature": b.temperature, "top_p": b.top_p,
                "reasoning": b.reasoning.model_dump() if b.reasoning else None,
-               "text": {"format": {"type": "text"}}, "metadata": b.metadata or {}, "usage": None,
+               "text": {"format": self.text_format}, "metadata": b.metadata or {}, "usage": None,
                "previous_response_id": b.previous_response_id, "store": b.store is not False}
         if run is not None and run.result is not None:
             res = run.result
@@ -108,11 +111,13 @@ async def handle(app, request: Request):
             raise _not_found(body.previous_response_id, "previous_response_id")
         body.continue_from(earlier[1])
     conversation = body.input_items()  # what a later turn replays (instructions are not carried over)
-    tools, thinking = body.toolset(), body.thinking()
+    tools = body.toolset()
+    grammar = await app.check_grammar(body.grammar(), "text.format")
+    thinking = body.thinking() if grammar is None else Thinking(enabled=False)  # the grammar shapes it all
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.output_limit, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope)
+                      cache_scope=body.cache_scope, grammar=grammar)
     runs = app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:

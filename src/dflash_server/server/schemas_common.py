@@ -21,6 +21,23 @@ Json = dict[str, Any]
 ToolSchema = Annotated[Json | None, AfterValidator(check_parameters)]  # a function's parameters
 
 
+def output_grammar(kind: str, schema: Json | None, where: str) -> str | None:
+    """The llguidance grammar for an output format: None for ``text``, any JSON object for
+    ``json_object``, the schema for ``json_schema`` (its structure is checked here; whether
+    llguidance can compile it, against the tokenizer, when the request is queued)."""
+    if kind == "text":
+        return None
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise bad_request("json_schema needs a schema (a JSON object)", where)
+    from ..engine.grammar import json_schema_grammar
+
+    try:
+        return json_schema_grammar(schema if kind == "json_schema" else None)
+    except (ValueError, TypeError, RecursionError) as e:  # (nesting deeper than Python's JSON allows)
+        raise bad_request(f"{where}: the schema cannot be used: {type(e).__name__}: {str(e)[:300]}", where) \
+            from None
+
+
 class Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import EFFORTS
-from .schemas_common import (MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
+from .schemas_common import (MAX_TOKENS_LIMIT, output_grammar, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
                              text_of_parts)
 from .tools import ToolSet, make_toolset
 
@@ -60,8 +60,20 @@ class StreamOptions(Model):
     include_usage: bool | None = None
 
 
+class JsonSchemaSpec(Model):
+    name: str | None = Field(None, max_length=256)
+    description: str | None = None
+    schema_: Json | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Model):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    def grammar(self, where: str = "response_format") -> str | None:
+        """The llguidance grammar the output must match (None: free text)."""
+        return output_grammar(self.type, self.json_schema.schema_ if self.json_schema else None, where)
 
 
 class ChatRequest(SamplingFields):
@@ -86,12 +98,16 @@ class ChatRequest(SamplingFields):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not supported", "response_format")
+        if self.grammar() is not None and self.tools and self.tool_choice != "none":
+            raise bad_request("response_format json_object / json_schema does not combine with tools yet",
+                              "response_format")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+
+    def grammar(self) -> str | None:
+        return self.response_format.grammar() if self.response_format is not None else None
 
     def toolset(self) -> ToolSet | None:
         if not self.tools:

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import EFFORTS, Thinking
-from .schemas_common import (MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
+from .schemas_common import (MAX_TOKENS_LIMIT, Json, Model, output_grammar, SamplingFields, StopString, ToolName, ToolSchema,
                              text_of_parts)
 from .tools import ToolSet, make_toolset
 
@@ -50,6 +50,10 @@ class ReasoningIn(Model):
 
 class TextFormat(Model):
     type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=256)
+    description: str | None = None
+    schema_: Json | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextIn(Model):
@@ -93,8 +97,12 @@ class ResponsesRequest(SamplingFields):
                               "or send the full input", "conversation")
         if self.previous_response_id is not None and not self.previous_response_id:
             raise bad_request("previous_response_id is empty", "previous_response_id")
-        if self.text and self.text.format and self.text.format.type != "text":
-            raise bad_request(f"text.format {self.text.format.type!r} is not supported", "text.format")
+        if self.grammar() is not None and self.function_tools() and self.tool_choice != "none":
+            raise bad_request("text.format json_object / json_schema does not combine with tools yet", "text.format")
+
+    def grammar(self) -> str | None:
+        f = self.text.format if self.text else None
+        return output_grammar(f.type, f.schema_, "text.format") if f is not None else None
 
     def thinking(self) -> Thinking:
         t = Thinking.from_effort(self.reasoning.effort if self.reasoning else None)

@@ -55,6 +55,20 @@ class ServerState:
         self.service = Service(self.config, tok, self.scheduler, self.prompts, self.think, max_ctx)
         self.status = "ready"
 
+    async def check_grammar(self, grammar: str | None, param: str) -> str | None:
+        """``grammar`` once the engine can use it (compiled against its tokenizer off the
+        event loop: a schema may take milliseconds); a 400 naming ``param`` otherwise."""
+        if grammar is None:
+            return None
+        compiler = getattr(self.engine, "grammars", None)
+        if compiler is None:
+            raise APIError(400, "this engine cannot constrain its output", param=param)
+        try:
+            await to_thread.run_sync(compiler.check, grammar)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {str(e)[:500]}", param=param) from None
+        return grammar
+
     def fail(self, message: str) -> None:
         self.status, self.error = "failed", message
 

@@ -1,0 +1,106 @@
+"""Grammar-constrained decoding with llguidance: a token mask per sequence.
+
+A request may carry a grammar (llguidance's JSON form: a JSON schema, a Lark grammar or a
+regex; ``json_schema_grammar`` builds the first). Its sequence gets a ``Constraint``: before
+each token is chosen, the tokens the grammar cannot take next are masked out of the logits
+(llguidance computes the mask in ~25 us for a 49k vocabulary); the chosen token then
+advances the grammar. Every token of a sequence goes through ``Sequence.commit`` in order,
+plain, batched or speculative, so under DFlash a drafted token the grammar forbids is never
+the target's choice (a rejection) and the grammar only ever consumes committed tokens:
+nothing to roll back, and output with a draft equals output without.
+
+llguidance (MIT, Microsoft's guidance project) was chosen over xgrammar for its footprint:
+one 3 MB wheel with no dependencies (xgrammar pulls transformers, triton and more), a
+mask in tens of microseconds on CPU, and JSON schema, Lark and regex grammars.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+
+def json_schema_grammar(schema: dict | None) -> str:
+    """A grammar for JSON output: any object when ``schema`` is None (``json_object``).
+    Whitespace between tokens is fixed (``, `` and ``: ``), not free: a free-whitespace
+    grammar lets a weak model spend its whole budget on blank lines inside the object."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(schema if schema is not None else {"type": "object"},
+                                                         defaults={"whitespace_flexible": False})
+
+
+class GrammarCompiler:
+    """The tokenizer as llguidance sees it (built once, on the first constrained request:
+    ~0.4 s for a 49k vocabulary) and grammar checks against it. Thread-safe."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll = None
+        self._lock = threading.Lock()
+
+    @property
+    def ll_tokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+
+                self._ll = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab_size,
+                                                  eos_token=list(self.tokenizer.eos_token_ids))
+            return self._ll
+
+    def check(self, grammar: str) -> None:
+        """Raise ValueError with llguidance's message when ``grammar`` is not usable."""
+        import llguidance
+
+        try:
+            json.loads(grammar)
+        except (ValueError, RecursionError):
+            raise ValueError("grammar: not JSON (or nested too deeply)") from None
+        err = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if err:
+            raise ValueError(f"grammar: {err[:500]}")
+
+    def constraint(self, grammar: str) -> "Constraint":
+        return Constraint(self.ll_tokenizer, grammar, self.vocab_size)
+
+
+def _limits():
+    """Work bounds per grammar: llguidance's defaults let a pathological pattern (e.g.
+    ``(a+)+$``) take 3 s to start and 16 ms a token on the engine's thread; with these it
+    takes 1.4 ms and 0.2 ms, ordinary schemas are unaffected, and a grammar that needs more
+    fails its own request with llguidance's message."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=200_000, step_lexer_fuel=50_000, max_lexer_states=50_000)
+
+
+class Constraint:
+    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int):
+        import llguidance
+        import llguidance.torch as lt
+
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, limits=_limits())
+        if self.matcher.is_error():
+            raise ValueError(f"grammar: {self.matcher.get_error()[:500]}")
+        self._fill, self._apply = lt.fill_next_token_bitmask, lt.apply_token_bitmask_inplace
+        self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """(V,) logits with every token the grammar cannot take next at -inf (a copy)."""
+        self._fill(self.matcher, self.bitmask, 0)
+        if self.matcher.is_error():
+            raise ValueError(f"grammar: {self.matcher.get_error()[:300]}")
+        out = logits.float().cpu().clone().unsqueeze(0)
+        self._apply(out, self.bitmask)
+        return out[0].to(logits.device)
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"grammar: token {token} was not allowed ({self.matcher.get_error()[:300]})")
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar admits nothing more (the output is complete)."""
+        return self.matcher.is_stopped()

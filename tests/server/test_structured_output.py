@@ -1,0 +1,129 @@
+"""Structured output over HTTP with the official client: ``response_format`` json_object /
+json_schema (chat, also through the SDK's ``parse`` helper with a pydantic model) and
+Responses ``text.format``; outputs validate against their schema; stream == non-stream;
+unusable schemas are 400s."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from .conftest import start_tiny
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "unit"],
+          "properties": {"city": {"type": "string", "maxLength": 10},
+                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                         "unit": {"enum": ["C", "F"]}}}
+MSG = [{"role": "user", "content": "Weather for Paris as JSON."}]
+
+
+class Forecast(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=10)
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_dir):
+    s = start_tiny(tiny_dir, "llama")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def oa(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+
+def _fmt(schema=SCHEMA):
+    return {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema, "strict": True}}
+
+
+def test_chat_json_schema_greedy_sampled_and_streamed(oa):
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        r = oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=60, response_format=_fmt(), **kw)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    whole = oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=60, temperature=0,
+                                       response_format=_fmt()).choices[0].message.content
+    parts = oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=60, temperature=0,
+                                       response_format=_fmt(), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == whole
+
+
+def test_sdk_parse_helper_and_json_object(oa):
+    r = oa.chat.completions.parse(model="tiny", messages=MSG, max_tokens=60, temperature=0, response_format=Forecast)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Forecast) and 1 <= parsed.days <= 7
+    r = oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=80, temperature=0,
+                                   response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # a random tiny model may write one endless key: still JSON's beginning
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_responses_text_format(oa):
+    fmt = {"type": "json_schema", "name": "forecast", "schema": SCHEMA, "strict": True}
+    r = oa.responses.create(model="tiny", input="Weather for Paris as JSON.", max_output_tokens=60, temperature=0,
+                            text={"format": fmt})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    assert r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": "nope"}}}),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}),
+    ("/v1/chat/completions", {"response_format": _fmt(), "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]}),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "schema": {"type": "object", "minProperties": "x"}}}}),
+])
+def test_unusable_formats_are_400(srv, path, body):
+    base = {"model": "tiny", "max_tokens": 5}
+    base.update({"messages": MSG} if path.endswith("completions") else {"input": "hi"})
+    r = httpx.post(srv.url + path, json={**base, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+class _Raw(str):
+    """A schema already written as JSON text (deeper than Python's encoder goes)."""
+
+
+def _deep(n, raw=False):
+    if raw:
+        return _Raw('{"type":"object","properties":{"a":' * n + '{"type":"integer"}' + '},"required":["a"]}' * n)
+    s = {"type": "integer"}
+    for _ in range(n):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
+@pytest.mark.parametrize("schema, ok", [
+    (_deep(200), False),                                              # llguidance's recursion limit
+    (_deep(5000, raw=True), False),                                   # deeper than a JSON parser likes
+    ({"enum": [f"v{i}" for i in range(100_000)]}, False),             # a lexer too big
+    ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}}, None),  # a reference loop
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "(a+)+$"}}, "required": ["s"]}, True),
+])
+def test_hostile_schemas_are_bounded(srv, schema, ok):
+    """A schema the grammar engine cannot take is a 400, never a 500 or a hang; one it can
+    take (even a catastrophic-backtracking pattern) is served within the engine's work
+    bounds, and the server serves the next request."""
+    if isinstance(schema, _Raw):
+        body = ('{"model": "tiny", "max_tokens": 8, "messages": ' + json.dumps(MSG) + ', "response_format": '
+                '{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + schema + '}}}')
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, content=body,
+                       headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": MSG, "max_tokens": 8, "response_format": _fmt(schema)})
+    assert r.status_code in ((200,) if ok else (400,) if ok is False else (200, 400)), r.text
+    assert r.status_code == 400 or r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
