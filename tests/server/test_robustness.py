@@ -98,7 +98,8 @@ def test_other_endpoints_validate(srv):
     assert post(srv, "/v1/completions", {"model": "tiny", "prompt": [10**9]}).status_code == 400
     assert post(srv, "/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}).status_code == 400
     assert post(srv, "/v1/responses", {"model": "tiny", "input": 5}).status_code == 400
-    assert post(srv, "/v1/responses", {"model": "tiny", "input": "x", "previous_response_id": "r"}).status_code == 400
+    assert post(srv, "/v1/responses", {"model": "tiny", "input": "x", "previous_response_id": "r"}).status_code == 404
+    assert post(srv, "/v1/responses", {"model": "tiny", "input": "x", "conversation": "c"}).status_code == 400
     assert post(srv, "/detokenize", {"tokens": [-1]}).status_code == 400
     assert post(srv, "/tokenize", {"content": 5}).status_code == 400
     r = post(srv, "/v1/messages", {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],

@@ -47,9 +47,26 @@ class GrammarCompiler:
             if self._ll is None:
                 import llguidance
 
-                self._ll = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab_size,
-                                                  eos_token=list(self.tokenizer.eos_token_ids))
+                ll = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab_size,
+                                            eos_token=list(self.tokenizer.eos_token_ids))
+                # tokens llguidance holds as special (added ones such as Qwen's </tool_call>,
+                # EOS aside): a grammar must name them as tokens (``lark_text``)
+                eos = set(ll.eos_tokens)
+                self.special = torch.tensor([ll.is_special_token(t) and t not in eos
+                                             for t in range(ll.vocab_size)] +
+                                            [False] * max(0, self.vocab_size - ll.vocab_size))[:self.vocab_size]
+                self._ll = ll
             return self._ll
+
+    def lark_text(self, text: str) -> str:
+        """``text`` as a Lark terminal: the token when this vocabulary has it as one token
+        llguidance holds special (Qwen's ``<tool_call>``: its mask and its parser disagree
+        about such a token spelled out as a string), else the quoted string."""
+        tid = self.tokenizer.tok.token_to_id(text)
+        _ = self.ll_tokenizer  # (builds ``special``)
+        if tid is not None and tid < len(self.special) and bool(self.special[tid]):
+            return f"<[{tid}]>"
+        return json.dumps(text)
 
     def check(self, grammar: str) -> None:
         """Raise ValueError with llguidance's message when ``grammar`` is not usable."""

@@ -17,7 +17,7 @@ from .output_parser import Delta, OutputParser
 from .prompt import Prompt
 from .reasoning import Thinking, budget_fields
 from .scheduler import QueueFull, ShuttingDown
-from .tools import ToolSet
+from .tools import ToolSet, tool_grammar
 
 log = logging.getLogger("dflash_server")
 
@@ -203,13 +203,21 @@ class Service:
                               "max_tokens")
         else:
             max_tokens = opts.max_tokens
+        grammar = opts.grammar
+        if grammar is None and opts.tools is not None:  # tool_choice required / named: the call's shape
+            compiler = getattr(self.scheduler.engine, "grammars", None)
+            try:
+                grammar = None if compiler is None else tool_grammar(opts.tools, self.prompts.tool_format,
+                                                                       compiler.lark_text)
+            except ValueError as e:
+                raise bad_request(f"tools: a parameters schema cannot be enforced: {str(e)[:300]}", "tools") from None
         sampling = opts.sampling
         if seed_offset and sampling.seed is not None:
             sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + seed_offset) % 2**63})
         try:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
                                      stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs,
-                                     cache_scope=opts.cache_scope, grammar=opts.grammar,
+                                     cache_scope=opts.cache_scope, grammar=grammar,
                                      **budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens))
         except ValueError as e:
             raise bad_request(str(e)) from None
