@@ -17,7 +17,8 @@ from .output_parser import Delta, OutputParser
 from .prompt import Prompt
 from .reasoning import Thinking, budget_fields
 from .scheduler import QueueFull, ShuttingDown
-from .tools import ToolSet, tool_grammar
+from .tool_grammar import tool_grammar
+from .tools import ToolSet
 
 log = logging.getLogger("dflash_server")
 

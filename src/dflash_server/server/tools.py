@@ -209,32 +209,3 @@ def forced_prefix(tools: ToolSet, fmt: str) -> str:
         return f"<tool_call>\n<function={tools.forced_name}>\n"
     return '<tool_call>\n{"name": ' + json.dumps(tools.forced_name) + ', "arguments": '
 
-
-def tool_grammar(tools: ToolSet | None, fmt: str, term=json.dumps) -> str | None:
-    """A grammar that makes the output after ``forced_prefix`` a well-formed call (tool_choice
-    required / named, JSON format): the named function's arguments, or one or more calls to
-    declared functions with arguments that match their schemas, each closed by
-    ``</tool_call>``. None when nothing is forced or the format is XML (not yet: the model
-    and the parser stay in charge there)."""
-    if tools is None or not tools.active or tools.choice not in ("required", "function") or fmt != "json":
-        return None
-    import llguidance
-
-    def params(name: str) -> dict:
-        p = tools.names[name]
-        return p if isinstance(p, dict) and p else {"type": "object"}
-
-    def fixed(schema: dict) -> str:  # JSON whitespace as in json_schema_grammar: fixed, not free
-        return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
-    end, begin = term("</tool_call>"), term("<tool_call>")  # ``term``: a Lark terminal for a text
-    if tools.forced_name is not None:  # the prompt ends with '{"name": "f", "arguments": '
-        lark = f'start: %json {fixed(params(tools.forced_name))} "}}\\n" {end}\n'
-    else:                              # the prompt ends with '<tool_call>\n'
-        alts = []
-        for name in tools.names:
-            call = {"type": "object", "properties": {"name": {"const": name}, "arguments": params(name)},
-                    "required": ["name", "arguments"], "additionalProperties": False}
-            alts.append(f"%json {fixed(call)}")
-        lark = (f'start: call ("\\n" {begin} "\\n" call)*\n'
-                f'call: ({" | ".join(alts)}) "\\n" {end}\n')
-    return llguidance.LLMatcher.grammar_from_lark(lark)

@@ -1,0 +1,104 @@
+"""Grammars that make a forced tool call well formed (tool_choice ``required`` or a named
+function), for the two call formats ``tools`` parses, as Lark for llguidance:
+
+- JSON (Hermes / Qwen3): ``{"name": ..., "arguments": {...}}`` with the arguments matching the
+  function's parameter schema (llguidance's ``%json``);
+- XML (Qwen3.5): ``<function=f>`` then one ``<parameter=p>`` block per parameter, in the
+  order the schema declares them (required ones always present), each value shaped by its
+  type (string, integer, number, boolean, null, an enum of strings; objects and arrays as
+  JSON), then ``</function>``.
+
+Each call ends with ``</tool_call>``; with parallel calls allowed more may follow. The
+grammar starts where ``tools.forced_prefix`` leaves the prompt. ``term`` writes a text as a
+Lark terminal (a special single token of the vocabulary must be named as that token).
+"""
+from __future__ import annotations
+
+import json
+
+from .tools import ToolSet
+
+# an XML parameter value and its closing tag in one terminal (no ambiguity about where a
+# string ends: it cannot contain "</")
+_CLOSE = r"\n<\/parameter>\n"
+_XML_VALUES = {
+    "string": r"([^<]|<[^\/])*",
+    "integer": r"-?(0|[1-9][0-9]{0,17})",
+    "number": r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?",
+    "boolean": r"(true|false)",
+    "null": r"null",
+}
+
+
+def tool_grammar(tools: ToolSet | None, fmt: str, term=json.dumps) -> str | None:
+    """The llguidance grammar for the rest of a forced call; None when nothing is forced."""
+    if tools is None or not tools.active or tools.choice not in ("required", "function"):
+        return None
+    import llguidance
+
+    end, begin = term("</tool_call>"), term("<tool_call>")
+    lark = _json_lark(tools, end, begin) if fmt == "json" else _xml_lark(tools, end, begin)
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _params(tools: ToolSet, name: str) -> dict:
+    p = tools.names[name]
+    return p if isinstance(p, dict) and p else {"type": "object"}
+
+
+def _fixed(schema: dict) -> str:
+    """A schema for ``%json`` with fixed whitespace (as ``json_schema_grammar``)."""
+    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+
+
+def _json_lark(tools: ToolSet, end: str, begin: str) -> str:
+    if tools.forced_name is not None:  # the prompt ends with '{"name": "f", "arguments": '
+        return f'start: %json {_fixed(_params(tools, tools.forced_name))} "}}\\n" {end}\n'
+    alts = []                          # the prompt ends with '<tool_call>\n'
+    for name in tools.names:
+        call = {"type": "object", "properties": {"name": {"const": name}, "arguments": _params(tools, name)},
+                "required": ["name", "arguments"], "additionalProperties": False}
+        alts.append(f"%json {_fixed(call)}")
+    return f'start: call ("\\n" {begin} "\\n" call)*\ncall: ({" | ".join(alts)}) "\\n" {end}\n'
+
+
+def _xml_value(schema) -> str:
+    """A Lark expression for a parameter's value followed by its closing tag."""
+    close = f"/{_CLOSE}/"
+    if not isinstance(schema, dict):
+        schema = {}
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and "<" not in v for v in enum):
+        return "(" + " | ".join(json.dumps(v) for v in enum) + f") {close}"
+    t = schema.get("type")
+    types = [t] if isinstance(t, str) else ([x for x in t if isinstance(x, str)] if isinstance(t, list) else [])
+    if types and all(x in _XML_VALUES for x in types):
+        return "(" + " | ".join(f"/{_XML_VALUES[x]}{_CLOSE}/" for x in types) + ")"
+    return f"%json {_fixed(schema)} {close}"  # objects, arrays, anything else: JSON
+
+
+def _xml_function(tools: ToolSet, name: str, rule: str, out: list[str]) -> str:
+    """Rules for the parameters of ``name``; returns the expression of its parameter list."""
+    params = _params(tools, name)
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = set(params.get("required") or [])
+    parts = []
+    for i, (key, schema) in enumerate(props.items()):
+        r = f"{rule}_p{i}"
+        out.append(f"{r}: {json.dumps(f'<parameter={key}>' + chr(10))} {_xml_value(schema)}")
+        parts.append(r if key in required else f"{r}?")
+    return " ".join(parts)
+
+
+def _xml_lark(tools: ToolSet, end: str, begin: str) -> str:
+    rules: list[str] = []
+    close = f'"</function>\\n" {end}'
+    if tools.forced_name is not None:  # the prompt ends with '<tool_call>\n<function=f>\n'
+        body = _xml_function(tools, tools.forced_name, "f0", rules)
+        return "\n".join([f"start: {body} {close}"] + rules) + "\n"
+    alts = []                          # the prompt ends with '<tool_call>\n'
+    for i, name in enumerate(tools.names):
+        body = _xml_function(tools, name, f"f{i}", rules)
+        alts.append(f'{json.dumps(f"<function={name}>" + chr(10))} {body} {close}')
+    head = f'start: call ("\\n" {begin} "\\n" call)*\ncall: ' + " | ".join(f"({a})" for a in alts)
+    return "\n".join([head] + rules) + "\n"
