@@ -174,3 +174,28 @@ def test_forced_tool_calls_always_parse(tool_model, choice, parallel):
                 assert c.function.name == "get_time"
             schema = schemas[c.function.name]
             jsonschema.validate(json.loads(c.function.arguments), schema if family == "qwen3" else _types_only(schema))
+
+
+def test_anthropic_output_format_and_forced_tools(tool_model, tiny_dir):
+    """The official Anthropic client: ``output_config.format`` json_schema, and tool_choice
+    ``any`` / ``tool`` (enforced as required / named)."""
+    import anthropic
+
+    client, family = tool_model
+    an = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x", max_retries=0)
+    r = an.messages.create(model="tiny", max_tokens=60, messages=MSG,
+                           output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(r.content[0].text), SCHEMA)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)]
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}):
+        r = an.messages.create(model="tiny", max_tokens=160, messages=MSG, tools=tools,
+                               tool_choice=choice)
+        uses = [b for b in r.content if b.type == "tool_use"]
+        assert uses, r.content
+        for u in uses:
+            assert choice["type"] == "any" or u.name == "get_time"
+            schema = {t["name"]: t["input_schema"] for t in tools}[u.name]
+            jsonschema.validate(u.input, schema if family == "qwen3" else _types_only(schema))
+    with pytest.raises(anthropic.BadRequestError):
+        an.messages.create(model="tiny", max_tokens=5, messages=MSG,
+                           output_config={"format": {"type": "json_schema", "schema": {"type": "bogus"}}})

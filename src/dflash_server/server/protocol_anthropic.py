@@ -8,6 +8,7 @@ from starlette.responses import JSONResponse
 
 from . import sse
 from .errors import error_body
+from .reasoning import Thinking
 from .generation import GenOptions, Run, stream_failure
 from .schemas_anthropic import CountTokensRequest, MessagesRequest
 from .schemas_common import SamplingFields, stop_list
@@ -45,12 +46,14 @@ async def handle(app, request: Request):
     body = await app.parse(request, MessagesRequest)
     app.check_model(body.model)
     tools = body.toolset()
-    thinking = body.thinking_mode(body.max_tokens)
+    grammar = await app.check_grammar(body.grammar(), "output_config.format")
+    # a grammar shapes the whole output: no thinking before it
+    thinking = body.thinking_mode(body.max_tokens) if grammar is None else Thinking(enabled=False)
     prompt = await app.render_chat(body.hf_messages(), tools, thinking)
     sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     opts = GenOptions(max_tokens=body.max_tokens, sampling=sampling.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop_sequences, 16, "stop_sequences"), thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope)
+                      cache_scope=body.cache_scope, grammar=grammar)
     runs = app.service.start(prompt, opts, 1, label="messages")
     run, mid = runs[0], "msg_" + secrets.token_hex(12)
     model = body.model or app.config.model_name

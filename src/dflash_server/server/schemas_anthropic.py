@@ -8,7 +8,7 @@ from pydantic import Field
 from .errors import bad_request
 from .reasoning import Thinking
 from .schemas_common import (MAX_TOKENS_LIMIT, CacheFields, Json, Model, StopString, ToolName, ToolSchema,
-                             text_of_parts)
+                             output_grammar, text_of_parts)
 from .tools import ToolSet, make_toolset
 
 
@@ -126,6 +126,16 @@ class CountTokensRequest(Model):
         return out
 
 
+class OutputFormatIn(Model):
+    type: Literal["json_schema"]
+    schema_: Json | None = Field(None, alias="schema")
+
+
+class OutputConfigIn(Model):
+    format: OutputFormatIn | None = None
+    effort: str | None = Field(None, max_length=16)  # accepted; the thinking settings decide
+
+
 class MessagesRequest(CountTokensRequest, CacheFields):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     stop_sequences: list[StopString] | None = Field(None, max_length=16)
@@ -134,6 +144,16 @@ class MessagesRequest(CountTokensRequest, CacheFields):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=1_000_000)
     metadata: Json | None = None
+    output_config: OutputConfigIn | None = None
+
+    def grammar(self) -> str | None:
+        """Structured output (``output_config.format``): the grammar of its JSON schema."""
+        f = self.output_config.format if self.output_config else None
+        if f is None:
+            return None
+        if self.tools and not (self.tool_choice and self.tool_choice.type == "none"):
+            raise bad_request("output_config.format does not combine with tools yet", "output_config.format")
+        return output_grammar(f.type, f.schema_, "output_config.format")
 
 
 def _text(content, where: str) -> str:

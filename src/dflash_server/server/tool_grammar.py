@@ -5,8 +5,8 @@ function), for the two call formats ``tools`` parses, as Lark for llguidance:
   function's parameter schema (llguidance's ``%json``);
 - XML (Qwen3.5): ``<function=f>`` then one ``<parameter=p>`` block per parameter, in the
   order the schema declares them (required ones always present), each value shaped by its
-  type (string, integer, number, boolean, null, an enum of strings; objects and arrays as
-  JSON), then ``</function>``.
+  type (string, with its maxLength; integer, number, boolean, null, an enum of strings;
+  objects and arrays as JSON), then ``</function>``.
 
 Each call ends with ``</tool_call>``; with parallel calls allowed more may follow. The
 grammar starts where ``tools.forced_prefix`` leaves the prompt. ``term`` writes a text as a
@@ -21,6 +21,7 @@ from .tools import ToolSet
 # an XML parameter value and its closing tag in one terminal (no ambiguity about where a
 # string ends: it cannot contain "</")
 _CLOSE = r"\n<\/parameter>\n"
+MAX_BOUNDED_STRING = 1000  # a string's maxLength up to this is enforced (longer: unbounded)
 _XML_VALUES = {
     "string": r"([^<]|<[^\/])*",
     "integer": r"-?(0|[1-9][0-9]{0,17})",
@@ -73,7 +74,11 @@ def _xml_value(schema) -> str:
     t = schema.get("type")
     types = [t] if isinstance(t, str) else ([x for x in t if isinstance(x, str)] if isinstance(t, list) else [])
     if types and all(x in _XML_VALUES for x in types):
-        return "(" + " | ".join(f"/{_XML_VALUES[x]}{_CLOSE}/" for x in types) + ")"
+        values = dict(_XML_VALUES)
+        n = schema.get("maxLength")
+        if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_BOUNDED_STRING:
+            values["string"] = f"([^<]|<[^\\/]){{0,{n}}}"  # (a "<x" pair counts as one: a bound, not exact)
+        return "(" + " | ".join(f"/{values[x]}{_CLOSE}/" for x in types) + ")"
     return f"%json {_fixed(schema)} {close}"  # objects, arrays, anything else: JSON
 
 
