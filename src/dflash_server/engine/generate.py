@@ -16,6 +16,7 @@ from typing import Callable
 
 
 from ..runtime.kv_pool import merge_stats
+from . import describe
 from .batching import StepScheduler
 from .grammar import GrammarCompiler
 from .output import TokenEvent
@@ -360,7 +361,8 @@ class Engine:
         return len(sched.waiting), len(sched.prefilling) + len(sched.running), sched.lanes
 
     def stats(self) -> dict:
-        """Slots and step-loop counters (for /props, /slots and /metrics)."""
+        """Slots, step-loop counters and the parts' state (draft, caches, KV Flash, shard
+        workers): all that /props, /slots and /metrics read of the engine."""
         sched = self.scheduler
         slots = []
         for seq in sched.active:
@@ -371,7 +373,10 @@ class Engine:
         return {"slots_total": sched.lanes, "slots_busy": len(busy), "waiting": len(sched.waiting),
                 "running": len(sched.running), "prefilling": len(sched.prefilling), "step_tokens": sched.step_tokens,
                 "slots": sorted(slots, key=lambda s: s["id"]), **self.counters,
-                "batch_sizes": dict(sorted(self.batch_sizes.items()))}
+                "batch_sizes": dict(sorted(self.batch_sizes.items())),
+                "speculative": describe.speculative(self.proposer), "cache": describe.cache(self.prefix_cache),
+                "kvflash": describe.kvflash(self.pipeline), "shards": describe.shards(self.pipeline),
+                "grammar": True}
 
     def _checkpointer(self, seq: Sequence):
         """on_commit(length, logits) writing a disk snapshot every checkpoint_interval tokens

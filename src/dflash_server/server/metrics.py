@@ -71,20 +71,24 @@ class _CacheCollector:
         return []
 
     def collect(self):
-        cache = getattr(self.engine, "prefix_cache", None)
-        if cache is None:
+        stats = getattr(self.engine, "stats", None)
+        try:
+            cache = stats()["cache"] if stats is not None else None
+        except Exception:  # noqa: BLE001 - a scrape never fails on introspection
+            cache = None
+        if not cache:
             return
-        index, disk = getattr(cache, "index", None), getattr(cache, "disk", None)
+        prefix, disk = cache["prefix"], cache["disk"]
         for key, doc in self.MEMORY.items():
-            v = getattr(index, key, None)
+            v = prefix.get(key)
             if isinstance(v, int):
                 yield CounterMetricFamily(f"dflash_prefix_cache_memory_{key}", doc, value=v)
         for key, doc in (("slots", "memory snapshots held"), ("total_bytes", "bytes of memory snapshots")):
-            v = getattr(index, key, None) if key != "slots" else len(getattr(index, "entries", {}))
+            v = prefix.get(key)
             if isinstance(v, int):
                 yield GaugeMetricFamily(f"dflash_prefix_cache_memory_{key}", doc, value=v)
-        if disk is not None:
-            stats = disk.stats()
+        if disk.get("enabled"):
+            stats = disk
             for key, doc in self.DISK.items():
                 if isinstance(stats.get(key), int):
                     yield CounterMetricFamily(f"dflash_prefix_cache_disk_{key}", doc, value=stats[key])

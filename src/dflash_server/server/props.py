@@ -9,72 +9,14 @@ from .reasoning import EFFORT_BUDGETS
 PROPS_SCHEMA = 1
 
 
-def _speculative(engine) -> dict:
-    """What the engine exposes about its draft (attributes read defensively: the engine
-    evolves independently of this endpoint)."""
-    proposer = getattr(engine, "proposer", None)
-    if proposer is None:
-        return {"enabled": False}
-    out = {"enabled": True, "method": "dflash"}
-    for key in ("block_size", "taps"):
-        v = getattr(proposer, key, None)
-        if isinstance(v, (int, str)) or (isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v)):
-            out[key] = list(v) if isinstance(v, tuple) else v
-    vocab = getattr(proposer, "vocab", None)
-    # tokens the draft can propose (null: the whole vocabulary)
-    out["draft_vocab_size"] = int(vocab.numel()) if hasattr(vocab, "numel") else None
-    sizer = getattr(proposer, "sizer", None)
-    out["adaptive_block_size"] = sizer is not None
-    if sizer is not None:
-        out["block_sizer"] = sizer.to_dict()
-    return out
-
-
-def _cache(engine) -> dict:
-    index = getattr(getattr(engine, "prefix_cache", None), "index", None)
-    prefix = {"enabled": bool(getattr(index, "enabled", False))}
-    for key in ("max_slots", "max_bytes", "total_bytes", "hits", "misses", "evictions", "tokens_saved"):
-        v = getattr(index, key, None)
-        if isinstance(v, int):
-            prefix[key] = v
-    disk = getattr(getattr(engine, "prefix_cache", None), "disk", None)
-    disk_stats = {"enabled": disk is not None}
-    if disk is not None:
-        disk_stats.update({k: v for k, v in disk.stats().items() if isinstance(v, (int, str))})
-    return {"prefix": prefix, "disk": disk_stats}
-
-
-def _kvflash(engine) -> dict:
-    """Pool size, residency and paging counters per stage (empty list: KV Flash off)."""
-    pipe = getattr(engine, "pipeline", None)
-    stats = pipe.kvflash_stats() if hasattr(pipe, "kvflash_stats") else []
-    return {"enabled": bool(stats), "stages": stats}
-
-
-def _shards(engine) -> list[dict]:
-    """Live status of shard workers (remote stages): status, pid, restarts."""
-    out = []
-    for st in getattr(getattr(engine, "pipeline", None), "stages", []):
-        if hasattr(st, "health"):
-            h = st.health()
-            out.append({k: h.get(k) for k in ("status", "error", "restarts", "pid")} |
-                       {"layers": [st.begin, st.end]})
-    return out
-
-
 def _engine_stats(engine) -> dict | None:
+    """``Engine.stats()``: all these endpoints read of the engine (None when it has none,
+    or when it fails: introspection must never fail the endpoint)."""
     stats = getattr(engine, "stats", None)
     try:
         return stats() if stats is not None else None
-    except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
+    except Exception:  # noqa: BLE001
         return None
-
-
-def _slots_summary(engine) -> dict:
-    st = _engine_stats(engine)
-    if st is None:
-        return {}
-    return {k: st[k] for k in ("slots_total", "slots_busy", "waiting", "running", "prefilling", "step_tokens")}
 
 
 def slots(state) -> list[dict]:
@@ -110,14 +52,11 @@ def props(state) -> dict:
     }
     if state.status != "ready":
         return _redacted(out, cfg)
-    try:
-        spec, cache = _speculative(state.engine), _cache(state.engine)
-    except Exception:  # noqa: BLE001 - introspection must never fail the endpoint
-        spec, cache = {"enabled": None}, {}
+    st = _engine_stats(state.engine) or {}
     prompts = state.prompts
     out.update({
-        "speculative": spec,
-        "cache": cache,
+        "speculative": st.get("speculative", {"enabled": None}),
+        "cache": st.get("cache", {}),
         "capabilities": {
             "chat_template": bool(prompts.template),
             "chat_template_source": "file" if cfg.chat_template is not None else "model",
@@ -127,11 +66,15 @@ def props(state) -> dict:
             "reasoning_budget": state.think is not None,
             "reasoning_efforts": {k: v for k, v in EFFORT_BUDGETS.items()},
             "logprobs": True, "max_top_logprobs": 20, "max_n": 8, "max_stop": 4, "streaming": True,
+            # grammar-constrained output (llguidance): response_format / text.format /
+            # output_config.format, and forced tool calls (tool_choice required / named)
+            "structured_output": ["json_object", "json_schema"] if st.get("grammar") else [],
         },
         "queue": {"waiting": state.scheduler.queue_depth, "running": state.scheduler.running},
-        "slots": _slots_summary(state.engine),
-        "shards": _shards(state.engine),
-        "kvflash": _kvflash(state.engine),
+        "slots": {k: st[k] for k in ("slots_total", "slots_busy", "waiting", "running", "prefilling",
+                                     "step_tokens") if k in st},
+        "shards": st.get("shards", []),
+        "kvflash": st.get("kvflash", {"enabled": False, "stages": []}),
     })
     return _redacted(out, cfg)
 

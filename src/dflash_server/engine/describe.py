@@ -1,0 +1,46 @@
+"""What the engine reports about its parts (``Engine.stats``): the draft, the prefix
+caches, KV Flash, shard workers. The server's ``/props``, ``/slots`` and ``/metrics`` read
+these sections and nothing else of the engine."""
+from __future__ import annotations
+
+
+def speculative(proposer) -> dict:
+    if proposer is None:
+        return {"enabled": False}
+    out = {"enabled": True, "method": "dflash", "block_size": int(proposer.block_size),
+           "taps": [int(t) for t in proposer.taps]}
+    vocab = proposer.vocab
+    out["draft_vocab_size"] = int(vocab.numel()) if vocab is not None else None  # null: the whole vocabulary
+    out["adaptive_block_size"] = proposer.sizer is not None
+    if proposer.sizer is not None:
+        out["block_sizer"] = proposer.sizer.to_dict()
+    return out
+
+
+def cache(prefix_cache) -> dict:
+    index, disk = prefix_cache.index, prefix_cache.disk
+    prefix = {"enabled": bool(index.enabled), "slots": len(index.entries)}
+    for key in ("max_slots", "max_bytes", "total_bytes", "hits", "misses", "evictions", "tokens_saved"):
+        v = getattr(index, key)
+        if isinstance(v, int):
+            prefix[key] = v
+    disk_stats = {"enabled": disk is not None}
+    if disk is not None:
+        disk_stats.update({k: v for k, v in disk.stats().items() if isinstance(v, (int, str))})
+    return {"prefix": prefix, "disk": disk_stats}
+
+
+def kvflash(pipeline) -> dict:
+    """Pool size, residency and paging counters per stage (an empty list: KV Flash off)."""
+    stats = pipeline.kvflash_stats()
+    return {"enabled": bool(stats), "stages": stats}
+
+
+def shards(pipeline) -> list[dict]:
+    """Live status of shard workers (remote stages): status, pid, restarts, layers."""
+    out = []
+    for st in pipeline.stages:
+        if hasattr(st, "health"):  # a remote stage
+            h = st.health()
+            out.append({k: h.get(k) for k in ("status", "error", "restarts", "pid")} | {"layers": [st.begin, st.end]})
+    return out
