@@ -8,8 +8,8 @@ from starlette.responses import JSONResponse
 
 from . import sse
 from .errors import error_body
-from .reasoning import Thinking
 from .generation import GenOptions, Run, stream_failure
+from .reasoning import Thinking
 from .schemas_anthropic import CountTokensRequest, MessagesRequest
 from .schemas_common import SamplingFields, stop_list
 

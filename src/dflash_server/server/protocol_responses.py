@@ -13,8 +13,8 @@ from .errors import APIError, error_body
 from .generation import GenOptions, Run, stream_failure
 from .output_parser import Delta
 from .logprobs import chat_entries
-from .schemas_common import stop_list
 from .reasoning import Thinking
+from .schemas_common import stop_list
 from .schemas_responses import ResponsesRequest
 
 

@@ -7,8 +7,8 @@ from pydantic import Field
 
 from .errors import bad_request
 from .reasoning import EFFORTS
-from .schemas_common import (MAX_TOKENS_LIMIT, output_grammar, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
-                             text_of_parts)
+from .schemas_common import (MAX_TOKENS_LIMIT, Json, Model, SamplingFields, StopString, ToolName, ToolSchema,
+                             output_grammar, text_of_parts)
 from .tools import ToolSet, make_toolset
 
 Effort = Literal[EFFORTS]  # type: ignore[valid-type]
