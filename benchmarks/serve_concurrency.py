@@ -9,8 +9,8 @@ vs ``--parallel 4 --max-ctx 2048``), prompt caching off on both sides (every req
 own prompt as well), and are measured in alternation, each idle while the other runs. At
 concurrency C, 2C streamed chat requests are sent with at most C in flight; each asks for
 ``--tokens`` tokens, ``ignore_eos``. Greedy (temperature 0) and sampled (temperature 0.8,
-seeded) workloads. ``--with-draft`` adds our server with the shipped DFlash draft (one
-sequence slot: a draft runs one sequence at a time) at concurrency 1 and 4.
+seeded) workloads. ``--with-draft`` adds our server with the shipped DFlash draft (the same
+slots: a request decoding alone speculates, several decode batched) at concurrency 1 and 4.
 
 Reported per server, concurrency and workload: aggregate tok/s (all completion tokens /
 wall time), median time to first token, median per-stream decode tok/s; medians over
@@ -109,7 +109,10 @@ async def workload(url: str, conc: int, tokens: int, sampled: bool, base: int) -
     async def one(i):
         async with sem:
             return await stream_one(client, base + i, tokens, sampled)
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+    # a fresh connection per request: llama-server may close an idle keep-alive connection
+    # just as the next request goes out on it ("Server disconnected without sending a response")
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) \
+            as client:
         w0 = time.perf_counter()
         res = await asyncio.gather(*(one(i) for i in range(2 * conc)))
         wall = time.perf_counter() - w0
@@ -142,7 +145,8 @@ def main():
     servers = {"llama-server -np 4": LlamaServer(gguf),
                "dflash-server --parallel 4": ServerProc("--parallel", str(SLOTS), *ours_flags)}
     if a.with_draft:
-        servers["dflash-server --draft default"] = ServerProc("--parallel", "1", "--draft", "default", *ours_flags)
+        servers["dflash-server --draft default"] = ServerProc("--parallel", str(SLOTS), "--draft", "default",
+                                                              *ours_flags)
     load_before = os.getloadavg()[0]
     samples: dict = {}
     base = 0
