@@ -226,7 +226,7 @@ def _draft_proposer(pipe, adaptive=False, block=4):
     return DFlashProposer(draft, pipe, adaptive=adaptive)
 
 
-@pytest.mark.parametrize("family,stages", [("llama", 1), ("qwen3_5", 1), ("llama", "remote")])
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("llama", "remote")])
 def test_draft_in_the_batch(tiny_dir, family, stages):
     """With a draft and several slots: a sequence decoding alone speculates, several decode
     in one batched forward that feeds each one's own draft context. Outputs equal plain
