@@ -126,6 +126,34 @@ def test_prefix_cache_hits_in_the_batch(tiny_dir):
     assert [g.cached_tokens for g in got] == [w.cached_tokens for w in want]
 
 
+def test_prefix_cache_hits_with_a_draft_in_the_batch(tiny_dir):
+    """With a draft: a hit restores the draft context into the request's slot too; outputs
+    equal those of plain decoding on an engine with the same cache (a hit prefills only the
+    new turn, in smaller pieces than a miss would, so it is compared with a hit), and the
+    cached tokens too."""
+    path = tiny_dir("llama")
+    plain, serial_pipe, pipe = Engine(_pipe(path, 1), prefix_slots=8), _pipe(path, 1), _pipe(path, 3)
+    serial = Engine(serial_pipe, prefix_slots=8, proposer=_draft_proposer(serial_pipe))
+    eng = Engine(pipe, prefix_slots=8, proposer=_draft_proposer(pipe))
+    tok = plain.tokenizer
+    turn = [{"role": "system", "content": "You are a terse assistant who answers in one line. " * 3},
+            {"role": "user", "content": "Hello there"}]
+    warm = _req(tok.encode_chat(turn), 4)
+    for e in (plain, serial, eng):
+        answer = e.generate(warm).text
+    turn.append({"role": "assistant", "content": answer})
+    reqs = [_req(tok.encode_chat(turn + [{"role": "user", "content": q}]), 14)
+            for q in ("What is two plus two?", "Name a color.", "Say hi.")]
+    want = [serial.generate(r) for r in reqs]
+    assert all(w.cached_tokens > 0 for w in want)
+    assert [w.token_ids for w in want] == [plain.generate(r).token_ids for r in reqs]  # draft == no draft
+    seqs, _ = _run_together(eng, reqs, when=[0, 1, 5])
+    got = [s.result for s in seqs]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.cached_tokens for g in got] == [w.cached_tokens for w in want]
+    assert any(g.extra["spec"]["steps"] > 0 for g in got)
+
+
 def test_kvflash_pools_per_slot(tiny_dir):
     """KV Flash with several slots: each has its own pool and page table; prompts longer
     than the pool page chunks in and out next to each other and give each one's solo output."""
