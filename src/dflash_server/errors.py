@@ -20,3 +20,8 @@ class Cancelled(Exception):
     """The caller gave up (client gone, server shutting down) during work that checks for
     it between pieces, such as prefill chunks. The engine's state is left for the next
     request to reset; the request ends with finish_reason "cancelled"."""
+
+
+class CompressionError(RuntimeError):
+    """PFlash: the prefill drafter failed on a prompt (not the prompt's fault). The request
+    fails with a 500 that says so; nothing falls back to a silent full-length prefill."""

@@ -5,13 +5,14 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "src" / "dflash_server"
 # package -> packages it must never import
 FORBIDDEN = {
-    "kernels": {"layers", "models", "runtime", "engine", "server", "cache", "spec", "cli", "weights"},
-    "layers": {"models", "runtime", "engine", "server", "cache", "spec", "cli", "weights"},
-    "models": {"runtime", "engine", "server", "cache", "spec", "cli", "weights"},
-    "runtime": {"engine", "server", "cache", "spec", "cli"},
-    "weights": {"runtime", "engine", "server", "cache", "spec", "cli"},
-    "cache": {"engine", "server", "cli"},
-    "spec": {"engine", "server", "cli"},
+    "kernels": {"layers", "models", "runtime", "engine", "server", "cache", "spec", "cli", "weights", "pflash"},
+    "layers": {"models", "runtime", "engine", "server", "cache", "spec", "cli", "weights", "pflash"},
+    "models": {"runtime", "engine", "server", "cache", "spec", "cli", "weights", "pflash"},
+    "runtime": {"engine", "server", "cache", "spec", "cli", "pflash"},
+    "weights": {"runtime", "engine", "server", "cache", "spec", "cli", "pflash"},
+    "cache": {"engine", "server", "cli", "pflash"},
+    "spec": {"engine", "server", "cli", "pflash"},
+    "pflash": {"engine", "server", "cli", "cache", "spec"},
     "engine": {"server", "cli"},
 }
 

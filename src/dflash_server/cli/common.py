@@ -91,6 +91,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the block, up to the trained one, expected to commit the most tokens per second from "
                         "measured acceptance and step times (1 = a plain decode step)")
     d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    f = p.add_argument_group("prefill compression (PFlash)")
+    f.add_argument("--prefill-compression", default="off", choices=["off", "auto", "always"],
+                   help="compress long prompts with the prefill drafter: never (default), from "
+                        "--prefill-threshold tokens on (auto), or always; a request may override it")
+    f.add_argument("--prefill-threshold", type=positive_int, default=4096,
+                   help="auto: prompts of at least this many tokens are compressed (default 4096)")
+    f.add_argument("--prefill-keep-ratio", type=float, default=0.1,
+                   help="fraction of the prompt's 32-token chunks kept (default 0.1)")
+    f.add_argument("--prefill-curve", nargs="+", metavar="T:R",
+                   help="keep ratio by prompt length, piecewise linear (e.g. 2000:0.5 8000:0.2); "
+                        "overrides --prefill-keep-ratio")
+    f.add_argument("--prefill-drafter", metavar="PATH|self:N",
+                   help="the model that scores the prompt: a model directory or .gguf (its own tokenizer), "
+                        "or self:N, the target's own first N layers (no second model in memory)")
+    f.add_argument("--prefill-drafter-layers", type=positive_int,
+                   help="a drafter file: score with its first N layers only (default: all)")
+    f.add_argument("--prefill-drafter-device", help="device of a drafter file (default: the target's first)")
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -192,11 +209,65 @@ def load_engine(args, progress: bool = True):
     disk = open_disk_cache(args, fingerprint(fp_parts))
     if args.kv_cache_interval < 0:
         raise UserError("--kv-cache-interval must be >= 0")
+    compressor = load_compressor(args, pipeline, dtype, quantize[0])
     engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
                     prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval,
-                    step_tokens=getattr(args, "step_tokens", 256))
+                    step_tokens=getattr(args, "step_tokens", 256), compressor=compressor)
+    engine.pflash_policy = pflash_policy(args)
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
+
+
+def pflash_policy(args):
+    """The PFlashPolicy of the --prefill-* flags (UserError when they do not add up)."""
+    from ..pflash.policy import PFlashPolicy, parse_curve
+
+    try:
+        policy = PFlashPolicy(args.prefill_compression, args.prefill_threshold, args.prefill_keep_ratio,
+                              parse_curve(args.prefill_curve))
+    except ValueError as e:
+        raise UserError(f"--prefill-*: {e}") from None
+    if policy.mode != "off" and not args.prefill_drafter:
+        raise UserError(f"--prefill-compression {policy.mode} needs --prefill-drafter (a model directory or "
+                        ".gguf, or self:N for the target's own first N layers)")
+    return policy
+
+
+def load_compressor(args, pipeline, dtype, layer_mode: str = "dense"):
+    """The PFlash Compressor of --prefill-drafter, or None."""
+    from ..pflash.compressor import Compressor
+    from ..pflash.scorer import PromptScorer
+
+    spec = getattr(args, "prefill_drafter", None)
+    if not spec:
+        if getattr(args, "prefill_drafter_layers", None) or getattr(args, "prefill_drafter_device", None):
+            raise UserError("--prefill-drafter-layers / --prefill-drafter-device need --prefill-drafter")
+        return None
+    try:
+        if spec.startswith("self:"):
+            if args.prefill_drafter_layers or args.prefill_drafter_device:
+                raise UserError("--prefill-drafter self:N uses the target's layers where they are: "
+                                "--prefill-drafter-layers / --prefill-drafter-device do not apply")
+            try:
+                n = int(spec.removeprefix("self:"))
+            except ValueError:
+                raise UserError(f"--prefill-drafter {spec}: expected self:N with N a number of layers") from None
+            scorer = PromptScorer.from_stage(pipeline.stages[0], n, chunk=args.chunk)
+        elif spec.startswith("remote:"):
+            raise UserError("--prefill-drafter remote:... is not supported yet: use a drafter file on a device "
+                            "of this process (--prefill-drafter-device) or self:N")
+        else:
+            device = resolve_device(args.prefill_drafter_device) if args.prefill_drafter_device \
+                else str(pipeline.stages[0].device)
+            if device.startswith("remote:"):
+                raise UserError("--prefill-drafter-device remote:... is not supported yet")
+            scorer = PromptScorer.load(spec, device=device, dtype=dtype, max_ctx=pipeline.max_ctx,
+                                       n_layers=args.prefill_drafter_layers,
+                                       quantize=layer_mode if device.startswith("cpu") else "dense",
+                                       chunk=args.chunk)
+    except (ValueError, OSError) as e:
+        raise UserError(f"--prefill-drafter {spec}: {e}") from None
+    return Compressor(scorer, pipeline.tokenizer)
 
 
 AUTO_LANES = 4  # --parallel auto: at most this many sequence slots

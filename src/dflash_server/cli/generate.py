@@ -15,6 +15,7 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw prompt text (no chat template)")
     src.add_argument("--chat", help="user message; the model's chat template is applied")
+    src.add_argument("--chat-file", help="--chat read from a file (UTF-8), e.g. a long document and a question")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -47,19 +48,28 @@ def run(args: argparse.Namespace) -> int:
         engine.warm_up()
         print(f"dflash-server: compiled in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     tok = source.tokenizer
+    query = None
     if args.prompt is not None:
         ids = tok.encode(args.prompt)
     else:
+        if args.chat_file is not None:
+            try:
+                with open(args.chat_file, encoding="utf-8") as fh:
+                    query = fh.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise UserError(f"--chat-file {args.chat_file}: {e}") from None
+        else:
+            query = args.chat if args.chat is not None else "What is the capital of France?"
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.chat if args.chat is not None else
-                         "What is the capital of France?"})
+        messages.append({"role": "user", "content": query})
         try:
             ids = tok.encode_chat(messages)
         except ValueError as e:
             raise UserError(str(e)) from None
+    keep = engine.pflash_policy.decide(len(ids))
     try:
         req = GenerationRequest(tuple(ids), sampling, args.max_tokens, ignore_eos=args.ignore_eos,
-                                stop=tuple(args.stop))
+                                stop=tuple(args.stop), compress=keep, compress_query=query)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -77,12 +87,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
                           "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,
-                          "timings": res.timings(), "spec": res.extra.get("spec")}))
+                          "timings": res.timings(), "spec": res.extra.get("spec"),
+                          "pflash": res.extra.get("pflash")}))
     else:
         sys.stdout.write("\n")
         t = res.timings()
         spec = res.extra.get("spec")
         tau = f", acceptance length {spec['acceptance_length']:.2f}" if spec else ""
+        pf = res.extra.get("pflash")
+        if pf:
+            tau += (f", prompt compressed to {pf['compressed_tokens']} tokens (drafter {pf['drafter_s']:.2f} s)")
         print(f"[{res.prompt_tokens} prompt tokens, {res.completion_tokens} generated; prefill "
               f"{t['prefill_tokens_per_s']} tok/s, decode {t['decode_tokens_per_s']} tok/s{tau}]", file=sys.stderr)
     return 0

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-
+from ..errors import CompressionError
 from ..runtime.kv_pool import merge_stats
 from . import describe
 from .batching import StepScheduler
@@ -45,6 +45,10 @@ class GenerationRequest:
     think_close_ids: tuple[int, ...] = ()
     cache_scope: str | None = None      # prefix cache: "off" | "memory" | "full" | None (default)
     grammar: str | None = None          # llguidance grammar (engine.grammar): the output must match it
+    # PFlash: keep this fraction of the prompt's chunks (None: prefill it whole); the last
+    # user message's text guides the selection (anchors, query survival)
+    compress: float | None = None
+    compress_query: str | None = None
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -57,6 +61,8 @@ class GenerationRequest:
             raise ValueError(f"cache scope must be off, memory or full, got {self.cache_scope!r}")
         if self.think_budget is not None and (self.think_budget < 0 or not self.think_close_ids):
             raise ValueError("think_budget needs a non-negative budget and think_close_ids")
+        if self.compress is not None and not 0.0 < self.compress <= 1.0:
+            raise ValueError(f"compression keep ratio must be in (0, 1], got {self.compress}")
         if self.grammar is not None and (self.think_budget is not None or self.think_open):
             raise ValueError("a grammar constrains the whole output: it does not combine with a think block")
 
@@ -93,7 +99,7 @@ class GenerationResult:
 class Engine:
     def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
                  prefix_bytes: int | None = None, disk_cache=None, checkpoint_interval: int = 0,
-                 step_tokens: int = 256):
+                 step_tokens: int = 256, compressor=None):
         """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).
         ``prefix_slots``: in-memory prefix-cache snapshots (0 disables), with an optional
         byte budget; ``disk_cache``: a cache.disk.DiskCache for restart-persistent snapshots;
@@ -101,7 +107,8 @@ class Engine:
         that many tokens (the next turn, which resends the answer, resumes from it).
         Sequences run concurrently in the pipeline's sequence slots (``pipeline.lanes``);
         ``step_tokens``: the tokens one step may forward while others decode (a prompt's
-        prefill goes in pieces of at most that, less the decode rows)."""
+        prefill goes in pieces of at most that, less the decode rows). ``compressor``: a
+        pflash Compressor for requests that ask for prefill compression."""
         self.checkpoint_interval = checkpoint_interval
         from ..cache.prefix_index import PrefixIndex
         from .prefix import PrefixCache
@@ -113,6 +120,7 @@ class Engine:
         self.prefix_cache = PrefixCache(pipeline, PrefixIndex(prefix_slots, prefix_bytes), proposer, disk_cache)
         self.scheduler = StepScheduler(pipeline.lanes, step_tokens)
         self.grammars = GrammarCompiler(self.tokenizer, pipeline.config.vocab_size)
+        self.compressor = compressor
         self._next_id = 0
         self.counters = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "step_s": 0.0}
         self.batch_sizes: dict[int, int] = {}  # decode rows per step -> steps
@@ -127,6 +135,8 @@ class Engine:
         pipe = self.pipeline
         if len(req.prompt_ids) >= pipe.max_ctx:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context size is {pipe.max_ctx}")
+        if req.compress is not None and self.compressor is None:
+            raise ValueError("prefill compression needs a drafter: start with --prefill-drafter")
         constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
         seq = Sequence(self._next_id, req, self.tokenizer, pipe.config.vocab_size, pipe.device, on_event,
                        cancelled, tag, constraint)
@@ -189,6 +199,8 @@ class Engine:
         try:
             if seq.prefill is None:
                 seq.t_start = time.monotonic()
+                if seq.req.compress is not None and seq.compressed is None:
+                    self._compress(seq)
                 seq.prefill = self.prefix_cache.prefill_steps(seq.prompt, self.chunk, seq.req.cache_scope)
                 next(seq.prefill)          # up to the first forward: reset, cache lookup, restore
             before = pipe.length
@@ -204,6 +216,18 @@ class Engine:
         self.scheduler.started(seq)
         seq.on_commit = self._checkpointer(seq)
         self._commit(seq, seq.pre.logits, ended)
+
+    def _compress(self, seq: Sequence) -> None:
+        """PFlash: replace the prompt by its compressed form before any prefill."""
+        req = seq.req
+        try:
+            c = self.compressor.compress(seq.prompt, req.compress, req.compress_query)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the drafter's failure, named as such
+            raise CompressionError(f"PFlash compression failed: {type(e).__name__}: {e}") from e
+        seq.compressed = c
+        seq.replace_prompt(c.ids)
 
     def _decode(self, rows: list[Sequence], ended: list) -> None:
         """One plain decode step of ``rows``: a single-sequence forward for one row, else
@@ -308,8 +332,11 @@ class Engine:
         now = time.monotonic()
         t_start = seq.t_start or now
         t_decode = seq.t_decode or now
-        res = GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(seq.prompt), t_decode - t_start,
-                               now - t_decode, stop_reason=out.stop_reason, logprobs=out.events)
+        # prompt_tokens counts the request's prompt, not what PFlash left of it
+        res = GenerationResult(out.tokens, "".join(out.pieces), out.finish, len(seq.req.prompt_ids),
+                               t_decode - t_start, now - t_decode, stop_reason=out.stop_reason, logprobs=out.events)
+        if seq.compressed is not None:
+            res.extra["pflash"] = seq.compressed.describe()
         if seq.pre is not None:
             res.cached_tokens = seq.pre.cached_tokens
             res.extra["cache"] = seq.pre.source

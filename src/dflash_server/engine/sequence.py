@@ -24,6 +24,7 @@ class Sequence:
         self.id, self.req, self.tag = seq_id, req, tag
         self.constraint = constraint       # engine.grammar.Constraint: masks each token's logits
         self.prompt = list(req.prompt_ids)
+        self._vocab, self._device = vocab_size, device
         self.sampler = Sampler(req.sampling, vocab_size, device, self.prompt)
         self.out = OutputBuilder(tokenizer, req, on_event)
         self.think = ThinkBudget(req)
@@ -35,12 +36,21 @@ class Sequence:
         self.prefill = None                # the prefill generator while prefilling
         self.pre = None                    # prefix.Prefilled once prefilled
         self.spec = None                   # SpecStats when drafting
+        self.compressed = None             # pflash Compressed: the prompt was compressed
         self.on_commit = None              # disk checkpointer: (length, logits)
         self.t_submit = time.monotonic()
         self.t_start: float | None = None  # slot granted: prefill begins
         self.t_decode: float | None = None  # prefill done
         self.result = None                 # GenerationResult once done
         self.error: BaseException | None = None
+
+    def replace_prompt(self, ids: list[int]) -> None:
+        """What the model reads instead of the request's prompt (PFlash), before prefill."""
+        if self.prefill is not None or self.pre is not None:
+            raise RuntimeError("the prompt can only be replaced before its prefill")
+        self.prompt = list(ids)
+        self.pos = len(self.prompt)
+        self.sampler = Sampler(self.req.sampling, self._vocab, self._device, self.prompt)
 
     @property
     def cancelled(self) -> bool:

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         of one sequence, plain position-addressed KV, outside torch.compile: its graph fuses
         this part itself, and the op's int position would make dynamo recompile every step)."""
         return (self.native and x.shape[0] == 1 and x.shape[1] <= NATIVE_MAX_ROWS and ctx.slots is None
-                and ctx.last_q is None and ctx.attn_mass is None and state.k.dtype == torch.float32
+                and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype == torch.float32
                 and not torch.compiler.is_compiling())
 
     def native_rows_ok(self, x: torch.Tensor, bank: KVState) -> bool:
@@ -120,6 +120,24 @@ class Attention(nn.Module):
             lane_kv = KVState(bank.k[lane:lane + 1], bank.v[lane:lane + 1])
             outs.append(self._attend(qkv[:, b:b + 1], row, lane_kv, x.dtype))
         return self.o(torch.cat(outs, dim=1))
+
+    def _tail_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
+                        acc: torch.Tensor) -> None:
+        """acc (L, P) = max(acc, attention probabilities of the last L query rows over the
+        P keys, maximised over heads (and the batch))."""
+        L, P = acc.shape[0], keys.shape[2]
+        B, T = q.shape[:2]
+        if T < L:
+            raise ValueError(f"tail scoring needs the last {L} rows in one forward, got {T}")
+        g = self.nh // self.nkv
+        # (B, T, nh, hd) -> (B, nkv, g * L, hd): query heads grouped under their KV head
+        qh = q[:, -L:].float().view(B, L, self.nkv, g, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.nkv, g * L, -1)
+        w = (qh @ keys.float().transpose(-1, -2)) * self.scale     # (B, nkv, g * L, P)
+        if mask is not None:
+            m = mask[-L:]                                          # (L, P)
+            w = w.view(B, self.nkv, g, L, P).masked_fill(~m, float("-inf")).view(B, self.nkv, g * L, P)
+        w = w.softmax(-1).view(B, self.nkv * g, L, P).amax(dim=(0, 1))
+        torch.maximum(acc[:, :P], w, out=acc[:, :P])
 
     def _attend(self, qkv: torch.Tensor, ctx: ForwardContext, state: KVState, dtype: torch.dtype) -> torch.Tensor:
         """RoPE, KV write and attention of (B, T) rows of the fused projection (aten ops);
@@ -163,6 +181,8 @@ class Attention(nn.Module):
             w = qh @ kh.transpose(-1, -2) * self.scale
             w = (w if mask is None else w.masked_fill(~mask, float("-inf"))).softmax(-1)
             ctx.attn_mass[:w.shape[-1]] += w.float().sum(dim=(0, 1, 2))
+        if ctx.tail_attn is not None:  # PFlash: what the prompt's last rows attend to
+            self._tail_attention(q, keys, mask, ctx.tail_attn)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(dtype)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -27,6 +27,9 @@ class ForwardContext:
     slot_until: torch.Tensor | None = None  # (P,): first query position that no longer sees a slot
     attn_mass: torch.Tensor | None = None  # (P,) float32: attention each slot received (score policy)
     last_q: list | None = None             # score policy: each attention layer appends its last query row
+    # PFlash scoring: (L, end) float32, the running max over attention layers and heads of
+    # the attention the last L rows of this forward pay to each position
+    tail_attn: torch.Tensor | None = None
     # continuous batching: row b is one decode token of the sequence in KV lane lanes[b], at
     # positions[b] (start/length then only give the row count; cos/sin are per row)
     lanes: tuple[int, ...] | None = None

@@ -1,0 +1,144 @@
+"""PFlash chunk selection and policy on synthetic scores: no model."""
+import numpy as np
+import pytest
+
+from dflash_server.pflash.policy import KeepRatioBandit, Override, PFlashPolicy, curve_ratio, parse_curve
+from dflash_server.pflash.select import SelectParams, Selection, select, smooth, survived
+
+P = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=8, ngram=3,
+                 anchor_radius=0, max_anchor_hits=2)
+
+
+def _ids(n, seed=0):
+    return list(np.random.default_rng(seed).integers(1000, 2000, n))
+
+
+def test_best_chunks_and_forced_head_tail_in_order():
+    n = 40  # 10 chunks of 4
+    scores = np.zeros(n)
+    scores[12:16] = 5.0   # chunk 3
+    scores[24:28] = 3.0   # chunk 6
+    scores[20:24] = 1.0   # chunk 5
+    sel = select(scores, _ids(n), 0.5, P)   # 5 chunks: head + tail (<= half) + the 3 best
+    assert sel.total_chunks == 10 and sel.kept_chunks == 5
+    assert sel.spans == [(0, 4), (12, 16), (20, 28), (36, 40)]
+    ids = _ids(n)
+    kept = Selection(sel.spans, 0, 0).take(ids)
+    assert kept == ids[0:4] + ids[12:16] + ids[20:28] + ids[36:40]
+
+
+def test_head_and_tail_take_at_most_half_the_budget():
+    p = SelectParams(chunk=4, head_chunks=8, tail_chunks=24, pool_kernel=1)
+    n = 4 * 100
+    scores = np.zeros(n)
+    scores[160:180] = 9.0   # chunks 40..44, far from head and tail
+    sel = select(scores, _ids(n), 0.1, p)  # budget 10: head + tail 5 (1 + 4), 5 by score
+    assert sel.kept_chunks == 10
+    assert sel.spans == [(0, 4), (160, 180), (384, 400)]
+
+
+def test_keep_ratio_one_keeps_everything_and_short_prompts_survive():
+    ids = _ids(13)
+    sel = select(np.random.default_rng(1).random(13), ids, 1.0, P)
+    assert sel.spans == [(0, 13)] and sel.take(ids) == ids
+    one = select(np.zeros(3), ids[:3], 0.01, P)
+    assert one.take(ids[:3]) == ids[:3]
+
+
+def test_anchor_forces_the_quoted_place_but_not_common_phrases():
+    n = 80
+    ids = _ids(n, 3)
+    needle = [7, 8, 9]
+    ids[28:31] = needle                 # chunk 7
+    ids[73:76] = needle                 # in the query tail
+    common = [4, 5, 6]
+    for at in (8, 44, 56):              # 3 occurrences > max_anchor_hits 2: chunks 2, 11, 14
+        ids[at:at + 3] = common
+    ids[68:71] = common
+    scores = np.zeros(n)
+    scores[48:52] = 1.0                 # chunk 12 wins the one scored place
+    sel = select(scores, ids, 0.2, P)   # 4 chunks: head, tail, the anchor, the best
+    assert sel.spans == [(0, 4), (28, 32), (48, 52), (76, 80)]
+    assert sel.anchor_chunks == 1
+
+
+def test_query_survival_forces_the_query_chunks():
+    n = 200
+    ids = _ids(n, 5)
+    scores = np.zeros(n)
+    scores[:120] = 1.0                    # the drafter looks everywhere but at the query
+    q = (120, 180)                        # the query sits before a long template tail
+    p = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=0)
+    sel = select(scores, ids, 0.2, p, query=q)
+    assert sel.query_forced
+    assert survived(ids[120:180], sel.take(ids)) == 1.0
+    big = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=0, survival_max_query=50)
+    assert not select(scores, ids, 0.2, big, query=q).query_forced   # a long query is not re-added
+
+
+def test_survived_is_an_in_order_fraction():
+    assert survived([1, 2, 3, 4], [9, 1, 2, 9, 3, 4]) == 1.0
+    assert survived([1, 2, 3, 4], [4, 3, 2, 1]) == 0.25
+    assert survived([], [1]) == 1.0
+
+
+def test_smooth_is_a_centred_mean():
+    x = np.array([0, 0, 3.0, 0, 0])
+    np.testing.assert_allclose(smooth(x, 3), [0, 1, 1, 1, 0])
+    np.testing.assert_allclose(smooth(x, 1), x)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5])
+def test_bad_keep_ratio_and_mismatched_scores(bad):
+    with pytest.raises(ValueError):
+        select(np.zeros(8), _ids(8), bad, P)
+    with pytest.raises(ValueError):
+        select(np.zeros(7), _ids(8), 0.5, P)
+    with pytest.raises(ValueError):
+        select(np.zeros(8), _ids(8), 0.5, P, query=(4, 9))
+
+
+def test_policy_modes_threshold_curve_override_and_continuations():
+    pol = PFlashPolicy("auto", threshold=100, keep_ratio=0.2)
+    assert pol.decide(99) is None and pol.decide(100) == 0.2
+    assert pol.decide(500, continuation=True) is None
+    assert pol.decide(50, Override("always")) == 0.2
+    assert pol.decide(50, Override("always"), continuation=True) == 0.2   # asked for by the request
+    assert pol.decide(500, Override("off")) is None
+    assert pol.decide(500, Override(keep_ratio=0.5)) == 0.5
+    assert pol.decide(500, session_ratio=0.07) == 0.07
+    assert pol.decide(500, Override(threshold=1000)) is None
+    assert PFlashPolicy("off").decide(10 ** 6) is None
+    curved = PFlashPolicy("always", curve=parse_curve(["1000:0.5", "3000:0.1"]))
+    assert curved.decide(500) == 0.5 and curved.decide(2000) == pytest.approx(0.3) and curved.decide(9000) == 0.1
+    assert curve_ratio(((10, 0.4),), 5) == 0.4
+
+
+@pytest.mark.parametrize("value", ["sometimes", 3, {"mode": "auto", "extra": 1}, {"keep_ratio": 0},
+                                   {"keep_ratio": True}, {"threshold": 0}, {"threshold": "9"}, {"keep_ratio": 2}])
+def test_override_rejects_bad_values(value):
+    with pytest.raises(ValueError):
+        Override.parse(value)
+
+
+@pytest.mark.parametrize("curve", [["1000"], ["a:0.1"], ["10:0"], ["10:0.2", "10:0.3"], ["0:0.5"]])
+def test_bad_curves(curve):
+    with pytest.raises(ValueError):
+        parse_curve(curve)
+
+
+def test_bandit_moves_within_bounds_and_forgets_old_sessions():
+    b = KeepRatioBandit(max_sessions=3)
+    assert b.ratio("s") == 0.10
+    r = [b.observe("s", 0.2) for _ in range(30)]        # poor acceptance: keep more, up to the cap
+    assert r[0] == pytest.approx(0.11) and r[-1] == 0.20
+    r = [b.observe("t", 1.0) for _ in range(40)]        # excellent: keep less, down to the floor
+    assert r[0] == pytest.approx(0.095) and r[-1] == 0.025
+    before = b.ratio("u")
+    b.observe("u", 0.8)                                  # inside the target: unchanged
+    assert b.ratio("u") == before
+    for s in ("v", "w", "x"):
+        b.observe(s, 0.5)
+    assert len(b) == 3 and b.ratio("s") == 0.10          # "s" was forgotten
+    with pytest.raises(ValueError):
+        b.observe("s", 1.5)
