@@ -62,6 +62,31 @@ def test_anchor_forces_the_quoted_place_but_not_common_phrases():
     assert sel.anchor_chunks == 1
 
 
+def test_anchors_take_at_most_a_quarter_of_the_budget_rarest_first():
+    n = 400                              # 100 chunks of 4, budget 20: anchors at most 5 chunks
+    ids = _ids(n, 7)
+    rare, common = [11, 12, 13], [21, 22, 23]
+    ids[100:103] = rare                  # once: chunk 25
+    for at in (20, 180, 260):            # twice allowed by max_anchor_hits 2? no: 3 places, left out
+        ids[at:at + 3] = common
+    pairs = [[31, 32, 33], [41, 42, 43], [51, 52, 53]]
+    for k, g in enumerate(pairs):        # each twice: 2 chunks per n-gram
+        ids[40 + 80 * k:43 + 80 * k] = g
+        ids[60 + 80 * k:63 + 80 * k] = g
+    tail = rare + common + [t for g in pairs for t in g]
+    ids[n - len(tail):] = tail
+    scores = np.zeros(n)
+    scores[320:384] = 1.0                # chunks 80..95 take what anchors leave
+    p = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=16, ngram=3,
+                     anchor_radius=0, max_anchor_hits=2)
+    sel = select(scores, ids, 0.2, p)
+    chunks = {c for a, b in sel.spans for c in range(a // 4, (b - 1) // 4 + 1)}
+    assert sel.anchor_chunks == 5
+    assert {25, 10, 15, 30, 35} <= chunks                # the rarest, then pairs in order, while they fit
+    assert not {50, 55} & chunks                         # the third pair would pass the quarter
+    assert not {5, 45, 65} & chunks                      # the common phrase never
+
+
 def test_query_survival_forces_the_query_chunks():
     n = 200
     ids = _ids(n, 5)
@@ -69,11 +94,12 @@ def test_query_survival_forces_the_query_chunks():
     scores[:120] = 1.0                    # the drafter looks everywhere but at the query
     q = (120, 180)                        # the query sits before a long template tail
     p = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=0)
-    sel = select(scores, ids, 0.2, p, query=q)
+    assert not select(scores, ids, 0.2, p, query=q).query_forced   # 60 tokens > the 40-token budget
+    sel = select(scores, ids, 0.4, p, query=q)
     assert sel.query_forced
     assert survived(ids[120:180], sel.take(ids)) == 1.0
     big = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=0, survival_max_query=50)
-    assert not select(scores, ids, 0.2, big, query=q).query_forced   # a long query is not re-added
+    assert not select(scores, ids, 0.4, big, query=q).query_forced   # a long query is not re-added
 
 
 def test_survived_is_an_in_order_fraction():
@@ -142,3 +168,32 @@ def test_bandit_moves_within_bounds_and_forgets_old_sessions():
     assert len(b) == 3 and b.ratio("s") == 0.10          # "s" was forgotten
     with pytest.raises(ValueError):
         b.observe("s", 1.5)
+
+
+def test_service_feeds_acceptance_to_the_session_bandit():
+    """Service.keep_ratio / observe: a session's answers with poor DFlash acceptance make
+    its next prompt keep more; sessions without compression or a draft are left alone."""
+    from types import SimpleNamespace
+
+    from dflash_server.engine.generate import GenerationResult
+    from dflash_server.server.config import ServerConfig
+    from dflash_server.server.generation import GenOptions, Service
+    from dflash_server.server.prompt import Prompt
+
+    engine = SimpleNamespace(compressor=object(), compress_policy=PFlashPolicy("auto", threshold=10, keep_ratio=0.3))
+    svc = Service(ServerConfig(), None, SimpleNamespace(engine=engine), None, None, 4096)
+    prompt = Prompt(list(range(50)), query="q")
+    opts = GenOptions(session_id="s")
+    assert svc.keep_ratio(prompt, opts) == 0.10                 # a session starts at the bandit's ratio
+    assert svc.keep_ratio(prompt, GenOptions()) == 0.3          # no session: the server's
+    res = GenerationResult([1], "x", "stop", 50, extra={"pflash": {"compressed_tokens": 5},
+                                                         "spec": {"accepted": 1, "proposed": 10}})
+    svc.observe(opts, res)
+    assert svc.keep_ratio(prompt, opts) == pytest.approx(0.11)
+    svc.observe(GenOptions(session_id="t"), GenerationResult([1], "x", "stop", 50, extra={"spec": {
+        "accepted": 0, "proposed": 10}}))                        # not compressed: nothing learnt
+    assert len(svc.bandit) == 1
+    no_drafter = Service(ServerConfig(), None, SimpleNamespace(engine=SimpleNamespace()), None, None, 4096)
+    assert no_drafter.keep_ratio(prompt, opts) is None
+    with pytest.raises(Exception, match="no prefill drafter"):
+        no_drafter.keep_ratio(prompt, GenOptions(compression=Override("always")))

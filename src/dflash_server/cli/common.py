@@ -212,8 +212,8 @@ def load_engine(args, progress: bool = True):
     compressor = load_compressor(args, pipeline, dtype, quantize[0])
     engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
                     prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval,
-                    step_tokens=getattr(args, "step_tokens", 256), compressor=compressor)
-    engine.pflash_policy = pflash_policy(args)
+                    step_tokens=getattr(args, "step_tokens", 256), compressor=compressor,
+                    compress_policy=pflash_policy(args))
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
 

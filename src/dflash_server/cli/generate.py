@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             ids = tok.encode_chat(messages)
         except ValueError as e:
             raise UserError(str(e)) from None
-    keep = engine.pflash_policy.decide(len(ids))
+    keep = engine.compress_policy.decide(len(ids))
     try:
         req = GenerationRequest(tuple(ids), sampling, args.max_tokens, ignore_eos=args.ignore_eos,
                                 stop=tuple(args.stop), compress=keep, compress_query=query)

@@ -44,3 +44,13 @@ def shards(pipeline) -> list[dict]:
             h = st.health()
             out.append({k: h.get(k) for k in ("status", "error", "restarts", "pid")} | {"layers": [st.begin, st.end]})
     return out
+
+
+def pflash(compressor, policy) -> dict:
+    """PFlash: the policy, the drafter and what it has done (compression ratio, drafter time)."""
+    out = {"enabled": compressor is not None}
+    if policy is not None:
+        out.update(policy.describe())
+    if compressor is not None:
+        out.update(compressor.stats())
+    return out

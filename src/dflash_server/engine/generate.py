@@ -99,7 +99,7 @@ class GenerationResult:
 class Engine:
     def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
                  prefix_bytes: int | None = None, disk_cache=None, checkpoint_interval: int = 0,
-                 step_tokens: int = 256, compressor=None):
+                 step_tokens: int = 256, compressor=None, compress_policy=None):
         """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).
         ``prefix_slots``: in-memory prefix-cache snapshots (0 disables), with an optional
         byte budget; ``disk_cache``: a cache.disk.DiskCache for restart-persistent snapshots;
@@ -108,7 +108,8 @@ class Engine:
         Sequences run concurrently in the pipeline's sequence slots (``pipeline.lanes``);
         ``step_tokens``: the tokens one step may forward while others decode (a prompt's
         prefill goes in pieces of at most that, less the decode rows). ``compressor``: a
-        pflash Compressor for requests that ask for prefill compression."""
+        pflash Compressor for requests that ask for prefill compression; ``compress_policy``:
+        the pflash PFlashPolicy callers decide with (None: compression only on request)."""
         self.checkpoint_interval = checkpoint_interval
         from ..cache.prefix_index import PrefixIndex
         from .prefix import PrefixCache
@@ -121,6 +122,7 @@ class Engine:
         self.scheduler = StepScheduler(pipeline.lanes, step_tokens)
         self.grammars = GrammarCompiler(self.tokenizer, pipeline.config.vocab_size)
         self.compressor = compressor
+        self.compress_policy = compress_policy
         self._next_id = 0
         self.counters = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "step_s": 0.0}
         self.batch_sizes: dict[int, int] = {}  # decode rows per step -> steps
@@ -133,10 +135,14 @@ class Engine:
         the sequence with finish_reason "cancelled". ``tag``: the caller's, kept on the
         sequence."""
         pipe = self.pipeline
-        if len(req.prompt_ids) >= pipe.max_ctx:
-            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context size is {pipe.max_ctx}")
         if req.compress is not None and self.compressor is None:
             raise ValueError("prefill compression needs a drafter: start with --prefill-drafter")
+        if req.compress is not None:  # the compressed prompt must fit the context (checked when it exists)
+            if len(req.prompt_ids) > self.compressor.max_tokens:
+                raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the prefill drafter reads at most "
+                                 f"{self.compressor.max_tokens}")
+        elif len(req.prompt_ids) >= pipe.max_ctx:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context size is {pipe.max_ctx}")
         constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
         seq = Sequence(self._next_id, req, self.tokenizer, pipe.config.vocab_size, pipe.device, on_event,
                        cancelled, tag, constraint)
@@ -226,6 +232,9 @@ class Engine:
             raise
         except Exception as e:  # noqa: BLE001 - the drafter's failure, named as such
             raise CompressionError(f"PFlash compression failed: {type(e).__name__}: {e}") from e
+        if len(c.ids) >= self.pipeline.max_ctx:
+            raise ValueError(f"the compressed prompt has {len(c.ids)} tokens (of {len(seq.prompt)}); the context "
+                             f"size is {self.pipeline.max_ctx}: keep a smaller fraction")
         seq.compressed = c
         seq.replace_prompt(c.ids)
 
@@ -403,6 +412,7 @@ class Engine:
                 "batch_sizes": dict(sorted(self.batch_sizes.items())),
                 "speculative": describe.speculative(self.proposer), "cache": describe.cache(self.prefix_cache),
                 "kvflash": describe.kvflash(self.pipeline), "shards": describe.shards(self.pipeline),
+                "pflash": describe.pflash(self.compressor, self.compress_policy),
                 "grammar": True}
 
     def _checkpointer(self, seq: Sequence):

@@ -62,6 +62,11 @@ class Compressor:
         self.compressed_tokens = 0
         self.drafter_s = 0.0
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest prompt (in drafter tokens) the drafter reads."""
+        return self.scorer.max_tokens
+
     def compress(self, ids: list[int], keep_ratio: float, query: str | None = None) -> Compressed:
         t0 = time.perf_counter()
         ids = list(ids)

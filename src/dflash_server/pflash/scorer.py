@@ -46,14 +46,23 @@ class PromptScorer:
         if not 1 <= n_layers <= len(stage.layers):
             raise ValueError(f"self:{n_layers}: the first in-process stage has {len(stage.layers)} layers "
                              f"(need 1 <= N <= {len(stage.layers)})")
-        return cls(stage.embed, stage.layers[:n_layers], stage.rope, stage.rope_local, stage.device, stage.dtype,
+        cfg = stage.config
+        rope, rope_local = stage.rope, stage.rope_local
+        longest = max(stage.max_ctx, cfg.max_position_embeddings or 0)
+        if longest > stage.max_ctx:  # the drafter reads prompts up to the model's length, past the context
+            rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, longest, cfg.rope_scaling,
+                               stage.device, stage.dtype)
+            rope_local = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta, longest, None,
+                                     stage.device, stage.dtype) if cfg.rope_local_theta else None
+        return cls(stage.embed, stage.layers[:n_layers], rope, rope_local, stage.device, stage.dtype,
                    tokenizer=None, name=f"self:{n_layers}", chunk=chunk)
 
     @classmethod
     def load(cls, path: str, *, device: str, dtype: torch.dtype, max_ctx: int, n_layers: int | None = None,
              quantize: str = "dense", chunk: int = 512) -> "PromptScorer":
         """A drafter model file (HF directory or GGUF): its embedding and first ``n_layers``
-        layers (all when None), with its own tokenizer."""
+        layers (all when None), with its own tokenizer. It reads prompts of up to
+        ``max_ctx`` or its own trained length, whichever is longer."""
         from ..layers.linear import Linear
         from ..runtime.stage import _Weights
         from ..weights.loader import open_model
@@ -71,7 +80,7 @@ class PromptScorer:
             for mod in layer.modules():
                 if isinstance(mod, Linear):
                     mod.quantize_(quantize)
-        ctx = min(max_ctx, cfg.max_position_embeddings) if cfg.max_position_embeddings else max_ctx
+        ctx = max(max_ctx, cfg.max_position_embeddings or 0)
         rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, ctx, cfg.rope_scaling, dev, dtype)
         rope_local = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta, ctx, None, dev, dtype) \
             if cfg.rope_local_theta else None

@@ -14,8 +14,12 @@ survive, after the forced ones:
   also occurs earlier in the prompt (a document pasted into the question included) forces the chunks around each earlier occurrence
   (``anchor_radius`` chunks on either side), unless it occurs more than
   ``max_anchor_hits`` times there (a common phrase says nothing about where to look);
+  rarest n-grams first, all of one n-gram's places or none, within a quarter of the
+  budget (a repetitive document would otherwise force most of itself);
 - the query's own chunks, when fewer than ``survival`` of its tokens would survive and it
-  is shorter than ``survival_max_query`` tokens (the query-survival rule).
+  is shorter than ``survival_max_query`` tokens and than the budget (the query-survival
+  rule; a "query" longer than the whole budget is the document pasted with the question,
+  which the rule cannot keep whole).
 
 Spans come back merged and in prompt order, so the kept ids are a subsequence of the prompt.
 """
@@ -89,9 +93,9 @@ def chunk_scores(scores: np.ndarray, chunk: int) -> np.ndarray:
     return padded.reshape(n_chunks, chunk).sum(1) / counts
 
 
-def anchor_positions(ids, query: tuple[int, int], p: SelectParams) -> list[int]:
-    """Start positions, before the query's last ``query_tokens`` tokens, of n-grams that
-    occur in those tokens (see module doc)."""
+def anchor_positions(ids, query: tuple[int, int], p: SelectParams) -> list[list[int]]:
+    """Per n-gram of the query's last ``query_tokens`` tokens, its start positions before
+    those tokens (n-grams with more than ``max_anchor_hits`` there left out), rarest first."""
     q0, q1 = query
     t0 = max(q0, q1 - p.query_tokens)
     tail = list(ids[t0:q1])
@@ -105,11 +109,7 @@ def anchor_positions(ids, query: tuple[int, int], p: SelectParams) -> list[int]:
         g = tuple(body[i:i + n])
         if g in grams:
             hits.setdefault(g, []).append(i)
-    out = []
-    for where in hits.values():
-        if len(where) <= p.max_anchor_hits:
-            out.extend(where)
-    return sorted(out)
+    return sorted((w for w in hits.values() if len(w) <= p.max_anchor_hits), key=lambda w: (len(w), w[0]))
 
 
 def survived(query_ids, kept_ids) -> float:
@@ -155,10 +155,16 @@ def select(scores, ids, keep_ratio: float, p: SelectParams = SelectParams(),
         keep[max(0, n_chunks - tail):] = True
     forced_base = keep.copy()
     q = query if query is not None else (max(0, n - p.query_tokens), n)
-    for pos in anchor_positions(ids, q, p):
-        c0 = pos // p.chunk
-        c1 = (pos + p.ngram - 1) // p.chunk
-        keep[max(0, c0 - p.anchor_radius):min(n_chunks, c1 + p.anchor_radius + 1)] = True
+    anchor_cap = n_keep // 4    # anchors force at most a quarter of the budget, rarest n-grams first
+    for where in anchor_positions(ids, q, p):
+        trial = keep.copy()
+        for pos in where:
+            c0 = pos // p.chunk
+            c1 = (pos + p.ngram - 1) // p.chunk
+            trial[max(0, c0 - p.anchor_radius):min(n_chunks, c1 + p.anchor_radius + 1)] = True
+        if int((trial & ~forced_base).sum()) > anchor_cap:
+            continue
+        keep = trial
     anchors = int((keep & ~forced_base).sum())
     budget = n_keep - int(keep.sum())
     if budget > 0:
@@ -167,7 +173,8 @@ def select(scores, ids, keep_ratio: float, p: SelectParams = SelectParams(),
         free = order[~keep[order]][:budget]
         keep[free] = True
     query_forced = False
-    if query is not None and query[1] > query[0] and query[1] - query[0] < p.survival_max_query:
+    q_len = query[1] - query[0] if query is not None else 0
+    if 0 < q_len < min(p.survival_max_query, n_keep * p.chunk):
         sel = _spans(keep, p.chunk, n)
         qids = list(ids[query[0]:query[1]])
         if survived(qids, Selection(sel, 0, 0).take(ids)) < p.survival:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
 from ..engine.sampling import SamplingParams
-from ..errors import ShardError
+from ..errors import CompressionError, ShardError
+from ..pflash.policy import KeepRatioBandit, PFlashPolicy
 from .errors import APIError, bad_request, redact_paths
 from .output_parser import Delta, OutputParser
 from .prompt import Prompt
@@ -35,6 +36,8 @@ class GenOptions:
     parse_output: bool = True               # split <think> / tool calls (chat APIs)
     cache_scope: str | None = None          # prefix cache override: off | memory | full
     grammar: str | None = None              # llguidance grammar the output must match (response_format)
+    compression: object | None = None       # the request's PFlash override (pflash.policy.Override)
+    session_id: str | None = None           # keys the PFlash keep-ratio bandit
 
 
 @dataclass
@@ -50,6 +53,8 @@ def engine_error(e: BaseException) -> APIError:
         return APIError(503, str(e), headers={"Retry-After": "5"})
     if isinstance(e, ShardError):
         return APIError(503, redact_paths(str(e)), headers={"Retry-After": "5"})
+    if isinstance(e, CompressionError):
+        return APIError(500, redact_paths(str(e))[:500])
     if isinstance(e, ValueError):
         return bad_request(str(e))
     return APIError(500, f"generation failed: {type(e).__name__}")
@@ -76,8 +81,9 @@ def _merge(out: list[Delta], d: Delta) -> None:
 class Run:
     """One generation in flight, as parsed output steps."""
 
-    def __init__(self, job, prompt: Prompt, opts: GenOptions, stop_ids: set[int]):
+    def __init__(self, job, prompt: Prompt, opts: GenOptions, stop_ids: set[int], on_result=None):
         self.job, self.prompt, self.opts = job, prompt, opts
+        self.on_result = on_result
         self.parser = OutputParser(think_open=prompt.think_open, tools=opts.tools) if opts.parse_output else None
         if self.parser is not None and prompt.prefix:
             self.parser.push(prompt.prefix)  # already in the prompt; opens the tool-call block
@@ -144,6 +150,8 @@ class Run:
                     raise APIError(503, "generation was cancelled: the server is shutting down",
                                    headers={"Retry-After": "5"})
                 self.result = item
+                if self.on_result is not None:
+                    self.on_result(opts=self.opts, result=item)
                 if self.parser is not None:
                     tail = self.parser.finish()
                     if tail:
@@ -190,12 +198,39 @@ class Service:
     def __init__(self, config, tokenizer, scheduler, prompts, think_tokens, max_ctx: int):
         self.config, self.tokenizer, self.scheduler = config, tokenizer, scheduler
         self.prompts, self.think_tokens, self.max_ctx = prompts, think_tokens, max_ctx
+        engine = scheduler.engine
+        self.compress_policy = getattr(engine, "compress_policy", None) or PFlashPolicy()
+        self.can_compress = getattr(engine, "compressor", None) is not None
+        self.bandit = KeepRatioBandit()
+
+    def keep_ratio(self, prompt: Prompt, opts: GenOptions) -> float | None:
+        """PFlash: the fraction of ``prompt`` to keep, or None (prefill it whole)."""
+        session = self.bandit.ratio(opts.session_id) if opts.session_id and self.can_compress else None
+        keep = self.compress_policy.decide(len(prompt.ids), opts.compression, prompt.continuation, session)
+        if keep is not None and not self.can_compress:
+            raise bad_request("prefill_compression: this server has no prefill drafter (start it with "
+                              "--prefill-drafter)", "prefill_compression")
+        return keep
+
+    def observe(self, opts: GenOptions, result: GenerationResult) -> None:
+        """Feed a compressed answer's DFlash acceptance to its session's keep ratio."""
+        spec = result.extra.get("spec")
+        if opts.session_id and "pflash" in result.extra and spec and spec.get("proposed"):
+            self.bandit.observe(opts.session_id, min(1.0, spec["accepted"] / spec["proposed"]))
 
     def request(self, prompt: Prompt, opts: GenOptions, seed_offset: int = 0) -> GenerationRequest:
         n, ctx = len(prompt.ids), self.max_ctx
-        if n >= ctx:
+        keep = self.keep_ratio(prompt, opts)
+        if keep is not None:  # PFlash runs: the prompt may be longer than the context, its compressed form not
+            limit = self.scheduler.engine.compressor.max_tokens
+            if n > limit:
+                raise bad_request(f"the prompt has {n} tokens; the prefill drafter reads at most {limit}",
+                                  prompt.param)
+            room = ctx - 1   # what the compressed prompt leaves is known once it exists: the engine ends there
+        elif n >= ctx:
             raise bad_request(f"the prompt has {n} tokens; the context size is {ctx} tokens", prompt.param)
-        room = ctx - n
+        else:
+            room = ctx - n
         if opts.max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, room)
         elif opts.max_tokens > room:
@@ -218,7 +253,8 @@ class Service:
         try:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
                                      stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs,
-                                     cache_scope=opts.cache_scope, grammar=grammar,
+                                     cache_scope=opts.cache_scope, grammar=grammar, compress=keep,
+                                     compress_query=prompt.query if keep is not None else None,
                                      **budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens))
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -239,7 +275,7 @@ class Service:
         runs: list[Run] = []
         try:
             for req in reqs:
-                runs.append(Run(self.scheduler.submit(req, label), prompt, opts, stop_ids))
+                runs.append(Run(self.scheduler.submit(req, label), prompt, opts, stop_ids, self.observe))
         except QueueFull as e:
             for r in runs:
                 r.cancel()

@@ -44,6 +44,15 @@ class _EngineCollector:
                                ("decode_rows", "decode_rows", "decode rows run (one per sequence per step)"),
                                ("prefill_tokens", "prefill_tokens", "prompt tokens prefilled by engine steps")):
             yield CounterMetricFamily(f"dflash_engine_{name}", doc, value=st[key])
+        pf = st.get("pflash") or {}
+        if pf.get("enabled"):
+            for key, name, doc in (("calls", "compressions", "prompts compressed by PFlash"),
+                                   ("raw_tokens", "raw_tokens", "prompt tokens before PFlash compression"),
+                                   ("compressed_tokens", "compressed_tokens", "prompt tokens PFlash kept"),
+                                   ("drafter_s", "drafter_seconds", "seconds the PFlash drafter ran")):
+                yield CounterMetricFamily(f"dflash_pflash_{name}", doc, value=pf[key])
+            yield GaugeMetricFamily("dflash_pflash_compression_ratio", "kept / raw prompt tokens, all compressions",
+                                    value=pf["compression_ratio"] or 0.0)
         sizes = st["batch_sizes"]
         buckets, acc = [], 0
         for le in self.BATCH_BUCKETS:

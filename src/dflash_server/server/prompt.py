@@ -34,6 +34,8 @@ class Prompt:
     think_open: bool = False   # the prompt ends inside an open <think> block
     prefix: str = ""           # assistant text already in the prompt (forced tool call start)
     param: str = "messages"    # the request field it came from (named in errors)
+    query: str | None = None   # the last user message's text (guides PFlash's selection)
+    continuation: bool = False  # the history holds assistant or tool turns (PFlash leaves it whole)
 
 
 def _args_obj(arguments):
@@ -91,7 +93,10 @@ class PromptBuilder:
             text, think_open = text + CLOSE_TEXT.lstrip("\n"), False
         text += prefix
         self.check_size(len(text), "messages")
-        return Prompt(self.tokenizer.encode(text, add_bos=False), text, think_open, prefix)
+        users = [m for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        return Prompt(self.tokenizer.encode(text, add_bos=False), text, think_open, prefix,
+                      query=users[-1]["content"] if users else None,
+                      continuation=any(m.get("role") in ("assistant", "tool") for m in messages))
 
     def check_size(self, chars: int, param: str) -> None:
         """400 when ``chars`` characters of text cannot fit in the context."""

@@ -75,6 +75,7 @@ def props(state) -> dict:
                                      "step_tokens") if k in st},
         "shards": st.get("shards", []),
         "kvflash": st.get("kvflash", {"enabled": False, "stages": []}),
+        "pflash": {**st.get("pflash", {"enabled": False}), "sessions": len(state.service.bandit)},
     })
     return _redacted(out, cfg)
 
@@ -92,5 +93,8 @@ def _redacted(out: dict, cfg) -> dict:
         disk["dir"] = redact_paths(disk["dir"])
     for shard in out.get("shards", []):
         shard["error"] = redact_paths(shard.get("error"))
+    pf = out.get("pflash", {})
+    if isinstance(pf.get("drafter"), str):
+        pf["drafter"] = redact_paths(pf["drafter"])
     return out
 

@@ -19,8 +19,13 @@ def _usage(groups: list[list[Run]]) -> dict:
     prompt = sum(g[0].result.prompt_tokens for g in groups)
     completion = sum(r.result.completion_tokens for g in groups for r in g)
     cached = sum(g[0].result.cached_tokens for g in groups)
+    details = {"cached_tokens": cached}
+    compressed = [g[0].result.extra.get("pflash") for g in groups]
+    if any(compressed):   # with PFlash: the tokens the target read (the prompts it left whole count in full)
+        details["compressed_tokens"] = sum(pf["compressed_tokens"] if pf else g[0].result.prompt_tokens
+                                           for pf, g in zip(compressed, groups))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": details}
 
 
 async def handle(app, request: Request):
@@ -30,7 +35,8 @@ async def handle(app, request: Request):
     n = body.n or 1
     opts = GenOptions(max_tokens=body.max_tokens, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.logprobs, ignore_eos=bool(body.ignore_eos),
-                      parse_output=False, cache_scope=body.cache_scope)
+                      parse_output=False, cache_scope=body.cache_scope, compression=body.compression,
+                      session_id=body.session_id)
     prompts = [await app.render_raw(p) for p in body.prompts()]
     for p in prompts:
         app.service.request(p, opts)  # admission for every prompt before anything is queued

@@ -24,21 +24,32 @@ def chat_thinking(body: ChatRequest) -> Thinking:
     return t
 
 
+def prompt_details(res, cached: int | None = None) -> dict:
+    """``prompt_tokens_details``: cached tokens, and with PFlash the tokens the target read
+    (``prompt_tokens`` counts the raw prompt)."""
+    out = {"cached_tokens": res.cached_tokens if cached is None else cached}
+    pf = res.extra.get("pflash")
+    if pf:
+        out["compressed_tokens"] = pf["compressed_tokens"]
+    return out
+
+
 def usage(runs: list[Run], cached: int | None = None) -> dict:
     res = runs[0].result
     completion = sum(r.result.completion_tokens for r in runs)
     reasoning = sum(r.reasoning_tokens for r in runs)
     return {"prompt_tokens": res.prompt_tokens, "completion_tokens": completion,
             "total_tokens": res.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": res.cached_tokens if cached is None else cached},
+            "prompt_tokens_details": prompt_details(res, cached),
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def timings(runs: list[Run]) -> dict:
     t = runs[0].result.timings()
-    spec = runs[0].result.extra.get("spec") if isinstance(runs[0].result.extra, dict) else None
-    if isinstance(spec, dict):
-        t["spec"] = {k: v for k, v in spec.items() if isinstance(v, (int, float, str, bool))}
+    extra = runs[0].result.extra if isinstance(runs[0].result.extra, dict) else {}
+    for key in ("spec", "pflash"):
+        if isinstance(extra.get(key), dict):
+            t[key] = {k: v for k, v in extra[key].items() if isinstance(v, (int, float, str, bool))}
     return t
 
 
@@ -60,7 +71,8 @@ async def handle(app, request: Request):
                       sampling=body.sampling(app.sampling_defaults), stop=stop_list(body.stop, 4),
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                       ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope, grammar=grammar)
+                      cache_scope=body.cache_scope, compression=body.compression,
+                      session_id=body.session_id, grammar=grammar)
     runs = app.service.start(prompt, opts, body.n or 1, label="chat")
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     model = body.model or app.config.model_name

@@ -12,6 +12,7 @@ from . import sse
 from .errors import APIError, error_body
 from .generation import GenOptions, Run, stream_failure
 from .output_parser import Delta
+from .protocol_openai import prompt_details
 from .logprobs import chat_entries
 from .reasoning import Thinking
 from .schemas_common import stop_list
@@ -48,7 +49,7 @@ class _Response:
         if run is not None and run.result is not None:
             res = run.result
             out["usage"] = {"input_tokens": res.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": res.cached_tokens, "cache_write_tokens": 0},
+                            "input_tokens_details": {"cache_write_tokens": 0, **prompt_details(res)},
                             "output_tokens": res.completion_tokens,
                             "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens},
                             "total_tokens": res.prompt_tokens + res.completion_tokens}
@@ -117,7 +118,8 @@ async def handle(app, request: Request):
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.output_limit, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope, grammar=grammar)
+                      cache_scope=body.cache_scope, compression=body.compression,
+                      session_id=body.session_id, grammar=grammar)
     runs = app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:

@@ -48,8 +48,29 @@ class PrefixCacheOption(Model):
     scope: Literal["off", "memory", "full"]
 
 
+class PrefillCompressionOption(Model):
+    """Per-request PFlash override (see pflash.policy.Override)."""
+    mode: Literal["off", "auto", "always"] | None = None
+    keep_ratio: float | None = Field(None, gt=0, le=1)
+    threshold: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+
+
 class CacheFields(Model):
     prefix_cache: PrefixCacheOption | None = None
+    prefill_compression: Literal["off", "auto", "always"] | PrefillCompressionOption | None = None
+    session_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+
+    @property
+    def compression(self):
+        """The request's PFlash override (pflash.policy.Override) or None."""
+        from ..pflash.policy import Override
+
+        v = self.prefill_compression
+        if v is None:
+            return None
+        if isinstance(v, str):
+            return Override(mode=v)
+        return Override(v.mode, v.keep_ratio, v.threshold)
 
     @property
     def cache_scope(self) -> str | None:

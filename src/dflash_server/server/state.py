@@ -42,7 +42,10 @@ class ServerState:
         tok = engine.tokenizer
         self.tokenizer = tok
         max_ctx = int(info.get("max_ctx") or engine.pipeline.max_ctx)
-        self.prompts = PromptBuilder(tok, self.config.chat_template, max_ctx)
+        compressor = getattr(engine, "compressor", None)
+        # with a prefill drafter, prompts up to what it reads are admitted (PFlash compresses them)
+        self.prompts = PromptBuilder(tok, self.config.chat_template,
+                                     max(max_ctx, compressor.max_tokens) if compressor is not None else max_ctx)
         self.think = think_tokens(tok)
         self.token_texts = TokenTexts(tok)
         self.info = dict(info)
