@@ -148,3 +148,29 @@ def test_drafter_errors_are_clear(tiny_dir):
         eng.generate(GenerationRequest(tuple(ids[:100]), max_tokens=2, compress=0.5))
     # the engine goes on serving afterwards
     assert len(eng.generate(GenerationRequest(tuple(ids[:20]), max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
+def test_drafter_in_a_shard_worker_scores_as_in_process(tiny_dir):
+    from dflash_server.pflash.remote import RemoteScorer
+    from dflash_server.runtime.worker_link import RemoteOptions
+    from dflash_server.errors import ShardError
+
+    path = str(tiny_dir("qwen3"))
+    local = PromptScorer.load(path, device="cpu", dtype=torch.float32, max_ctx=1024, n_layers=2)
+    remote = RemoteScorer(path, device="cpu", dtype=torch.float32, max_ctx=1024, options=RemoteOptions(timeout_s=60),
+                          n_layers=2)
+    try:
+        assert remote.max_tokens == local.max_tokens and len(remote.layers) == 2
+        ids = torch.randint(10, 30000, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+        np.testing.assert_array_equal(remote.score(ids), local.score(ids))
+        pipe = _pipe(tiny_dir("llama"))
+        a = Compressor(remote, pipe.tokenizer).compress(_needle_prompt(pipe.tokenizer)[0], 0.2)
+        b = Compressor(local, pipe.tokenizer).compress(_needle_prompt(pipe.tokenizer)[0], 0.2)
+        assert a.ids == b.ids
+        with pytest.raises(ShardError, match="token ids must be in"):
+            remote.link.call("pflash_score", {}, {"ids": torch.tensor([10 ** 9], dtype=torch.int64)})
+        with pytest.raises(ShardError, match="non-empty 1-D int64"):
+            remote.link.call("pflash_score", {}, {"ids": torch.zeros(2, 2, dtype=torch.int64)})
+        assert remote.score(ids[:50]).shape == (50,)   # the worker serves on after bad requests
+    finally:
+        remote.close()

@@ -197,3 +197,34 @@ def test_bad_draft_gives_clean_error(tiny_dir, tmp_path):
     cfg["dflash_config"]["target_layer_ids"] = [1, 7]
     (draft / "config.json").write_text(json.dumps(cfg))
     assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft)), "target_layer_ids")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--prefill-compression", "always"), "needs --prefill-drafter"),
+    (("--prefill-drafter", "self:0"), "self:0"),
+    (("--prefill-drafter", "self:99"), "has 4 layers"),
+    (("--prefill-drafter", "self:x"), "expected self:N"),
+    (("--prefill-drafter", "self:2", "--prefill-drafter-layers", "1"), "do not apply"),
+    (("--prefill-drafter-layers", "1"), "need --prefill-drafter"),
+    (("--prefill-drafter", "remote:cpu"), "--prefill-drafter-device remote:"),
+    (("--prefill-drafter", "self:2", "--prefill-drafter-device", "cpu"), "do not apply"),
+    (("--prefill-drafter", "/nonexistent/drafter"), "/nonexistent/drafter"),
+    (("--prefill-drafter", "self:2", "--prefill-keep-ratio", "0"), "keep ratio"),
+    (("--prefill-drafter", "self:2", "--prefill-curve", "100:0.5", "100:0.2"), "distinct"),
+    (("--prefill-drafter", "self:2", "--prefill-curve", "oops"), "tokens:ratio"),
+])
+def test_prefill_flags(tiny_dir, args, needle):
+    assert_clean_error(gen(tiny_dir("llama"), *args), needle)
+
+
+def test_generate_compresses_a_chat_file(tiny_dir, tmp_path):
+    f = tmp_path / "q.txt"
+    f.write_text(" ".join(f"Fact {i}: the mill stands by the river." for i in range(60)) + "\nWhere is the mill?")
+    res = run_cli("generate", "--model", str(tiny_dir("llama")), "--chat-file", str(f), "--max-tokens", "2",
+                  "--prefill-drafter", "self:2", "--prefill-compression", "auto", "--prefill-threshold", "100",
+                  "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["pflash"]["raw_tokens"] == out["prompt_tokens"] > out["pflash"]["compressed_tokens"] > 0
+    assert_clean_error(run_cli("generate", "--model", str(tiny_dir("llama")), "--chat-file",
+                               str(tmp_path / "missing.txt")), "missing.txt")

@@ -197,3 +197,19 @@ def test_service_feeds_acceptance_to_the_session_bandit():
     assert no_drafter.keep_ratio(prompt, opts) is None
     with pytest.raises(Exception, match="no prefill drafter"):
         no_drafter.keep_ratio(prompt, GenOptions(compression=Override("always")))
+
+
+def test_anchor_surroundings_when_they_fit_else_the_bare_place():
+    n = 80
+    ids = _ids(n, 3)
+    ids[28:31] = [7, 8, 9]              # chunk 7; with 4 tokens either side chunks 6..8
+    ids[73:76] = [7, 8, 9]
+    p = SelectParams(chunk=4, head_chunks=1, tail_chunks=1, pool_kernel=1, query_tokens=8, ngram=3,
+                     anchor_radius=4, max_anchor_hits=2)
+    scores = np.zeros(n)
+    scores[48:52] = 1.0
+    small = select(scores, ids, 0.2, p)    # budget 4, anchors at most 2 chunks: the bare chunk
+    assert small.anchor_chunks == 1 and (28, 32) in small.spans
+    big = select(scores, ids, 0.6, p)      # budget 12, anchors up to 3: with the surroundings
+    kept = {c for a, b in big.spans for c in range(a // 4, (b - 1) // 4 + 1)}
+    assert big.anchor_chunks == 3 and {6, 7, 8} <= kept

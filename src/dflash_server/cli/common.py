@@ -254,13 +254,14 @@ def load_compressor(args, pipeline, dtype, layer_mode: str = "dense"):
                 raise UserError(f"--prefill-drafter {spec}: expected self:N with N a number of layers") from None
             scorer = PromptScorer.from_stage(pipeline.stages[0], n, chunk=args.chunk)
         elif spec.startswith("remote:"):
-            raise UserError("--prefill-drafter remote:... is not supported yet: use a drafter file on a device "
-                            "of this process (--prefill-drafter-device) or self:N")
+            raise UserError("--prefill-drafter takes a model path or self:N; put a drafter file in a worker with "
+                            "--prefill-drafter-device remote:<device>")
         else:
             device = resolve_device(args.prefill_drafter_device) if args.prefill_drafter_device \
                 else str(pipeline.stages[0].device)
             if device.startswith("remote:"):
-                raise UserError("--prefill-drafter-device remote:... is not supported yet")
+                return Compressor(remote_scorer(args, spec, device.removeprefix("remote:"), pipeline, dtype),
+                                  pipeline.tokenizer)
             scorer = PromptScorer.load(spec, device=device, dtype=dtype, max_ctx=pipeline.max_ctx,
                                        n_layers=args.prefill_drafter_layers,
                                        quantize=layer_mode if device.startswith("cpu") else "dense",
@@ -385,6 +386,23 @@ def remote_draft(args, path, device: str, pipeline, dtype, quantize: str = "dens
     try:
         return RemoteDraft(path, device=device, home=str(pipeline.device), dtype=dtype, max_ctx=pipeline.max_ctx,
                            options=opts, quantize=quantize)
+    except ShardError as e:
+        raise UserError(str(e)) from None
+
+
+def remote_scorer(args, path: str, device: str, pipeline, dtype):
+    """The prefill drafter in its own spawned shard worker (``--prefill-drafter-device remote:<device>``)."""
+    from ..pflash.remote import RemoteScorer
+    from ..runtime.placement import parse_devices
+
+    try:
+        parse_devices(device)
+    except ValueError:
+        raise UserError(f"--prefill-drafter-device remote:{device}: unknown device") from None
+    try:
+        return RemoteScorer(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx, options=worker_options(args),
+                            n_layers=args.prefill_drafter_layers, chunk=args.chunk,
+                            quantize="dense")
     except ShardError as e:
         raise UserError(str(e)) from None
 

@@ -42,6 +42,7 @@ def read_secret(path: str | None) -> bytes:
 
 
 def run(args) -> int:
+    from ..pflash.remote import ScorerOps
     from ..runtime.shard_worker import ShardWorker
     from ..spec.remote_draft import DraftOps
 
@@ -54,7 +55,7 @@ def run(args) -> int:
     import zmq
 
     try:
-        ShardWorker(secret, args.model, providers=(DraftOps(),)).serve(args.bind, args.parent_pid)
+        ShardWorker(secret, args.model, providers=(DraftOps(), ScorerOps())).serve(args.bind, args.parent_pid)
     except zmq.ZMQError as e:
         raise UserError(f"--bind {args.bind}: {e}") from None
     except KeyboardInterrupt:

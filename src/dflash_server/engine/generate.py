@@ -381,6 +381,8 @@ class Engine:
             self.pipeline.close()
             if hasattr(getattr(self.proposer, "draft", None), "close"):
                 self.proposer.draft.close()  # a draft in its own worker
+            if self.compressor is not None:
+                self.compressor.close()      # a prefill drafter in its own worker
 
     def health(self) -> dict:
         """{"status": "ok"} or {"status": "degraded", "error": ...} while a shard worker restarts."""

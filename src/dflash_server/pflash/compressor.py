@@ -94,6 +94,9 @@ class Compressor:
         self.drafter_s += res.drafter_s
         return res
 
+    def close(self) -> None:
+        self.scorer.close()
+
     def stats(self) -> dict:
         return {"drafter": self.scorer.name, "scoring_layers": len(self.scorer.layers), "calls": self.calls,
                 "raw_tokens": self.raw_tokens, "compressed_tokens": self.compressed_tokens,

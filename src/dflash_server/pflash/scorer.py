@@ -116,6 +116,9 @@ class PromptScorer:
         for layer, state in zip(self.layers, states):
             h = layer(h, ctx, state)
 
+    def close(self) -> None:
+        """(A drafter in a worker stops it; one here has nothing to release.)"""
+
     def describe(self) -> dict:
         return {"drafter": self.name, "layers": len(self.layers), "lookahead": self.lookahead,
                 "max_tokens": self.max_tokens}

@@ -11,11 +11,12 @@ survive, after the forced ones:
   of a CPU the 32 forced chunks (1024 tokens) would be the whole budget and no chunk
   would be chosen by its score;
 - anchors: a ``ngram``-token sequence of the query's last ``query_tokens`` tokens that
-  also occurs earlier in the prompt (a document pasted into the question included) forces the chunks around each earlier occurrence
-  (``anchor_radius`` chunks on either side), unless it occurs more than
+  also occurs earlier in the prompt (a document pasted into the question included) forces
+  the chunks around each earlier occurrence (``anchor_radius`` tokens on either side, or
+  just its own chunks when that does not fit), unless it occurs more than
   ``max_anchor_hits`` times there (a common phrase says nothing about where to look);
   rarest n-grams first, all of one n-gram's places or none, within a quarter of the
-  budget (a repetitive document would otherwise force most of itself);
+  budget (at least 2 chunks; a repetitive document would otherwise force most of itself);
 - the query's own chunks, when fewer than ``survival`` of its tokens would survive and it
   is shorter than ``survival_max_query`` tokens and than the budget (the query-survival
   rule; a "query" longer than the whole budget is the document pasted with the question,
@@ -39,7 +40,7 @@ class SelectParams:
     pool_kernel: int = 13
     query_tokens: int = 96
     ngram: int = 4
-    anchor_radius: int = 1
+    anchor_radius: int = 16          # tokens around an anchor's place kept with it
     max_anchor_hits: int = 8
     survival: float = 0.8
     survival_max_query: int = 1000
@@ -155,16 +156,17 @@ def select(scores, ids, keep_ratio: float, p: SelectParams = SelectParams(),
         keep[max(0, n_chunks - tail):] = True
     forced_base = keep.copy()
     q = query if query is not None else (max(0, n - p.query_tokens), n)
-    anchor_cap = n_keep // 4    # anchors force at most a quarter of the budget, rarest n-grams first
+    anchor_cap = max(2, n_keep // 4)   # anchors force at most a quarter of the budget, rarest n-grams first
     for where in anchor_positions(ids, q, p):
-        trial = keep.copy()
-        for pos in where:
-            c0 = pos // p.chunk
-            c1 = (pos + p.ngram - 1) // p.chunk
-            trial[max(0, c0 - p.anchor_radius):min(n_chunks, c1 + p.anchor_radius + 1)] = True
-        if int((trial & ~forced_base).sum()) > anchor_cap:
-            continue
-        keep = trial
+        for radius in (p.anchor_radius, 0):   # with its surroundings if they fit, else the bare place
+            trial = keep.copy()
+            for pos in where:
+                c0 = max(0, pos - radius) // p.chunk
+                c1 = min(n - 1, pos + p.ngram - 1 + radius) // p.chunk
+                trial[c0:c1 + 1] = True
+            if int((trial & ~forced_base).sum()) <= anchor_cap:
+                keep = trial
+                break
     anchors = int((keep & ~forced_base).sum())
     budget = n_keep - int(keep.sum())
     if budget > 0:

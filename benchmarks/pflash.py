@@ -1,0 +1,140 @@
+"""PFlash: needle-in-a-haystack retrieval and time to first token, full prefill vs the
+prompt compressed by the target's own first N layers (self:N), default model, one run.
+
+    python benchmarks/pflash.py [--lengths 2000,4000,8000] [--depths 0.1,0.3,0.5,0.7,0.9]
+                                [--ratios 0.05,0.1,0.2,0.3] [--layers 4] [--extra-layers 2,8]
+                                [--threads 2] [--out FILE]
+
+The haystack is the evaluation prompts' text (../shared/eval/*.jsonl); one "secret code"
+sentence goes in at each depth, the question at the end, through the chat template, so a
+prompt is about ``length`` tokens. Each case is one greedy generation of up to 16 tokens
+with the prefix cache off; it passes when the answer holds the code ("needle kept": the
+compressed prompt still holds the needle sentence's "is <code>."). TTFT is the engine's
+prefill time (drafter included). Rows: full prefill; self:``--layers`` at each ratio; and
+self:N for each of ``--extra-layers`` at ratio 0.1. Writes JSON (default
+benchmarks/results/pflash.json) and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from kvflash import eval_text  # noqa: E402
+
+NAMES = [("Zorbak", "4721"), ("Quillon", "9035"), ("Marvessa", "1168"), ("Telluride", "7702"),
+         ("Brannoch", "5849"), ("Ostrava", "3316"), ("Pellucid", "8250")]
+
+
+def cases(tok, lengths, depths):
+    text = eval_text()
+    out = []
+    for n in lengths:
+        for j, depth in enumerate(depths):
+            name, code = NAMES[(j + n // 1000) % len(NAMES)]
+            question = f"What is the secret code of {name}? Answer with the number only."
+            body = tok.decode(tok.encode(text)[j * 211:j * 211 + n - 60])
+            cut = int(len(body) * depth)
+            doc = body[:cut] + f"\n\nIMPORTANT: The secret code of {name} is {code}.\n\n" + body[cut:]
+            ids = tok.encode_chat([{"role": "user", "content": doc + "\n\n" + question}])
+            out.append({"length": n, "depth": depth, "code": code, "ids": ids, "query": doc + "\n\n" + question})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="2000,4000,8000")
+    ap.add_argument("--depths", default="0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95")
+    ap.add_argument("--ratios", default="0.05,0.1,0.2,0.3")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--extra-layers", default="2,8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pflash.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflash_server.cli.common import quantize_plan
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.pflash.compressor import Compressor
+    from dflash_server.pflash.scorer import PromptScorer
+
+    class Recording(Compressor):
+        """Keeps the last compression (to check that the needle sentence survived)."""
+
+        def compress(self, *a, **kw):
+            self.last = super().compress(*a, **kw)
+            return self.last
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+    from dflash_server.weights.default_model import default_model_path
+    from dflash_server.weights.loader import open_model
+
+    src = open_model(default_model_path())
+    quant = quantize_plan(src, "auto", True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    max_ctx = min(src.config.max_position_embeddings, 8192)
+    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16,
+                          max_ctx=max_ctx, quantize=quant, progress=False)
+    all_cases = cases(src.tokenizer, lengths, [float(x) for x in args.depths.split(",")])
+    for c in all_cases:
+        assert len(c["ids"]) + 16 < max_ctx, f"a {c['length']}-token case has {len(c['ids'])} tokens"
+    configs = [("full prefill", None, None)]
+    configs += [(f"self:{args.layers} keep {r}", args.layers, float(r)) for r in args.ratios.split(",")]
+    configs += [(f"self:{n} keep 0.1", int(n), 0.1) for n in args.extra_layers.split(",") if n]
+    engines = {}
+    rows = []
+    warm = Engine(pipe)
+    warm.generate(GenerationRequest(tuple(all_cases[0]["ids"][:600]), max_tokens=2, cache_scope="off"))
+    for label, layers, ratio in configs:
+        if layers not in engines:
+            comp = Recording(PromptScorer.from_stage(pipe.stages[0], layers), src.tokenizer) if layers else None
+            engines[layers] = Engine(pipe, compressor=comp)
+        eng = engines[layers]
+        for c in all_cases:
+            req = GenerationRequest(tuple(c["ids"]), max_tokens=16, cache_scope="off", compress=ratio,
+                                    compress_query=c["query"] if ratio else None)
+            t0 = time.perf_counter()
+            res = eng.generate(req)
+            wall = time.perf_counter() - t0
+            pf = res.extra.get("pflash") or {}
+            kept_text = src.tokenizer.decode(eng.compressor.last.ids) if ratio else ""
+            row = {"config": label, "length": c["length"], "depth": c["depth"], "prompt_tokens": len(c["ids"]),
+                   "kept_tokens": pf.get("compressed_tokens", len(c["ids"])), "ttft_s": round(res.prefill_s, 3),
+                   "drafter_s": pf.get("drafter_s", 0.0), "wall_s": round(wall, 3),
+                   "pass": c["code"] in res.text, "answer": res.text[:40],
+                   "needle_kept": (f"is {c['code']}." in kept_text) if ratio else True}
+            rows.append(row)
+            print(row, flush=True)
+    summary = []
+    for label, _, _ in configs:
+        for n in lengths:
+            rs = [r for r in rows if r["config"] == label and r["length"] == n]
+            full = [r for r in rows if r["config"] == "full prefill" and r["length"] == n]
+            ttft = sum(r["ttft_s"] for r in rs) / len(rs)
+            base = sum(r["ttft_s"] for r in full) / len(full)
+            summary.append({"config": label, "length": n, "prompt_tokens": round(sum(r["prompt_tokens"] for r in rs)
+                                                                                  / len(rs)),
+                            "kept_tokens": round(sum(r["kept_tokens"] for r in rs) / len(rs)),
+                            "accuracy": round(100 * sum(r["pass"] for r in rs) / len(rs), 1),
+                            "needle_kept": round(100 * sum(r["needle_kept"] for r in rs) / len(rs), 1),
+                            "ttft_s": round(ttft, 2), "speedup": round(base / ttft, 2)})
+    meta = {"threads": args.threads, "quantize": list(quant), "max_ctx": max_ctx, "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cases_per_length": len(all_cases) // len(lengths)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2))
+    print("\n| config | prompt tokens | kept tokens | needle kept | NIAH accuracy | TTFT (s) | vs full prefill |")
+    print("|---|---|---|---|---|---|---|")
+    for s in summary:
+        print(f"| {s['config']} | {s['prompt_tokens']} | {s['kept_tokens']} | {s['needle_kept']}% | {s['accuracy']}% | "
+              f"{s['ttft_s']} | {s['speedup']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
