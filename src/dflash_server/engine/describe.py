@@ -12,6 +12,8 @@ def speculative(proposer) -> dict:
     vocab = proposer.vocab
     out["draft_vocab_size"] = int(vocab.numel()) if vocab is not None else None  # null: the whole vocabulary
     out["adaptive_block_size"] = proposer.sizer is not None
+    # how sampled requests verify: rejection sampling, exact match, or auto (exact when seeded)
+    out["sampled_verify"] = proposer.sampled_verify
     if proposer.sizer is not None:
         out["block_sizer"] = proposer.sizer.to_dict()
     return out

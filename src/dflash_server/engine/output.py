@@ -42,6 +42,11 @@ class ThinkBudget:
             self.forced = list(r.think_close_ids)
         return self.forced.pop(0) if self.forced else None
 
+    def would_force(self) -> bool:
+        """Whether the next token is forced (without taking it)."""
+        r = self.req
+        return r.think_budget is not None and bool(self.forced or (self.inside and self.used >= r.think_budget))
+
     def observe(self, token: int) -> None:
         r = self.req
         if token == r.think_start_id:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+
 from .output import OutputBuilder, ThinkBudget, TokenEvent
 from .sampling import Sampler
 
@@ -68,6 +70,38 @@ class Sequence:
         self.think.observe(tok)
         self.sampler.accept(tok)
         return tok
+
+    def commit_draft(self, logits, token: int, q) -> tuple[bool, bool]:
+        """Speculative sampling: ``token`` was drawn from the draft's distribution ``q``
+        (V,); keep it with probability min(1, p(token) / q(token)), p the distribution this
+        sequence samples from (penalties, temperature, truncation, grammar mask), else draw
+        from the residual max(0, p - q), normalized. The token committed is distributed
+        exactly as p (Leviathan et al. 2023, Chen et al. 2023). Returns (finished, kept)."""
+        c = self.constraint
+        if c is not None:
+            logits = c.mask(logits)
+        p = self.sampler.probs(logits).double()
+        q = q[:p.shape[-1]].to(p.device).double()
+        g = self.sampler.generator
+        u = float(torch.rand((1,), generator=g, dtype=torch.float64, device=g.device))
+        qx = float(q[token]) if 0 <= token < q.shape[-1] else 0.0
+        px = float(p[token]) if 0 <= token < p.shape[-1] else 0.0
+        kept = qx > 0.0 and u * qx < px
+        if kept:
+            tok = token
+        else:
+            r = (p - q).clamp_min(0.0)
+            if float(r.sum()) <= 0.0:     # (p == q up to rounding: a rejection is then measure zero)
+                r = p
+            cdf = r.cumsum(-1)
+            v = torch.rand((1,), generator=g, dtype=torch.float64, device=g.device).to(cdf.device) * cdf[-1]
+            tok = min(int(torch.searchsorted(cdf, v, right=True)), cdf.shape[-1] - 1)
+        self.think.observe(tok)
+        self.sampler.accept(tok)
+        self.last = tok
+        if c is not None:
+            c.consume(tok)
+        return self.out.add(tok, logits) or (c is not None and c.stopped and self.out.finish_stop()), kept
 
     def commit(self, logits) -> bool:
         """Choose and record the token ``logits`` predict (it becomes ``last``). Returns

@@ -1,11 +1,15 @@
 """DFlash speculative decoding: one step of one sequence.
 
 Each step: the proposer drafts ``B-1`` tokens after the anchor in one pass; the target
-verifies ``[anchor, drafts]`` in one forward (capturing the tapped layers); tokens are taken
-from the target's own distribution position by position (argmax, or sampled with the
-request's settings and RNG), and drafts are accepted while they equal them. So the output
-is exactly what plain decoding would produce: token for token under greedy, in distribution
-under sampling. Rejected positions are rolled back (KV crop; recurrent state replay) and the
+verifies ``[anchor, drafts]`` in one forward (capturing the tapped layers). Greedy: the
+draft proposes its argmax and drafts are accepted while they equal the target's argmax, so
+the output is plain decoding's token for token. Sampled: the draft draws each token from
+its own distribution q, and position by position the target keeps it with probability
+min(1, p/q) (p: the request's sampling distribution) or draws from the residual
+max(0, p - q) and stops, so every token is distributed exactly as plain sampling's. A
+seeded request instead drafts the argmax and keeps drafts equal to the target's own sample
+(one draw per token, so it repeats plain decoding exactly whatever the block sizes; see
+DFlashProposer.sampled_verify). Rejected positions are rolled back (KV crop; recurrent state replay) and the
 committed positions' features extend the draft's context.
 """
 from __future__ import annotations
@@ -91,14 +95,24 @@ def speculative_step(pipe, proposer, seq) -> str | None:
     if block < 1:
         return "length"
     t0 = time.perf_counter()
-    drafts = proposer.propose(anchor, pos, block)
+    # greedy: the draft's argmax, kept where it equals the target's; sampled: tokens drawn
+    # from the draft's distribution q, kept by rejection sampling against the target's p
+    if proposer.rejection_sampling(seq.req.sampling):
+        drafts, q = proposer.propose_sampled(anchor, pos, block, seq.req.sampling.temperature,
+                                             seq.sampler.generator)
+    else:
+        drafts, q = proposer.propose(anchor, pos, block), None
     if block > 1:                               # a plain step (block 1) has nothing to roll back
         pipe.checkpoint()
     verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=proposer.taps)
     acc, done = 0, False
     for i in range(block):
-        done = seq.commit(verify.logits[i])
-        if done or i == block - 1 or drafts[i] != seq.last:
+        if q is not None and i < block - 1 and not seq.think.would_force():
+            done, kept = seq.commit_draft(verify.logits[i], drafts[i], q[i])
+        else:
+            done = seq.commit(verify.logits[i])
+            kept = i < block - 1 and drafts[i] == seq.last
+        if done or i == block - 1 or not kept:
             break
         acc += 1
     # positions pos .. pos+acc (anchor + accepted drafts) are committed

@@ -28,8 +28,7 @@ class ScorerOps:
     def op_pflash_load(self, a, t):
         n_layers = a.get("n_layers")
         key = (a["path"], a["device"], a["dtype"], int(a["max_ctx"]), n_layers, a.get("quantize", "dense"))
-        if key != self.key:
-            self.scorer, self.key = None, None
+        if key != self.key:   # (a load that fails leaves the drafter loaded before in place)
             self.scorer = PromptScorer.load(a["path"], device=a["device"], dtype=DTYPES[a["dtype"]],
                                             max_ctx=int(a["max_ctx"]), n_layers=n_layers,
                                             quantize=a.get("quantize", "dense"), chunk=int(a.get("chunk", 512)))

@@ -14,7 +14,7 @@ from .draft import DFlashDraft
 
 class DFlashProposer:
     def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None,
-                 adaptive: bool = False):
+                 adaptive: bool = False, sampled_verify: str = "auto"):
         """``block_size``: verify block (default: the trained one); with ``adaptive`` the
         largest one, and each step picks the block expected to commit the most tokens per
         second (``BlockSizer``; 1 = a plain decode step).
@@ -29,6 +29,14 @@ class DFlashProposer:
         self.block_size = block_size or trained
         if not 2 <= self.block_size:
             raise ValueError(f"block size must be >= 2, got {self.block_size}")
+        if sampled_verify not in ("auto", "rejection", "exact"):
+            raise ValueError(f"sampled_verify must be auto, rejection or exact, got {sampled_verify!r}")
+        # sampled requests: "rejection" draws drafts from the draft's distribution and keeps
+        # them by rejection sampling (more accepted); "exact" drafts the argmax and keeps a
+        # draft where it equals the target's own sample (one draw per token from the
+        # request's RNG: a seeded request repeats plain decoding exactly, whatever the
+        # blocks); "auto": exact for seeded requests, rejection otherwise
+        self.sampled_verify = sampled_verify
         self.draft, self.pipeline = draft, pipeline
         self.taps = draft.cfg.target_layer_ids
         self.mask_id = draft.cfg.mask_token_id
@@ -111,11 +119,15 @@ class DFlashProposer:
             self._pending.clear()
             self.draft.append_context(feats, start)
 
-    @torch.inference_mode()
-    def propose(self, anchor: int, start: int, block: int) -> list[int]:
-        """``block - 1`` draft tokens following ``anchor`` (which sits at ``start``)."""
-        if block < 2:
-            return []
+    def rejection_sampling(self, sampling) -> bool:
+        """Whether a request with these SamplingParams verifies by rejection sampling."""
+        if sampling.greedy or self.sampled_verify == "exact":
+            return False
+        return self.sampled_verify == "rejection" or sampling.seed is None
+
+    def _draft_logits(self, anchor: int, start: int, block: int) -> torch.Tensor:
+        """(block - 1, rows) logits of the draft's positions after ``anchor``: over the
+        vocabulary, or over the draft vocabulary's rows (``head_ids``) when it has one."""
         self.flush()
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
         emb = self.pipeline.embed(ids)
@@ -126,7 +138,34 @@ class DFlashProposer:
         else:
             logits = self.pipeline.project(hidden[:, 1:])
         if self.vocab is None:          # (a padded head may have more rows than the vocabulary)
-            logits = logits[..., :self.pipeline.config.vocab_size]
+            return logits[0, :, :self.pipeline.config.vocab_size]
+        return logits[0, :, :len(self.vocab)]   # (int4 padding repeats leading rows past the vocabulary)
+
+    @torch.inference_mode()
+    def propose(self, anchor: int, start: int, block: int) -> list[int]:
+        """``block - 1`` draft tokens following ``anchor`` (which sits at ``start``): the
+        draft's argmax at each position."""
+        if block < 2:
+            return []
         # argmax in fp32: 3x faster than on bf16 logits on a CPU (110 vs 360 us for 3 rows), same result
-        best = logits[0].float().argmax(-1).cpu()
+        best = self._draft_logits(anchor, start, block).float().argmax(-1).cpu()
         return (self.head_ids[best] if self.head_ids is not None else best).tolist()
+
+    @torch.inference_mode()
+    def propose_sampled(self, anchor: int, start: int, block: int, temperature: float,
+                        generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+        """(tokens, q): ``block - 1`` draft tokens, each drawn from the draft's own
+        distribution at its position, q = softmax(logits / temperature) (block - 1, V) over
+        the target vocabulary (zero outside a draft vocabulary). Verification keeps token i
+        with probability min(1, p_i / q_i) (see Sequence.commit_draft)."""
+        if block < 2:
+            return [], torch.zeros(0, self.pipeline.config.vocab_size)
+        q_rows = torch.softmax(self._draft_logits(anchor, start, block).float() / temperature, dim=-1)
+        q_rows = q_rows.to(generator.device)
+        picks = torch.multinomial(q_rows, 1, generator=generator)[:, 0]
+        V = self.pipeline.config.vocab_size
+        if self.head_ids is None:
+            return picks.tolist(), q_rows[:, :V]
+        ids = self.head_ids[:q_rows.shape[1]].to(q_rows.device)
+        q = torch.zeros(q_rows.shape[0], V, dtype=q_rows.dtype, device=q_rows.device).index_add_(1, ids, q_rows)
+        return ids[picks].tolist(), q
