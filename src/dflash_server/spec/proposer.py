@@ -162,7 +162,11 @@ class DFlashProposer:
             return [], torch.zeros(0, self.pipeline.config.vocab_size)
         q_rows = torch.softmax(self._draft_logits(anchor, start, block).float() / temperature, dim=-1)
         q_rows = q_rows.to(generator.device)
-        picks = torch.multinomial(q_rows, 1, generator=generator)[:, 0]
+        # inverse CDF, one uniform per position (torch.multinomial: 2.5 ms for 7 x 15k rows on
+        # the dev CPU, this: 0.1 ms)
+        cdf = q_rows.double().cumsum(-1)
+        u = torch.rand((q_rows.shape[0], 1), generator=generator, dtype=torch.float64, device=cdf.device)
+        picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(q_rows.shape[1] - 1)
         V = self.pipeline.config.vocab_size
         if self.head_ids is None:
             return picks.tolist(), q_rows[:, :V]
