@@ -266,7 +266,11 @@ def test_config_variants_parse():
     assert b.layer_attention == ((True, 32), (True, 32), (False, None))
     c = DraftConfig.from_dict({**base, "block_size": 4, "num_target_layers": 36,
                                "dflash_config": {"mask_token_id": 7}})
-    assert c.target_layer_ids == (1, 9, 17, 25, 33) == default_target_layer_ids(36, 5)
+    # one tap per draft layer (the reference's build_target_layer_ids), unless num_target_features says
+    assert c.target_layer_ids == (1, 17, 33) == default_target_layer_ids(36, 3)
+    c5 = DraftConfig.from_dict({**base, "num_target_layers": 36,
+                                "dflash_config": {"mask_token_id": 7, "num_target_features": 5}})
+    assert c5.target_layer_ids == (1, 9, 17, 25, 33) and c5.block_size == 16   # the reference's default block
     d = DraftConfig.from_dict({**base, "block_size": 4, "dflash_config": {"mask_token_id": 7, "causal": True,
                                                                           "target_layer_ids": [1]}})
     assert all(causal for causal, _ in d.layer_attention)

@@ -168,10 +168,13 @@ class TargetPipeline:
         for st in self.stages:
             st.compile_decode()
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target token embeddings (the draft borrows them): (1, T) -> (1, T, H)."""
+    def embed(self, ids: torch.Tensor, raw: bool = False) -> torch.Tensor:
+        """Target token embeddings (the draft borrows them): (1, T) -> (1, T, H). ``raw``:
+        the embedding rows themselves, without a family's scale (Gemma's sqrt(hidden))."""
+        emb = self.stages[0].embed
         with torch.inference_mode():
-            return self.stages[0].embed(ids.to(self.stages[0].device))
+            ids = ids.to(self.stages[0].device)
+            return torch.nn.functional.embedding(ids, emb.weight) if raw else emb(ids)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].project(hidden)

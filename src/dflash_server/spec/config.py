@@ -16,6 +16,13 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
     return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
 
 
+KNOWN_ARCHITECTURES = ("DFlashDraftModel",)
+
+
+def _softcap(v) -> float | None:
+    return float(v) if v is not None and float(v) > 0 else None
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     hidden_size: int
@@ -35,6 +42,11 @@ class DraftConfig:
     layer_attention: tuple[tuple[bool, int | None], ...] = ()
     num_target_layers: int | None = None
     attention_bias: bool = False
+    # the reference's extras: draft input embeddings = the target's raw (unscaled) embedding
+    # rows x input_embedding_scale; draft logits x output_multiplier, then tanh-softcapped
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -49,23 +61,42 @@ class DraftConfig:
         if len(self.layer_attention) != self.num_layers:
             raise ValueError("draft config: layer_types has the wrong length")
 
+    def shape_logits(self, logits):
+        """The reference's compute_logits after the head: x output_multiplier, then
+        tanh-softcapped at final_logit_softcapping (fp32; unchanged when neither is set)."""
+        if self.output_multiplier == 1.0 and not self.final_logit_softcapping:
+            return logits
+        import torch
+
+        logits = logits.float() * self.output_multiplier
+        if self.final_logit_softcapping:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DraftConfig":
+        arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
+        if arch == "DFlash2DraftModel":
+            raise ValueError("a DFlash 2 draft (DFlash2DraftModel: dynamic convolutions and a candidate "
+                             "selector) is not supported yet; it must not load as a DFlash 1 draft")
+        if arch not in KNOWN_ARCHITECTURES:
+            raise ValueError(f"draft config: unknown architecture {arch!r} (known: {', '.join(KNOWN_ARCHITECTURES)})")
         dc = dict(cfg.get("dflash_config") or {})
+
+        def value(name, default=None):   # dflash_config first, then the top level (the reference's rule)
+            return dc.get(name, cfg.get(name, default))
         try:
             hidden = int(cfg["hidden_size"])
             nh = int(cfg["num_attention_heads"])
             n_layers = int(cfg["num_hidden_layers"])
         except KeyError as e:
             raise ValueError(f"draft config: missing {e.args[0]}") from None
-        block = dc.get("block_size", cfg.get("block_size"))
-        if block is None:
-            raise ValueError("draft config: no block_size (top level or dflash_config)")
-        mask = dc.get("mask_token_id", cfg.get("mask_token_id"))
+        block = value("block_size", 16)    # the reference's default
+        mask = value("mask_token_id")
         if mask is None:
             raise ValueError("draft config: no dflash_config.mask_token_id")
         n_target = cfg.get("num_target_layers")
@@ -73,12 +104,13 @@ class DraftConfig:
         if not taps:
             if n_target is None:
                 raise ValueError("draft config: no target_layer_ids and no num_target_layers")
-            taps = default_target_layer_ids(int(n_target), int(dc.get("num_target_features", 5)))
+            # the reference (build_target_layer_ids): as many taps as the draft has layers
+            taps = default_target_layer_ids(int(n_target), int(dc.get("num_target_features", n_layers)))
         params = dict(cfg.get("rope_parameters") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
         window = cfg.get("sliding_window")
-        forced = dc.get("causal", cfg.get("is_causal"))
+        forced = dc.get("causal", value("is_causal"))
         types = cfg.get("layer_types")
         attn = []
         for i in range(n_layers):
@@ -98,7 +130,10 @@ class DraftConfig:
                    mask_token_id=int(mask), target_layer_ids=tuple(int(t) for t in taps),
                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                    layer_attention=tuple(attn), num_target_layers=int(n_target) if n_target is not None else None,
-                   attention_bias=bool(cfg.get("attention_bias", False)))
+                   attention_bias=bool(cfg.get("attention_bias", False)),
+                   input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+                   output_multiplier=float(value("output_multiplier", 1.0)),
+                   final_logit_softcapping=_softcap(value("final_logit_softcapping")))
 
     def to_dict(self) -> dict:
         """config.json in the z-lab format."""
@@ -114,5 +149,7 @@ class DraftConfig:
             "sliding_window": window, "use_sliding_window": window is not None,
             "num_target_layers": self.num_target_layers, "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size},
+                              "block_size": self.block_size, "input_embedding_scale": self.input_embedding_scale,
+                              "output_multiplier": self.output_multiplier,
+                              "final_logit_softcapping": self.final_logit_softcapping},
         }

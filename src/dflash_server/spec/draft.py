@@ -29,7 +29,8 @@ from .config import DraftConfig
 def attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool, window: int | None):
     """Bool (T, S) "may attend" mask. Keys with ``k_block == -1`` are context: visible when
     strictly before the query's anchor. Block keys are visible within the same block; causal
-    layers also require ``k_pos <= q_pos``; windowed layers ``k_pos > q_pos - window``."""
+    layers also require ``k_pos <= q_pos``; windowed layers ``k_pos > q_pos - window`` (and,
+    when not causal, ``k_pos < q_pos + window``)."""
     ctx = (k_block[None, :] == -1) & (k_pos[None, :] < q_anchor[:, None])
     blk = k_block[None, :] == q_block[:, None]
     m = ctx | blk
@@ -37,6 +38,8 @@ def attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool, windo
         m = m & (k_pos[None, :] <= q_pos[:, None])
     if window:
         m = m & (k_pos[None, :] > q_pos[:, None] - window)
+        if not causal:   # a non-causal sliding layer sees the window on both sides (the reference's rule)
+            m = m & (k_pos[None, :] < q_pos[:, None] + window)
     return m
 
 
@@ -49,9 +52,12 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(get(p + "input_layernorm.weight"), eps)
         self.post_attention_layernorm = RMSNorm(get(p + "post_attention_layernorm.weight"), eps)
         a = p + "self_attn."
-        self.q_proj = Linear(get(a + "q_proj.weight"))
-        self.kv_proj = Linear.fused([get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-        self.o_proj = Linear(get(a + "o_proj.weight"))
+        def bias(name):   # projection biases when the config sets attention_bias
+            return get(a + name + ".bias") if cfg.attention_bias else None
+        self.q_proj = Linear(get(a + "q_proj.weight"), bias("q_proj"))
+        self.kv_proj = Linear.fused([get(a + "k_proj.weight"), get(a + "v_proj.weight")],
+                                    [bias("k_proj"), bias("v_proj")])
+        self.o_proj = Linear(get(a + "o_proj.weight"), bias("o_proj"))
         self.q_norm = RMSNorm(get(a + "q_norm.weight"), eps)
         self.k_norm = RMSNorm(get(a + "k_norm.weight"), eps)
         self.mlp = SwiGLU(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"),

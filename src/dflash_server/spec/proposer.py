@@ -130,16 +130,22 @@ class DFlashProposer:
         vocabulary, or over the draft vocabulary's rows (``head_ids``) when it has one."""
         self.flush()
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
-        emb = self.pipeline.embed(ids)
-        hidden = self.draft.draft_hidden(emb, start)
+        hidden = self.draft.draft_hidden(self.block_embeds(ids), start)
         if self.head is not None:
             last = self.pipeline.stages[-1]
             logits = self.head(hidden[:, 1:].to(last.device, last.dtype))
         else:
             logits = self.pipeline.project(hidden[:, 1:])
-        if self.vocab is None:          # (a padded head may have more rows than the vocabulary)
-            return logits[0, :, :self.pipeline.config.vocab_size]
-        return logits[0, :, :len(self.vocab)]   # (int4 padding repeats leading rows past the vocabulary)
+        logits = logits[0, :, :self.pipeline.config.vocab_size if self.vocab is None else len(self.vocab)]
+        # (a padded head may have more rows than the vocabulary; int4 padding repeats leading rows)
+        return self.draft.cfg.shape_logits(logits)
+
+    def block_embeds(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft's input rows for [anchor, MASK...]: the target's raw embedding rows
+        (without a family's own scale, e.g. Gemma's sqrt(hidden)) x input_embedding_scale."""
+        emb = self.pipeline.embed(ids, raw=True)
+        scale = self.draft.cfg.input_embedding_scale
+        return emb if scale == 1.0 else emb * scale
 
     @torch.inference_mode()
     def propose(self, anchor: int, start: int, block: int) -> list[int]:

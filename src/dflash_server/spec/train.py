@@ -134,7 +134,9 @@ class DraftTrainer:
         ids = torch.full((A, B), self.cfg.mask_token_id, dtype=torch.long)
         ids[:, 0] = sample.ids[anchors.cpu()]
         with torch.no_grad():
-            x = self.embed(ids.reshape(1, -1).to(self.embed.weight.device)).to(dev, torch.float32)
+            # the draft reads the raw embedding rows x input_embedding_scale (as DFlashProposer does)
+            x = torch.nn.functional.embedding(ids.reshape(1, -1).to(self.embed.weight.device), self.embed.weight)
+            x = x.to(dev, torch.float32) * self.cfg.input_embedding_scale
         q_block = torch.arange(A, device=dev).repeat_interleave(B)
         k_pos = torch.cat([cpos, bpos])
         k_block = torch.cat([torch.full((Lc,), -1, device=dev), q_block])
