@@ -13,6 +13,12 @@ compressed prompt still holds the needle sentence's "is <code>."). TTFT is the e
 prefill time (drafter included). Rows: full prefill; self:``--layers`` at each ratio; and
 self:N for each of ``--extra-layers`` at ratio 0.1. Writes JSON (default
 benchmarks/results/pflash.json) and prints a Markdown table.
+
+``--tiny-long 16000,32000``: time to first token only, at those lengths, on a tiny random
+long-context llama (8 layers, hidden 256, trained length 65536, built with transformers;
+the haystack repeats the evaluation text): full prefill vs self:2 at keep 0.05 and 0.1.
+Its answers mean nothing (random weights); "needle kept" still shows what the selection
+keeps. Written to benchmarks/results/pflash_tiny_long.json.
 """
 from __future__ import annotations
 
@@ -48,6 +54,64 @@ def cases(tok, lengths, depths):
     return out
 
 
+def tiny_long(lengths: list[int], out: Path) -> None:
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.tiny import make_tiny_model
+
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.pflash.compressor import Compressor
+    from dflash_server.pflash.scorer import PromptScorer
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import plan_placement
+    from dflash_server.weights.loader import open_model
+
+    tmp = tempfile.mkdtemp(prefix="pflash-tiny-long-")
+    path = make_tiny_model("llama", Path(tmp), hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                           rope_theta=500000.0)
+    src = open_model(path)
+    max_ctx = max(lengths) + 256
+    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16,
+                          max_ctx=max_ctx, quantize="dense", progress=False)
+    tok = src.tokenizer
+    text_ids = tok.encode(eval_text())
+    rows = []
+    engines = {None: Engine(pipe), 2: Engine(pipe, compressor=Compressor(PromptScorer.from_stage(pipe.stages[0], 2),
+                                                                         tok))}
+    for n in lengths:
+        body = tok.decode((text_ids * (n // len(text_ids) + 1))[:n - 60])
+        question = "What is the secret code of Zorbak? Answer with the number only."
+        cut = len(body) // 2
+        doc = body[:cut] + "\n\nIMPORTANT: The secret code of Zorbak is 4721.\n\n" + body[cut:]
+        query = doc + "\n\n" + question
+        ids = tok.encode_chat([{"role": "user", "content": query}])
+        for label, layers, ratio in (("full prefill", None, None), ("self:2 keep 0.1", 2, 0.1),
+                                     ("self:2 keep 0.05", 2, 0.05)):
+            eng = engines[layers]
+            res = eng.generate(GenerationRequest(tuple(ids), max_tokens=2, cache_scope="off", compress=ratio,
+                                                 compress_query=query if ratio else None))
+            pf = res.extra.get("pflash") or {}
+            kept = tok.decode(eng.compressor.compress(ids, ratio, query).ids) if ratio else doc   # (same selection)
+            rows.append({"config": label, "prompt_tokens": len(ids),
+                         "kept_tokens": pf.get("compressed_tokens", len(ids)), "ttft_s": round(res.prefill_s, 2),
+                         "drafter_s": pf.get("drafter_s", 0.0), "needle_kept": "is 4721." in kept})
+            print(rows[-1], flush=True)
+    for r in rows:
+        base = next(b for b in rows if b["config"] == "full prefill" and b["prompt_tokens"] == r["prompt_tokens"])
+        r["speedup"] = round(base["ttft_s"] / r["ttft_s"], 2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": "tiny random llama (8 layers, hidden 256, 65536 positions)",
+                               "torch": torch.__version__, "rows": rows}, indent=2))
+    print("\n| config | prompt tokens | kept tokens | needle kept | TTFT (s) | vs full prefill |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['prompt_tokens']} | {r['kept_tokens']} | {r['needle_kept']} | {r['ttft_s']} | "
+              f"{r['speedup']:.2f}x |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2000,4000,8000")
@@ -56,9 +120,12 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--extra-layers", default="2,8")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tiny-long", help="lengths for the tiny long-context model (e.g. 16000,32000)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pflash.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tiny_long:
+        return tiny_long([int(x) for x in args.tiny_long.split(",")], Path(args.out).with_name("pflash_tiny_long.json"))
     sys.path.insert(0, str(ROOT / "src"))
     from dflash_server.cli.common import quantize_plan
     from dflash_server.engine.generate import Engine, GenerationRequest
