@@ -78,10 +78,98 @@ def test_default_taps_block_size_and_logit_shaping():
     assert DraftConfig.from_dict(ours.to_dict()) == ours
 
 
-@pytest.mark.parametrize("arch,needle", [("DFlash2DraftModel", "DFlash 2"), ("LlamaForCausalLM", "unknown architecture")])
+@pytest.mark.parametrize("arch,needle", [("DFlash2DraftModel", "DFlash 2 draft config: no conv_kernel_size"),
+                                         ("LlamaForCausalLM", "unknown architecture")])
 def test_other_architectures_are_refused(arch, needle):
+    """A DFlash 1 config labelled DFlash 2 lacks DFlash 2's fields: refused, never loaded as DFlash 1."""
     _, cfg = _reference()
     d = cfg.to_dict()
     d["architectures"] = [arch]
     with pytest.raises(ValueError, match=needle):
+        DraftConfig.from_dict(d)
+
+
+def _reference2(vocab=128, hidden=64, n_target=12, taps=None, **extra):
+    from transformers import Qwen3Config
+
+    dflash_cfg = {"mask_token_id": 5, "block_size": 8, "conv_kernel_size": 3, "conv_group_size": 16,
+                  "selector_rank": 8, "selector_top_k": 5}
+    if taps:
+        dflash_cfg["target_layer_ids"] = list(taps)
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
+    cfg.num_target_layers = n_target
+    cfg.dflash_config = dflash_cfg
+    cfg.architectures = ["DFlash2DraftModel"]
+    torch.manual_seed(0)
+    model = ref.DFlash2DraftModel(cfg).eval()
+    with torch.no_grad():   # every parameter set (the conv base kernels start uninitialized)
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model, cfg
+
+
+def _state(model):
+    # the reference's checkpoints name the codebooks without ".weight" (its from_pretrained maps them)
+    return {k.replace("_codebook.weight", "_codebook"): v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_dflash2_hidden_states_and_greedy_walk_equal_the_reference():
+    model, cfg = _reference2()
+    ours_cfg = DraftConfig.from_dict(cfg.to_dict())
+    assert ours_cfg.dflash2 and ours_cfg.selector_top_k == 5 and DraftConfig.from_dict(ours_cfg.to_dict()) == ours_cfg
+    ours = DFlashDraft(ours_cfg, _state(model), "cpu", torch.float32, 128)
+    S, B, H = 9, 8, 64
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(1, S, len(model.target_layer_ids) * H, generator=g)
+    noise = torch.randn(1, B, H, generator=g)
+    with torch.no_grad():
+        want = model(position_ids=torch.arange(S + B)[None], noise_embedding=noise, target_hidden=feats)
+    ours.append_context(feats, 0)
+    got = ours.draft_hidden(noise, S)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    head = torch.nn.Linear(H, 128, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(128, H, generator=g))
+        path, cands, _ = model.propose(want[:, 1:], torch.tensor([7]), head, 0.0)
+        toks, our_cands, q = ours.selector.walk(got[0, 1:], ours_cfg.shape_logits(head(got[0, 1:])), None, 7)
+    assert toks == path[0].tolist()
+    assert [sorted(r) for r in our_cands.tolist()] == [sorted(r) for r in cands[0].tolist()] and q is None
+    with torch.no_grad():
+        toks, _, q = ours.selector.walk(got[0, 1:], head(got[0, 1:]), None, 7, 0.8, torch.Generator().manual_seed(0))
+    assert q.shape == (B - 1, 5) and torch.allclose(q.sum(-1), torch.ones(B - 1))
+
+
+def test_dflash2_draft_is_lossless_in_the_engine(tiny_dir):
+    from helpers.build import pipeline, prompt_ids
+
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.engine.sampling import SamplingParams
+    from dflash_server.spec.proposer import DFlashProposer
+
+    pipe = pipeline(tiny_dir("llama"))
+    c = pipe.config
+    model, cfg = _reference2(vocab=c.vocab_size, hidden=c.hidden_size, n_target=c.num_layers, taps=(1, 2))
+    draft = DFlashDraft(DraftConfig.from_dict(cfg.to_dict()), _state(model), "cpu", torch.float32, pipe.max_ctx)
+    ids = prompt_ids(pipe, 20)
+    req = GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True)
+    plain = Engine(pipe).generate(req).token_ids
+    spec = Engine(pipe, proposer=DFlashProposer(draft, pipe, block_size=4)).generate(req)
+    assert spec.token_ids == plain and spec.extra["spec"]["steps"] > 0
+    sampled = Engine(pipe, proposer=DFlashProposer(draft, pipe, block_size=4, sampled_verify="rejection")).generate(
+        GenerationRequest(tuple(ids), SamplingParams(temperature=0.9, seed=1), max_tokens=16, ignore_eos=True))
+    assert len(sampled.token_ids) == 16
+
+
+def test_dflash2_config_needs_its_fields():
+    _, cfg = _reference2()
+    d = cfg.to_dict()
+    del d["dflash_config"]["selector_top_k"]
+    with pytest.raises(ValueError, match="selector_top_k"):
+        DraftConfig.from_dict(d)
+    _, cfg = _reference2()
+    d = cfg.to_dict()
+    d["dflash_config"]["conv_group_size"] = 7
+    with pytest.raises(ValueError, match="divide"):
         DraftConfig.from_dict(d)

@@ -16,7 +16,22 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
     return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
 
 
-KNOWN_ARCHITECTURES = ("DFlashDraftModel",)
+KNOWN_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+def _dflash2_fields(arch: str, value, cfg: dict) -> dict:
+    if arch != "DFlash2DraftModel":
+        return {}
+    out = {"dflash2": True}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        v = value(name)
+        if v is None:
+            raise ValueError(f"DFlash 2 draft config: no {name}")
+        out[name] = int(v)
+    if cfg.get("vocab_size") is None:
+        raise ValueError("DFlash 2 draft config: no vocab_size (the selector's codebooks have a row per token)")
+    out["vocab_size"] = int(cfg["vocab_size"])
+    return out
 
 
 def _softcap(v) -> float | None:
@@ -47,6 +62,14 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 (architectures ["DFlash2DraftModel"]): grouped dynamic causal convolutions
+    # around each sublayer and a candidate selector over the top-k of each position
+    dflash2: bool = False
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    vocab_size: int = 0
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -60,6 +83,12 @@ class DraftConfig:
             object.__setattr__(self, "layer_attention", ((False, None),) * self.num_layers)
         if len(self.layer_attention) != self.num_layers:
             raise ValueError("draft config: layer_types has the wrong length")
+        if self.dflash2:
+            for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "vocab_size"):
+                if int(getattr(self, name)) <= 0:
+                    raise ValueError(f"DFlash 2 draft config: {name} must be a positive integer")
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError("DFlash 2 draft config: conv_group_size must divide hidden_size")
 
     def shape_logits(self, logits):
         """The reference's compute_logits after the head: x output_multiplier, then
@@ -80,9 +109,6 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, cfg: dict) -> "DraftConfig":
         arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
-        if arch == "DFlash2DraftModel":
-            raise ValueError("a DFlash 2 draft (DFlash2DraftModel: dynamic convolutions and a candidate "
-                             "selector) is not supported yet; it must not load as a DFlash 1 draft")
         if arch not in KNOWN_ARCHITECTURES:
             raise ValueError(f"draft config: unknown architecture {arch!r} (known: {', '.join(KNOWN_ARCHITECTURES)})")
         dc = dict(cfg.get("dflash_config") or {})
@@ -133,14 +159,21 @@ class DraftConfig:
                    attention_bias=bool(cfg.get("attention_bias", False)),
                    input_embedding_scale=float(value("input_embedding_scale", 1.0)),
                    output_multiplier=float(value("output_multiplier", 1.0)),
-                   final_logit_softcapping=_softcap(value("final_logit_softcapping")))
+                   final_logit_softcapping=_softcap(value("final_logit_softcapping")),
+                   **_dflash2_fields(arch, value, cfg))
 
     def to_dict(self) -> dict:
         """config.json in the z-lab format."""
         types = ["sliding_attention" if w else "full_attention" for _, w in self.layer_attention]
         window = next((w for _, w in self.layer_attention if w), None)
+        extra = {}
+        if self.dflash2:
+            extra = {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                     "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
+                     "vocab_size": self.vocab_size}
         return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
+            **extra,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,

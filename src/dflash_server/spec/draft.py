@@ -43,6 +43,40 @@ def attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool, windo
     return m
 
 
+def grouped_dynamic_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
+    """DFlash 2's causal convolution along the block: out[t] = sum_k (base[k] + dynamic[t, k])
+    * x[t - k], per channel, the dynamic part shared by the ``group`` channels of a group.
+    x (B, T, H), dynamic (B, T, K, H // group), base (K, H)."""
+    B, T, H = x.shape
+    G = H // group
+    blocks = x.view(B, T, G, group)
+    out = torch.zeros_like(blocks)
+    for k in range(base.shape[0]):
+        v = blocks if k == 0 else F.pad(blocks[:, :-k], (0, 0, 0, 0, k, 0))
+        out = out + base[k].view(1, 1, G, group).to(x.dtype) * v
+        out = torch.addcmul(out, dynamic[:, :, k].view(B, T, G, 1), v)
+    return out.view_as(x)
+
+
+class DynamicConv(nn.Module):
+    """DFlash 2: one projection gives the dynamic kernels of a convolution before a
+    sublayer (``prepare``) and of one after it (``finish``)."""
+
+    def __init__(self, base: torch.Tensor, projection: torch.Tensor, group: int):
+        super().__init__()
+        self.base = nn.Parameter(base, requires_grad=False)          # (2, K, H)
+        self.projection = Linear(projection)                          # (2 * K * H // group, H)
+        self.group, self.K = group, base.shape[1]
+
+    def prepare(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        G = h.shape[-1] // self.group
+        dyn = self.projection(h).view(*h.shape[:-1], 2, self.K, G)
+        return grouped_dynamic_convolve(h, dyn[..., 0, :, :], self.base[0], self.group), dyn[..., 1, :, :]
+
+    def finish(self, h: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        return grouped_dynamic_convolve(h, dyn, self.base[1], self.group)
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, index: int, get):
         super().__init__()
@@ -63,6 +97,12 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"),
                           get(p + "mlp.down_proj.weight"))
         self.causal, self.window = cfg.layer_attention[index]
+        self.attention_conv = self.mlp_conv = None
+        if cfg.dflash2:
+            self.attention_conv = DynamicConv(get(p + "attention_conv.base_kernel"),
+                                              get(p + "attention_conv.kernel_projection.weight"), cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(get(p + "mlp_conv.base_kernel"), get(p + "mlp_conv.kernel_projection.weight"),
+                                        cfg.conv_group_size)
 
     def project_kv(self, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """h (1, T, H) -> roped k, v as (1, nkv, T, hd)."""
@@ -74,14 +114,23 @@ class DraftLayer(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         B, T, _ = x.shape
         h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, dyn = self.attention_conv.prepare(h)
         q = apply_rope(self.q_norm(self.q_proj(h).view(B, T, self.nh, self.hd)), cos[:, None], sin[:, None])
         k, v = self.project_kv(h, cos, sin)
         keys = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
         values = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
                                              enable_gqa=self.nh != self.nkv)
-        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype))
+        if self.attention_conv is not None:
+            out = self.attention_conv.finish(out, dyn)
+        x = x + out
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(h)
+        h, dyn = self.mlp_conv.prepare(h)
+        return x + self.mlp_conv.finish(self.mlp(h), dyn)
 
 
 @dataclass
@@ -114,6 +163,46 @@ def check_vocab_ids(ids: torch.Tensor | None) -> torch.Tensor | None:
     return ids
 
 
+class CandidateSelector(nn.Module):
+    """DFlash 2: each position's top-k tokens (by the draft's logits) rescored by how well
+    they follow the token chosen before them, walking from the anchor:
+    score(c) = logit(c) + <pred[prev] * P h_pos, succ[c]> (pred / succ: rank-r codebooks with
+    a row per token, P: rank x hidden)."""
+
+    def __init__(self, pred: torch.Tensor, succ: torch.Tensor, proj: torch.Tensor, top_k: int):
+        super().__init__()
+        self.pred = nn.Parameter(pred, requires_grad=False)
+        self.succ = nn.Parameter(succ, requires_grad=False)
+        self.proj = Linear(proj)
+        self.top_k = top_k
+
+    @torch.inference_mode()
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor | None, anchor: int,
+             temperature: float = 0.0, generator: torch.Generator | None = None):
+        """(tokens, candidates, q): hidden (T, H) and logits (T, R) of the drafted positions,
+        ``ids`` the token id of each logit row (None: row r is token r). Greedy: the best
+        score at each step; temperature > 0: drawn from softmax(scores / temperature), q
+        (T, k) those distributions over ``candidates`` (T, k) token ids."""
+        unary, rows = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
+        cands = rows if ids is None else ids.to(rows.device)[rows]
+        h = self.proj(hidden.to(self.proj.weight.dtype)).float()
+        prev = torch.tensor(anchor, device=cands.device)
+        out, qs = [], []
+        for t in range(cands.shape[0]):
+            scores = unary[t] + (self.succ[cands[t]].float() @ (self.pred[prev].float() * h[t]))
+            if temperature > 0:
+                q = torch.softmax(scores / temperature, dim=-1)
+                cdf = q.double().cumsum(-1)
+                u = torch.rand((1,), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
+                i = min(int(torch.searchsorted(cdf, u, right=True)), q.shape[0] - 1)
+                qs.append(q)
+            else:
+                i = int(scores.argmax())
+            prev = cands[t, i]
+            out.append(int(prev))
+        return out, cands, (torch.stack(qs) if qs else None)
+
+
 class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], device="cpu",
                  dtype=torch.bfloat16, max_ctx: int = 4096, quantize: str = "dense"):
@@ -143,6 +232,16 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(get("hidden_norm.weight"), cfg.rms_norm_eps)
         self.norm = RMSNorm(get("norm.weight"), cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, i, get) for i in range(cfg.num_layers))
+        self.selector = None
+        if cfg.dflash2:
+            def either(name):   # the reference's checkpoints name the codebooks with or without ".weight"
+                return get(name if name in tensors else name + ".weight")
+            pred, succ = either("candidate_selector.predecessor_codebook"), either("candidate_selector.successor_codebook")
+            if pred.shape != (cfg.vocab_size, cfg.selector_rank) or succ.shape != pred.shape:
+                raise ValueError(f"draft weights: the selector codebooks have shape {tuple(pred.shape)}, the config "
+                                 f"implies {(cfg.vocab_size, cfg.selector_rank)}")
+            self.selector = CandidateSelector(pred, succ, get("candidate_selector.hidden_projection.weight"),
+                                              cfg.selector_top_k)
         self.rope = RotaryTable(cfg.head_dim, cfg.head_dim, cfg.rope_theta, max_ctx + cfg.block_size,
                                 cfg.rope_scaling, self.device, dtype)
         # like the target's KV on CPU: fp32 attention is much faster there

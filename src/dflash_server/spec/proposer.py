@@ -38,6 +38,10 @@ class DFlashProposer:
         # blocks); "auto": exact for seeded requests, rejection otherwise
         self.sampled_verify = sampled_verify
         self.draft, self.pipeline = draft, pipeline
+        self.selector = getattr(draft, "selector", None)   # DFlash 2's candidate selector
+        if draft.cfg.dflash2 and self.selector is None:
+            raise ValueError("a DFlash 2 draft runs in this process only (its selector walks the target's "
+                             "vocabulary): not with --draft-device remote:")
         self.taps = draft.cfg.target_layer_ids
         self.mask_id = draft.cfg.mask_token_id
         self.sizer = BlockSizer(self.block_size) if adaptive else None
@@ -128,6 +132,9 @@ class DFlashProposer:
     def _draft_logits(self, anchor: int, start: int, block: int) -> torch.Tensor:
         """(block - 1, rows) logits of the draft's positions after ``anchor``: over the
         vocabulary, or over the draft vocabulary's rows (``head_ids``) when it has one."""
+        return self._draft_hidden_logits(anchor, start, block)[1]
+
+    def _draft_hidden_logits(self, anchor: int, start: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
         hidden = self.draft.draft_hidden(self.block_embeds(ids), start)
@@ -138,7 +145,11 @@ class DFlashProposer:
             logits = self.pipeline.project(hidden[:, 1:])
         logits = logits[0, :, :self.pipeline.config.vocab_size if self.vocab is None else len(self.vocab)]
         # (a padded head may have more rows than the vocabulary; int4 padding repeats leading rows)
-        return self.draft.cfg.shape_logits(logits)
+        return hidden[0, 1:], self.draft.cfg.shape_logits(logits)
+
+    def _row_ids(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The token id of each logit row (None: row r is token r)."""
+        return None if self.head_ids is None else self.head_ids[:logits.shape[-1]]
 
     def block_embeds(self, ids: torch.Tensor) -> torch.Tensor:
         """The draft's input rows for [anchor, MASK...]: the target's raw embedding rows
@@ -153,6 +164,9 @@ class DFlashProposer:
         draft's argmax at each position."""
         if block < 2:
             return []
+        if self.selector is not None:   # DFlash 2: the candidate selector's walk from the anchor
+            hidden, logits = self._draft_hidden_logits(anchor, start, block)
+            return self.selector.walk(hidden, logits, self._row_ids(logits), anchor)[0]
         # argmax in fp32: 3x faster than on bf16 logits on a CPU (110 vs 360 us for 3 rows), same result
         best = self._draft_logits(anchor, start, block).float().argmax(-1).cpu()
         return (self.head_ids[best] if self.head_ids is not None else best).tolist()
@@ -166,6 +180,13 @@ class DFlashProposer:
         with probability min(1, p_i / q_i) (see Sequence.commit_draft)."""
         if block < 2:
             return [], torch.zeros(0, self.pipeline.config.vocab_size)
+        V = self.pipeline.config.vocab_size
+        if self.selector is not None:   # DFlash 2: q is the walk's distribution over each position's candidates
+            hidden, logits = self._draft_hidden_logits(anchor, start, block)
+            toks, cands, q_k = self.selector.walk(hidden, logits, self._row_ids(logits), anchor, temperature,
+                                                  generator)
+            q = torch.zeros(len(toks), V, dtype=q_k.dtype, device=q_k.device)
+            return toks, q.scatter_add_(1, cands.to(q_k.device), q_k)
         q_rows = torch.softmax(self._draft_logits(anchor, start, block).float() / temperature, dim=-1)
         q_rows = q_rows.to(generator.device)
         # inverse CDF, one uniform per position (torch.multinomial: 2.5 ms for 7 x 15k rows on
@@ -173,7 +194,6 @@ class DFlashProposer:
         cdf = q_rows.double().cumsum(-1)
         u = torch.rand((q_rows.shape[0], 1), generator=generator, dtype=torch.float64, device=cdf.device)
         picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(q_rows.shape[1] - 1)
-        V = self.pipeline.config.vocab_size
         if self.head_ids is None:
             return picks.tolist(), q_rows[:, :V]
         ids = self.head_ids[:q_rows.shape[1]].to(q_rows.device)
