@@ -173,3 +173,32 @@ def test_dflash2_config_needs_its_fields():
     d["dflash_config"]["conv_group_size"] = 7
     with pytest.raises(ValueError, match="divide"):
         DraftConfig.from_dict(d)
+
+
+def test_dflash2_checkpoint_loads_here_and_is_refused_in_a_draft_worker(tiny_dir, tmp_path):
+    import json
+
+    from helpers.build import pipeline
+    from safetensors.torch import save_file
+
+    from dflash_server.runtime.worker_link import RemoteOptions
+    from dflash_server.spec.proposer import DFlashProposer
+    from dflash_server.spec.remote_draft import RemoteDraft
+
+    pipe = pipeline(tiny_dir("llama"))
+    c = pipe.config
+    model, cfg = _reference2(vocab=c.vocab_size, hidden=c.hidden_size, n_target=c.num_layers, taps=(1, 2))
+    d = tmp_path / "draft2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file({k: v.contiguous() for k, v in _state(model).items()}, str(d / "model.safetensors"))
+    local = DFlashDraft.load(d, "cpu", torch.float32, pipe.max_ctx)
+    assert local.cfg.dflash2 and local.selector is not None
+    DFlashProposer(local, pipe)    # fine here
+    remote = RemoteDraft(d, device="cpu", home="cpu", dtype=torch.float32, max_ctx=pipe.max_ctx,
+                         options=RemoteOptions(timeout_s=60))
+    try:
+        with pytest.raises(ValueError, match="runs in this process only"):
+            DFlashProposer(remote, pipe)
+    finally:
+        remote.close()
