@@ -203,7 +203,7 @@ class MixProposer(DFlashProposer):
         super().__init__(draft, pipe, block_size, sampled_verify="rejection")
         self.seq, self.spread = list(prompt) + list(continuation), list(spread)
 
-    def propose_sampled(self, anchor, start, block, temperature, generator):
+    def propose_sampled(self, anchor, start, block, sampling, generator):
         V = self.pipeline.config.vocab_size
         q = torch.zeros(block - 1, V)
         for i in range(block - 1):
@@ -245,9 +245,20 @@ def test_seeded_and_unseeded_requests_choose_their_verification(tiny_dir):
     ids = prompt_ids(pipe, 12)
     pipe.reset()
     prop.add_context(pipe.prefill(ids, capture=prop.taps).captures, 0, len(ids))
-    toks, q = prop.propose_sampled(ids[-1], len(ids), 5, 0.9, torch.Generator().manual_seed(0))
+    toks, q = prop.propose_sampled(ids[-1], len(ids), 5, SamplingParams(temperature=0.9),
+                                   torch.Generator().manual_seed(0))
     assert len(toks) == 4 and q.shape == (4, pipe.config.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(4), atol=1e-4) and all(q[i, t] > 0 for i, t in enumerate(toks))
+    # truncated as the target's p is: at most top_k tokens per row, each drawn from them
+    toks, q = prop.propose_sampled(ids[-1], len(ids), 5, SamplingParams(temperature=0.9, top_k=3),
+                                   torch.Generator().manual_seed(0))
+    assert ((q > 0).sum(-1) <= 3).all() and all(q[i, t] > 0 for i, t in enumerate(toks))
+    toks, q = prop.propose_sampled(ids[-1], len(ids), 5, SamplingParams(temperature=0.9, top_p=0.5),
+                                   torch.Generator().manual_seed(0))
+    full = prop.propose_sampled(ids[-1], len(ids), 5, SamplingParams(temperature=0.9), torch.Generator())[1]
+    for row, ref_row in zip(q, full):   # the kept tokens are the most likely ones, the fewest reaching 0.5
+        kept = row > 0
+        assert ref_row[kept].sum() >= 0.5 - 1e-5 and ref_row[kept].min() >= ref_row[~kept].max()
     res = run(pipe, ids, prop, max_tokens=12, sampling=SamplingParams(temperature=0.9))   # unseeded: rejection
     assert len(res.token_ids) == 12
 

@@ -80,3 +80,16 @@ def test_temperature_and_seeded_repeatability(tokenizer):
     # logits were P.log() * T, so after dividing by T the target is P again
     chi2 = float(((counts - P * 2000) ** 2 / (P * 2000)).sum())
     assert chi2 < 20.5
+
+
+def test_draft_truncation_matches_the_sampler():
+    """The draft's q is cut as Sampler cuts p (top-k, top-p, min-p), renormalized."""
+    from dflash_server.engine.sampling import Sampler
+    from dflash_server.spec.proposer import truncate
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.1, -1.0, -3.0], [0.0, 0.3, 0.2, 0.1, 2.5, 1.0]])
+    for kw in ({"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.2}, {"top_k": 4, "top_p": 0.8, "min_p": 0.1}):
+        params = SamplingParams(temperature=0.8, **kw)
+        q = truncate(torch.softmax(logits / 0.8, -1), params.top_k, params.top_p, params.min_p)
+        for row, lg in zip(q, logits):
+            torch.testing.assert_close(row, Sampler(params, 6, "cpu").probs(lg).float(), rtol=1e-5, atol=1e-6)

@@ -98,7 +98,7 @@ def speculative_step(pipe, proposer, seq) -> str | None:
     # greedy: the draft's argmax, kept where it equals the target's; sampled: tokens drawn
     # from the draft's distribution q, kept by rejection sampling against the target's p
     if proposer.rejection_sampling(seq.req.sampling):
-        drafts, q = proposer.propose_sampled(anchor, pos, block, seq.req.sampling.temperature,
+        drafts, q = proposer.propose_sampled(anchor, pos, block, seq.req.sampling,
                                              seq.sampler.generator)
     else:
         drafts, q = proposer.propose(anchor, pos, block), None
