@@ -11,7 +11,9 @@ prompt is about ``length`` tokens. Each case is one greedy generation of up to 1
 with the prefix cache off; it passes when the answer holds the code ("needle kept": the
 compressed prompt still holds the needle sentence's "is <code>."). TTFT is the engine's
 prefill time (drafter included). Rows: full prefill; self:``--layers`` at each ratio; and
-self:N for each of ``--extra-layers`` at ratio 0.1. Writes JSON (default
+self:N for each of ``--extra-layers`` at ratio 0.1; and the peer: llama.cpp's own prefill of
+prompts of the same mean length (llama-bench on the default model's GGUF, same threads; no
+answer). Writes JSON (default
 benchmarks/results/pflash.json) and prints a Markdown table.
 
 ``--tiny-long 16000,32000``: time to first token only, at those lengths, on a tiny random
@@ -37,6 +39,31 @@ from kvflash import eval_text  # noqa: E402
 
 NAMES = [("Zorbak", "4721"), ("Quillon", "9035"), ("Marvessa", "1168"), ("Telluride", "7702"),
          ("Brannoch", "5849"), ("Ostrava", "3316"), ("Pellucid", "8250")]
+
+
+def recording(compressor_cls):
+    """A Compressor that keeps its last result (to check the needle sentence survived)."""
+    class Recording(compressor_cls):
+        def compress(self, *a, **kw):
+            self.last = super().compress(*a, **kw)
+            return self.last
+    return Recording
+
+
+def llama_cpp_prefill(lengths: list[int], threads: int) -> dict[int, float]:
+    """Seconds llama.cpp (llama-bench, the default model's own GGUF) takes to prefill each
+    length: the peer's full-prefill time to first token."""
+    import subprocess
+
+    from llama_cpp import ensure_built
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from dflash_server.weights.default_model import default_model_path
+
+    out = subprocess.run([str(ensure_built() / "llama-bench"), "-m", str(default_model_path()), "-t", str(threads),
+                          "-p", ",".join(str(n) for n in lengths), "-n", "0", "-r", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    return {r["n_prompt"]: r["n_prompt"] / r["avg_ts"] for r in json.loads(out.stdout)}
 
 
 def cases(tok, lengths, depths):
@@ -79,8 +106,8 @@ def tiny_long(lengths: list[int], out: Path) -> None:
     tok = src.tokenizer
     text_ids = tok.encode(eval_text())
     rows = []
-    engines = {None: Engine(pipe), 2: Engine(pipe, compressor=Compressor(PromptScorer.from_stage(pipe.stages[0], 2),
-                                                                         tok))}
+    engines = {None: Engine(pipe), 2: Engine(pipe, compressor=recording(Compressor)(
+        PromptScorer.from_stage(pipe.stages[0], 2), tok))}
     for n in lengths:
         body = tok.decode((text_ids * (n // len(text_ids) + 1))[:n - 60])
         question = "What is the secret code of Zorbak? Answer with the number only."
@@ -94,7 +121,7 @@ def tiny_long(lengths: list[int], out: Path) -> None:
             res = eng.generate(GenerationRequest(tuple(ids), max_tokens=2, cache_scope="off", compress=ratio,
                                                  compress_query=query if ratio else None))
             pf = res.extra.get("pflash") or {}
-            kept = tok.decode(eng.compressor.compress(ids, ratio, query).ids) if ratio else doc   # (same selection)
+            kept = tok.decode(eng.compressor.last.ids) if ratio else doc
             rows.append({"config": label, "prompt_tokens": len(ids),
                          "kept_tokens": pf.get("compressed_tokens", len(ids)), "ttft_s": round(res.prefill_s, 2),
                          "drafter_s": pf.get("drafter_s", 0.0), "needle_kept": "is 4721." in kept})
@@ -132,12 +159,7 @@ def main():
     from dflash_server.pflash.compressor import Compressor
     from dflash_server.pflash.scorer import PromptScorer
 
-    class Recording(Compressor):
-        """Keeps the last compression (to check that the needle sentence survived)."""
-
-        def compress(self, *a, **kw):
-            self.last = super().compress(*a, **kw)
-            return self.last
+    Recording = recording(Compressor)
     from dflash_server.runtime.pipeline import build_pipeline
     from dflash_server.runtime.placement import plan_placement
     from dflash_server.weights.default_model import default_model_path
@@ -179,7 +201,15 @@ def main():
                    "needle_kept": (f"is {c['code']}." in kept_text) if ratio else True}
             rows.append(row)
             print(row, flush=True)
+    peer = llama_cpp_prefill([round(sum(len(c["ids"]) for c in all_cases if c["length"] == n)
+                                    / sum(c["length"] == n for c in all_cases)) for n in lengths], args.threads)
     summary = []
+    for n, (n_tok, secs) in zip(lengths, peer.items()):
+        base = sum(r["ttft_s"] for r in rows if r["config"] == "full prefill" and r["length"] == n) / \
+            sum(r["config"] == "full prefill" and r["length"] == n for r in rows)
+        summary.append({"config": "llama.cpp full prefill (llama-bench)", "length": n, "prompt_tokens": n_tok,
+                        "kept_tokens": n_tok, "needle_kept": None, "accuracy": None, "ttft_s": round(secs, 2),
+                        "speedup": round(base / secs, 2)})
     for label, _, _ in configs:
         for n in lengths:
             rs = [r for r in rows if r["config"] == label and r["length"] == n]
@@ -199,8 +229,9 @@ def main():
     print("\n| config | prompt tokens | kept tokens | needle kept | NIAH accuracy | TTFT (s) | vs full prefill |")
     print("|---|---|---|---|---|---|---|")
     for s in summary:
-        print(f"| {s['config']} | {s['prompt_tokens']} | {s['kept_tokens']} | {s['needle_kept']}% | {s['accuracy']}% | "
-              f"{s['ttft_s']} | {s['speedup']:.2f}x |")
+        pct = (lambda v: "-" if v is None else f"{v}%")
+        print(f"| {s['config']} | {s['prompt_tokens']} | {s['kept_tokens']} | {pct(s['needle_kept'])} | "
+              f"{pct(s['accuracy'])} | {s['ttft_s']} | {s['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -13,22 +13,45 @@ from dflash_server.spec.draft import DFlashDraft
 import dflash.model as ref  # noqa: E402  (the README's test command installs it: --no-deps dflash==0.1.0)
 
 
-def _reference(**extra):
+def _reference(dflash2=False, vocab=128, hidden=64, n_target=12, **extra):
+    """A reference draft with random weights and its config: DFlash 1 (3 layers, default
+    init perturbed: norms and biases random too) or DFlash 2 (2 layers, every parameter
+    set: its conv base kernels start uninitialized)."""
     from transformers import Qwen3Config
 
     dflash_cfg = {"mask_token_id": 5, "block_size": 8, **extra.pop("dflash_config", {})}
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
-    cfg.num_target_layers = 12
+    if dflash2:
+        dflash_cfg.update(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=5)
+    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=96, num_hidden_layers=2 if dflash2 else 3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                      max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
+    cfg.num_target_layers = n_target
     cfg.dflash_config = dflash_cfg
-    cfg.architectures = ["DFlashDraftModel"]
+    cfg.architectures = ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"]
     torch.manual_seed(0)
-    model = ref.DFlashDraftModel(cfg).eval()
-    with torch.no_grad():   # random norms and biases too: every weight matters
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
+    model = (ref.DFlash2DraftModel if dflash2 else ref.DFlashDraftModel)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if dflash2:
+                p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "norm" in name else 0.0))
+            else:
+                p.add_(torch.randn(p.shape) * 0.05)
     return model, cfg
+
+
+def _same_hidden(model, ours, S: int, B: int, seed: int):
+    """Feed both drafts the same context features and block embeddings; (ours, reference)
+    hidden states after checking they are equal, and the generator for more inputs."""
+    H = model.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(1, S, len(model.target_layer_ids) * H, generator=g)
+    noise = torch.randn(1, B, H, generator=g)
+    with torch.no_grad():
+        want = model(position_ids=torch.arange(S + B)[None], noise_embedding=noise, target_hidden=feats)
+    ours.append_context(feats, 0)
+    got = ours.draft_hidden(noise, S)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    return got, want, g
 
 
 CASES = {
@@ -50,15 +73,7 @@ def test_hidden_states_equal_the_reference(case):
     assert list(ours_cfg.target_layer_ids) == list(model.target_layer_ids)
     tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ours = DFlashDraft(ours_cfg, tensors, "cpu", torch.float32, 128)
-    S, B, H = 11, 8, 64
-    g = torch.Generator().manual_seed(1)
-    feats = torch.randn(1, S, len(model.target_layer_ids) * H, generator=g)
-    noise = torch.randn(1, B, H, generator=g)
-    with torch.no_grad():
-        want = model(position_ids=torch.arange(S + B)[None], noise_embedding=noise, target_hidden=feats)
-    ours.append_context(feats, 0)
-    got = ours.draft_hidden(noise, S)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    _same_hidden(model, ours, 11, 8, 1)
 
 
 def test_default_taps_block_size_and_logit_shaping():
@@ -89,46 +104,18 @@ def test_other_architectures_are_refused(arch, needle):
         DraftConfig.from_dict(d)
 
 
-def _reference2(vocab=128, hidden=64, n_target=12, taps=None, **extra):
-    from transformers import Qwen3Config
-
-    dflash_cfg = {"mask_token_id": 5, "block_size": 8, "conv_kernel_size": 3, "conv_group_size": 16,
-                  "selector_rank": 8, "selector_top_k": 5}
-    if taps:
-        dflash_cfg["target_layer_ids"] = list(taps)
-    cfg = Qwen3Config(hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, **extra)
-    cfg.num_target_layers = n_target
-    cfg.dflash_config = dflash_cfg
-    cfg.architectures = ["DFlash2DraftModel"]
-    torch.manual_seed(0)
-    model = ref.DFlash2DraftModel(cfg).eval()
-    with torch.no_grad():   # every parameter set (the conv base kernels start uninitialized)
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "norm" in name else 0.0))
-    return model, cfg
-
-
 def _state(model):
     # the reference's checkpoints name the codebooks without ".weight" (its from_pretrained maps them)
     return {k.replace("_codebook.weight", "_codebook"): v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_dflash2_hidden_states_and_greedy_walk_equal_the_reference():
-    model, cfg = _reference2()
+    model, cfg = _reference(True)
     ours_cfg = DraftConfig.from_dict(cfg.to_dict())
     assert ours_cfg.dflash2 and ours_cfg.selector_top_k == 5 and DraftConfig.from_dict(ours_cfg.to_dict()) == ours_cfg
     ours = DFlashDraft(ours_cfg, _state(model), "cpu", torch.float32, 128)
-    S, B, H = 9, 8, 64
-    g = torch.Generator().manual_seed(2)
-    feats = torch.randn(1, S, len(model.target_layer_ids) * H, generator=g)
-    noise = torch.randn(1, B, H, generator=g)
-    with torch.no_grad():
-        want = model(position_ids=torch.arange(S + B)[None], noise_embedding=noise, target_hidden=feats)
-    ours.append_context(feats, 0)
-    got = ours.draft_hidden(noise, S)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    B, H = 8, 64
+    got, want, g = _same_hidden(model, ours, 9, B, 2)
     head = torch.nn.Linear(H, 128, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.randn(128, H, generator=g))
@@ -150,7 +137,7 @@ def test_dflash2_draft_is_lossless_in_the_engine(tiny_dir):
 
     pipe = pipeline(tiny_dir("llama"))
     c = pipe.config
-    model, cfg = _reference2(vocab=c.vocab_size, hidden=c.hidden_size, n_target=c.num_layers, taps=(1, 2))
+    model, cfg = _reference(True, c.vocab_size, c.hidden_size, c.num_layers, dflash_config={"target_layer_ids": [1, 2]})
     draft = DFlashDraft(DraftConfig.from_dict(cfg.to_dict()), _state(model), "cpu", torch.float32, pipe.max_ctx)
     ids = prompt_ids(pipe, 20)
     req = GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True)
@@ -163,12 +150,12 @@ def test_dflash2_draft_is_lossless_in_the_engine(tiny_dir):
 
 
 def test_dflash2_config_needs_its_fields():
-    _, cfg = _reference2()
+    _, cfg = _reference(True)
     d = cfg.to_dict()
     del d["dflash_config"]["selector_top_k"]
     with pytest.raises(ValueError, match="selector_top_k"):
         DraftConfig.from_dict(d)
-    _, cfg = _reference2()
+    _, cfg = _reference(True)
     d = cfg.to_dict()
     d["dflash_config"]["conv_group_size"] = 7
     with pytest.raises(ValueError, match="divide"):
@@ -187,7 +174,7 @@ def test_dflash2_checkpoint_loads_here_and_is_refused_in_a_draft_worker(tiny_dir
 
     pipe = pipeline(tiny_dir("llama"))
     c = pipe.config
-    model, cfg = _reference2(vocab=c.vocab_size, hidden=c.hidden_size, n_target=c.num_layers, taps=(1, 2))
+    model, cfg = _reference(True, c.vocab_size, c.hidden_size, c.num_layers, dflash_config={"target_layer_ids": [1, 2]})
     d = tmp_path / "draft2"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg.to_dict()))
