@@ -142,7 +142,12 @@ class Sampler:
         if self.params.greedy:
             return int(self.process(logits).argmax(-1))
         probs, ids = self._truncated(logits)
-        cdf = probs.double().cumsum(-1)
-        u = torch.rand((1,), generator=self.generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
-        i = min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
+        i = self.draw(probs)
         return int(ids[i]) if ids is not None else i
+
+    def draw(self, weights: torch.Tensor) -> int:
+        """An index drawn in proportion to (V,) non-negative ``weights`` (inverse CDF, one
+        uniform from the request's generator)."""
+        cdf = weights.double().cumsum(-1)
+        u = torch.rand((1,), generator=self.generator, dtype=torch.float64, device=self.generator.device)
+        return min(int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True)), cdf.shape[-1] - 1)

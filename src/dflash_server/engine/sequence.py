@@ -93,9 +93,7 @@ class Sequence:
             r = (p - q).clamp_min(0.0)
             if float(r.sum()) <= 0.0:     # (p == q up to rounding: a rejection is then measure zero)
                 r = p
-            cdf = r.cumsum(-1)
-            v = torch.rand((1,), generator=g, dtype=torch.float64, device=g.device).to(cdf.device) * cdf[-1]
-            tok = min(int(torch.searchsorted(cdf, v, right=True)), cdf.shape[-1] - 1)
+            tok = self.sampler.draw(r)
         self.think.observe(tok)
         self.sampler.accept(tok)
         self.last = tok
