@@ -46,7 +46,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
-    """family: "llama" | "qwen3" | "qwen3_5" | "gemma3". Returns dst (an HF model directory)."""
+    """family: "llama" | "qwen3" | "qwen3_5" | "gemma3" | "laguna". Returns dst (an HF model directory)."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -102,6 +102,27 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
                                                        "factor": 8.0}})
         cfg.update(overrides)
         model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
+        write_smol_tokenizer(dst)
+    elif family == "laguna":
+        from transformers import LagunaConfig, LagunaForCausalLM
+
+        # a full layer (YaRN over half the head) then sliding ones (window 24 < the prompts,
+        # all of the head at their own base), query heads varying per layer, a dense first
+        # MLP then MoE layers (8 experts, 2 per token, soft-capped router, scaled, shared expert)
+        cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+                   num_attention_heads_per_layer=[4, 8, 8, 4], sliding_window=24,
+                   layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"],
+                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=10.0,
+                   rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0,
+                                                       "partial_rotary_factor": 0.5, "factor": 4.0,
+                                                       "original_max_position_embeddings": 256},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 1.0}})
+        cfg.update(overrides)
+        model = LagunaForCausalLM(LagunaConfig(**cfg))
         write_smol_tokenizer(dst)
     else:
         raise ValueError(family)

@@ -38,6 +38,9 @@ class Attention(nn.Module):
     ``q_norm``/``k_norm``: per-head RMSNorm before RoPE (Qwen3, Qwen3.5).
     ``output_gate``: q_proj yields ``[query | gate]`` per head and the output is multiplied
     by ``sigmoid(gate)`` (Qwen3.5 gated attention).
+    ``softplus_gate``: a separate projection of the layer input, ``softplus(g(x))``, scales
+    the output before the O projection, one value per head (broadcast over the head) or
+    per element (Laguna).
     """
 
     def __init__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -45,7 +48,7 @@ class Attention(nn.Module):
                  q_bias=None, k_bias=None, v_bias=None, o_bias=None,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                  output_gate: bool = False, window: int | None = None, scale: float | None = None,
-                 local_rope: bool = False):
+                 local_rope: bool = False, softplus_gate: torch.Tensor | None = None):
         """``window``: sliding-window attention (a query sees the last ``window`` positions);
         ``local_rope``: rotate with the context's local rotary rows (Gemma's sliding layers)."""
         super().__init__()
@@ -56,6 +59,12 @@ class Attention(nn.Module):
         self.kv_dim = num_kv_heads * head_dim
         self.qkv = Linear.fused([q, k, v], [q_bias, k_bias, v_bias])
         self.o = Linear(o, o_bias)
+        self.g = None
+        if softplus_gate is not None:
+            if softplus_gate.shape[0] not in (num_heads, num_heads * head_dim):
+                raise ValueError(f"attention gate of {softplus_gate.shape[0]} outputs for {num_heads} heads of "
+                                 f"{head_dim}")
+            self.g = Linear(softplus_gate)
         self.q_norm, self.k_norm = q_norm, k_norm
         self.window = window
         self.scale = scale if scale is not None else head_dim ** -0.5
@@ -102,8 +111,17 @@ class Attention(nn.Module):
             cos, sin = ctx.rope_f32(self.local_rope)
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale, **self.native_args)
-            return self.o(out)
-        return self.o(self._attend(qkv, ctx, state, x.dtype))
+            return self.o(self._gated(out, x))
+        return self.o(self._gated(self._attend(qkv, ctx, state, x.dtype), x))
+
+    def _gated(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The softplus output gate (Laguna) on the attention output (..., nh * hd)."""
+        if self.g is None:
+            return out
+        g = F.softplus(self.g(x).float()).to(out.dtype)
+        if g.shape[-1] == self.nh * self.hd:
+            return out * g
+        return (out.unflatten(-1, (self.nh, self.hd)) * g.unsqueeze(-1)).flatten(-2)
 
     def forward_rows(self, x: torch.Tensor, ctx: ForwardContext, bank: KVState) -> torch.Tensor:
         """Decode rows of several sequences: row b attends over lane ``ctx.lanes[b]`` of the
@@ -113,13 +131,13 @@ class Attention(nn.Module):
             cos, sin = ctx.rope_f32(self.local_rope)
             out = torch.ops.dflash.attention_rows(qkv, cos, sin, bank.k, bank.v, ctx.lanes, ctx.positions, self.nh,
                                                   self.nkv, self.scale, **self.native_args)
-            return self.o(out)
+            return self.o(self._gated(out, x))
         outs = []
         for b, (lane, pos) in enumerate(zip(ctx.lanes, ctx.positions)):
             row = ctx.row(b, pos)
             lane_kv = KVState(bank.k[lane:lane + 1], bank.v[lane:lane + 1])
             outs.append(self._attend(qkv[:, b:b + 1], row, lane_kv, x.dtype))
-        return self.o(torch.cat(outs, dim=1))
+        return self.o(self._gated(torch.cat(outs, dim=1), x))
 
     def _tail_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
                         acc: torch.Tensor) -> None:

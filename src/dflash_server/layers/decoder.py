@@ -35,7 +35,8 @@ class DecoderLayer(nn.Module):
         checks cost ~7 us per layer through nn.Module attribute lookups, 0.2 ms a token."""
         if self._fused is None:
             m, f = self.mixer, self.mlp
-            self._fused = (isinstance(m, Attention) and m.native and m.window is None and isinstance(f, SwiGLU)
+            self._fused = (isinstance(m, Attention) and m.native and m.window is None and m.g is None
+                           and isinstance(f, SwiGLU)
                            and f.act == "silu"
                            and self.mixer_out_norm is None and self.mlp_out_norm is None and self.input_norm.native
                            and self.post_norm.native and all(lin.mode == "native" and lin.bias is None

@@ -11,13 +11,15 @@ import math
 import torch
 
 
-def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor cos and sin are multiplied by) as transformers
+    computes them for each supported ``rope_type``."""
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "default":
-        return inv
+        return inv, 1.0
     if kind == "linear":
-        return inv / float(scaling["factor"])
+        return inv / float(scaling["factor"]), 1.0
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -29,8 +31,39 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tens
         smooth = (old_ctx / wavelen - low) / (high - low)
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
-        return torch.where(is_mid, mid, scaled)
+        return torch.where(is_mid, mid, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(rotary_dim, theta, scaling, inv)
     raise ValueError(f"rope scaling type {kind!r} is not supported")
+
+
+def _yarn(dim: int, theta: float, p: dict, extrapolation: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate the low frequencies by ``factor``, keep the high
+    ones, a linear ramp between (bounds from beta_fast / beta_slow rotations over the original
+    context); cos and sin scaled by the attention factor (0.1 ln(factor) + 1 unless given)."""
+    if p.get("factor") is None or p.get("original_max_position_embeddings") is None:
+        raise ValueError("yarn RoPE needs factor and original_max_position_embeddings")
+    factor, orig = float(p["factor"]), float(p["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the high frequencies), 0: interpolate
+    return extrapolation / factor * (1 - keep) + extrapolation * keep, float(attention)
 
 
 class RotaryTable:
@@ -41,16 +74,28 @@ class RotaryTable:
         if rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
-        inv = _inv_freq(rotary_dim, theta, scaling).float()
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+        inv, attention = _inv_freq(rotary_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv.float())
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_pos, rotary_dim)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if attention != 1.0:  # YaRN: both scaled, as transformers does
+            cos, sin = cos * attention, sin * attention
+        self.cos = cos.to(device=device, dtype=dtype)
         # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one op instead of four
         half = rotary_dim // 2
-        self.sin = torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], dim=-1).to(device=device, dtype=dtype)
+        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
 
     def rows(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[start:start + length], self.sin[start:start + length]
+
+
+def rope_tables(cfg, max_pos: int, device, dtype) -> tuple[RotaryTable, RotaryTable | None]:
+    """A model's RoPE rows: the main table, and the sliding layers' own one where the family
+    gives them another base (Gemma, Laguna), with its own rotated width and scaling."""
+    main = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_pos, cfg.rope_scaling, device, dtype)
+    local = RotaryTable(cfg.head_dim, cfg.local_rotary_dim, cfg.rope_local_theta, max_pos, cfg.rope_local_scaling,
+                        device, dtype) if cfg.rope_local_theta else None
+    return main, local
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """What every model family provides, and the parts they share (embedding, head)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -11,6 +12,14 @@ from ..layers.linear import Linear
 from ..layers.norms import RMSNorm
 from .config import ModelConfig
 
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A family's GGUF mapping for one matrix of a stacked 3-D tensor (a layer's experts):
+    ``gguf_tensor`` returns ``(name, Slab(i))`` instead of a transform."""
+
+    index: int
 
 
 class Weights(Protocol):

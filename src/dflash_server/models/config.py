@@ -42,6 +42,23 @@ class ModelConfig:
     embed_scale: bool = False
     sandwich_norms: bool = False
     final_logit_softcapping: float | None = None
+    # per-layer query head counts (Laguna; empty: num_heads everywhere); the sliding layers'
+    # own partial rotary factor and scaling (Laguna: full layers rotate half the head with
+    # YaRN, sliding ones all of it, plainly)
+    heads_per_layer: tuple[int, ...] = ()
+    local_partial_rotary_factor: float | None = None
+    rope_local_scaling: dict | None = None
+    # attention output gate softplus(g_proj(x)) (Laguna): "" | "per_head" | "per_element"
+    attn_softplus_gate: str = ""
+    # mixture of experts (Laguna): per-layer "dense" | "sparse", sigmoid router with a selection
+    # bias, top-k weights normalised, scaled, plus an always-on shared expert
+    mlp_layer_types: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_routed_scaling_factor: float = 1.0
+    moe_router_softcap: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -65,10 +82,38 @@ class ModelConfig:
             raise ValueError("model config: sliding-window layers need a positive sliding_window")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"model config: unsupported activation {self.hidden_act!r}")
+        if self.heads_per_layer:
+            if len(self.heads_per_layer) != self.num_layers:
+                raise ValueError(f"model config: {len(self.heads_per_layer)} head counts for {self.num_layers} layers")
+            if any(int(h) <= 0 or int(h) % self.num_kv_heads for h in self.heads_per_layer):
+                raise ValueError(f"model config: per-layer head counts {list(self.heads_per_layer)} must be positive "
+                                 f"multiples of num_kv_heads {self.num_kv_heads}")
+        if self.attn_softplus_gate not in ("", "per_head", "per_element"):
+            raise ValueError(f"model config: unknown attention gate {self.attn_softplus_gate!r}")
+        if self.mlp_layer_types:
+            if len(self.mlp_layer_types) != self.num_layers:
+                raise ValueError(f"model config: {len(self.mlp_layer_types)} mlp_layer_types for "
+                                 f"{self.num_layers} layers")
+            if set(self.mlp_layer_types) - {"dense", "sparse"}:
+                raise ValueError(f"model config: unknown mlp layer types {sorted(set(self.mlp_layer_types))}")
+            if "sparse" in self.mlp_layer_types and not (
+                    0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+                raise ValueError(f"model config: MoE layers need 0 < experts per token ({self.num_experts_per_tok}) "
+                                 f"<= experts ({self.num_experts}) and a positive expert size")
+
+    def heads(self, layer: int) -> int:
+        """Query heads of one layer."""
+        return int(self.heads_per_layer[layer]) if self.heads_per_layer else self.num_heads
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def local_rotary_dim(self) -> int:
+        """Rotated dims of the sliding layers' own RoPE (``rope_local_theta``)."""
+        f = self.partial_rotary_factor if self.local_partial_rotary_factor is None else self.local_partial_rotary_factor
+        return int(self.head_dim * f)
 
 
 def rope_from_hf(cfg: dict) -> tuple[float, dict | None, float]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from .base import Family
 from .gemma3 import Gemma3Family
+from .laguna import LagunaFamily
 from .llama import LlamaFamily
 from .qwen3 import Qwen3Family
 from .qwen3_5 import Qwen3_5Family
 
-FAMILIES: tuple[Family, ...] = (LlamaFamily(), Qwen3Family(), Qwen3_5Family(), Gemma3Family())
+FAMILIES: tuple[Family, ...] = (LlamaFamily(), Qwen3Family(), Qwen3_5Family(), Gemma3Family(),
+                                 LagunaFamily())
 
 
 def family_for_hf_config(cfg: dict) -> Family:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..layers.context import ForwardContext
-from ..layers.rope import RotaryTable
+from ..layers.rope import RotaryTable, rope_tables
 
 LOOKAHEAD = 8
 
@@ -50,10 +50,7 @@ class PromptScorer:
         rope, rope_local = stage.rope, stage.rope_local
         longest = max(stage.max_ctx, cfg.max_position_embeddings or 0)
         if longest > stage.max_ctx:  # the drafter reads prompts up to the model's length, past the context
-            rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, longest, cfg.rope_scaling,
-                               stage.device, stage.dtype)
-            rope_local = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta, longest, None,
-                                     stage.device, stage.dtype) if cfg.rope_local_theta else None
+            rope, rope_local = rope_tables(cfg, longest, stage.device, stage.dtype)
         return cls(stage.embed, stage.layers[:n_layers], rope, rope_local, stage.device, stage.dtype,
                    tokenizer=None, name=f"self:{n_layers}", chunk=chunk)
 
@@ -81,9 +78,7 @@ class PromptScorer:
                 if isinstance(mod, Linear):
                     mod.quantize_(quantize)
         ctx = max(max_ctx, cfg.max_position_embeddings or 0)
-        rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, ctx, cfg.rope_scaling, dev, dtype)
-        rope_local = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta, ctx, None, dev, dtype) \
-            if cfg.rope_local_theta else None
+        rope, rope_local = rope_tables(cfg, ctx, dev, dtype)
         return cls(fam.build_embedding(cfg, w), layers, rope, rope_local, dev, dtype, tokenizer=source.tokenizer,
                    name=str(path), chunk=chunk, owns_weights=True)
 

@@ -41,15 +41,16 @@ def matrix_bytes(shape: tuple[int, ...], mode: str, elt: int) -> int:
     n = 1
     for d in shape:
         n *= d
-    if mode == "int8" and len(shape) == 2:
-        return n + shape[0] * elt
-    if mode == "int4" and len(shape) == 2 and shape[-1] % 32 == 0:
+    rows = n // shape[-1] if shape else 1  # a 3-D tensor: a layer's stacked experts, matrix by matrix
+    if mode == "int8" and len(shape) in (2, 3):
+        return n + rows * elt
+    if mode == "int4" and len(shape) in (2, 3) and shape[-1] % 32 == 0:
         return n // 2 + (n // 32) * 2 * elt
     return n * elt
 
 
 def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and shape[-1] % 32 == 0 and "norm" not in name and "conv" not in name
+    return len(shape) in (2, 3) and shape[-1] % 32 == 0 and "norm" not in name and "conv" not in name
 
 
 def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_tokens: int | None = None,

@@ -15,7 +15,7 @@ from ..errors import ModelLoadError
 from ..layers.attention import SCORE_QUERY_ROWS
 from ..layers.context import ForwardContext
 from ..layers.linear import Linear
-from ..layers.rope import RotaryTable
+from ..layers.rope import rope_tables
 from .kv_pool import KvPool
 
 
@@ -111,11 +111,8 @@ class LocalStage:
         layer_mode, head_mode = (quantize, quantize) if isinstance(quantize, str) else quantize
         for mod in self._linears():
             mod.quantize_(head_mode if mod is self.lm_head else layer_mode)
-        self.rope = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_ctx, cfg.rope_scaling,
-                                self.device, dtype)
-        # sliding-window layers with their own RoPE base (Gemma): plain RoPE at that base
-        self.rope_local = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta, max_ctx, None,
-                                      self.device, dtype) if cfg.rope_local_theta else None
+        # sliding-window layers with their own RoPE (Gemma, Laguna) rotate with rope_local
+        self.rope, self.rope_local = rope_tables(cfg, max_ctx, self.device, dtype)
         self.batch = batch
         if lanes < 1 or (lanes > 1 and batch > 1):
             raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch")

@@ -43,36 +43,46 @@ class GGUFFile:
 
         return GGMLQuantizationType(self.tensors[name].ggml_type).name
 
-    def raw_rows(self, name: str) -> tuple[str, np.ndarray]:
-        """(type name, the stored bytes of a 2-D tensor as (rows, bytes per row)), a view of
-        the file: blocks exactly as GGUF stores them, for kernels that read them."""
-        from gguf.constants import GGMLQuantizationType
-
+    def _slab(self, name: str, slab: int | None):
+        """(tensor info, its stored bytes, the matrix shape): the whole tensor, or matrix
+        ``slab`` of a 3-D one (llama.cpp stacks a layer's experts: (experts, rows, cols))."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
-        if len(t.shape) != 2:
-            raise ModelLoadError(f"{self.path}: tensor {name} is not a matrix")
         raw = self._data[t.offset:t.offset + t.nbytes]
-        return GGMLQuantizationType(t.ggml_type).name, raw.reshape(t.shape[0], t.nbytes // t.shape[0])
+        if slab is None:
+            return t, raw, tuple(t.shape)
+        if len(t.shape) != 3 or not 0 <= slab < t.shape[0]:
+            raise ModelLoadError(f"{self.path}: tensor {name} of shape {tuple(t.shape)} has no matrix {slab}")
+        size = t.nbytes // t.shape[0]
+        return t, raw[slab * size:(slab + 1) * size], tuple(t.shape[1:])
 
-    def get(self, name: str) -> torch.Tensor:
-        """Dequantized tensor (fp32, or fp16 as stored) in PyTorch (out, in) order."""
+    def raw_rows(self, name: str, slab: int | None = None) -> tuple[str, np.ndarray]:
+        """(type name, the stored bytes of a 2-D tensor, or of matrix ``slab`` of a 3-D one,
+        as (rows, bytes per row)), a view of the file: blocks exactly as GGUF stores them, for
+        kernels that read them."""
+        from gguf.constants import GGMLQuantizationType
+
+        t, raw, shape = self._slab(name, slab)
+        if len(shape) != 2:
+            raise ModelLoadError(f"{self.path}: tensor {name} is not a matrix")
+        return GGMLQuantizationType(t.ggml_type).name, raw.reshape(shape[0], raw.size // shape[0])
+
+    def get(self, name: str, slab: int | None = None) -> torch.Tensor:
+        """Dequantized tensor (fp32, or fp16 as stored) in PyTorch (out, in) order; with
+        ``slab``, only that matrix of a 3-D tensor."""
         import gguf
         from gguf.constants import GGMLQuantizationType
 
-        t = self.tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        t, raw, shape = self._slab(name, slab)
         qtype = GGMLQuantizationType(t.ggml_type)
         if qtype.name not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type {qtype.name}")
-        raw = self._data[t.offset:t.offset + t.nbytes]
         if qtype.name == "F32":
-            arr = raw.view(np.float32).reshape(t.shape)
+            arr = raw.view(np.float32).reshape(shape)
         elif qtype.name == "F16":
-            arr = raw.view(np.float16).reshape(t.shape)
+            arr = raw.view(np.float16).reshape(shape)
         else:
-            rows = raw.reshape(-1, t.nbytes // max(1, int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1))
-            arr = gguf.quants.dequantize(rows, qtype).reshape(t.shape)
+            rows = raw.reshape(-1, raw.size // max(1, int(np.prod(shape[:-1])) if len(shape) > 1 else 1))
+            arr = gguf.quants.dequantize(rows, qtype).reshape(shape)
         return torch.from_numpy(np.array(arr))

@@ -50,6 +50,10 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     **_family("qwen35", (_QWEN35,)),
     **_family("gpt-4o llama4 minimax-m2 kanana2", (_GPT4O,)),
     **_family("tekken", (_TEKKEN,)),
+    # Laguna: lines first, then a GPT-2-like split with single digits
+    "laguna": (r"[^\n]+|[\n]+",
+               r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
 }
 _IGNORE_MERGES = set(_family("llama3 llama-bpe llama-v3 falcon3 falcon-h1 pixtral midm-2.0 lfm2 dbrx smaug-bpe", ()))
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from ..models.base import Family
+from ..models.base import Family, Slab
 from ..models.config import ModelConfig
 from ..models.registry import family_for_gguf_arch, family_for_hf_config
 from .tokenizer import Tokenizer
@@ -42,6 +42,8 @@ class ModelSource:
             gname, transform = self.family.gguf_tensor(name, self.config)
         except KeyError:
             raise ModelLoadError(f"{self.path}: no GGUF mapping for weight {name!r}") from None
+        if isinstance(transform, Slab):
+            return self._backend.get(gname, transform.index)
         t = self._backend.get(gname)
         return transform(t) if transform is not None else t
 
@@ -55,12 +57,13 @@ class ModelSource:
             return None
         try:
             gname, transform = self.family.gguf_tensor(name, self.config)
-            qtype, rows = self._backend.raw_rows(gname)
+            slab = transform.index if isinstance(transform, Slab) else None
+            qtype, rows = self._backend.raw_rows(gname, slab)
         except (KeyError, ModelLoadError):
             return None
         if qtype not in QTYPES:
             return None
-        if transform is not None:  # usable only if it moves whole rows: probe it with indices
+        if transform is not None and slab is None:  # usable only if it moves whole rows: probe it with indices
             n, k = self._backend.tensors[gname].shape
             probe = torch.arange(n * k, dtype=torch.float64).reshape(n, k)
             try:
