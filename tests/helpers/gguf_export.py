@@ -14,7 +14,19 @@ from safetensors.torch import load_file
 from . import kquant
 from .qwen_tokenizer import add_gguf_tokenizer_metadata
 
-ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35"}
+ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35", "laguna": "laguna"}
+# llama.cpp's laguna tensor names (llama-arch.cpp; the PyPI gguf-py has no laguna map):
+# HF suffix inside model.layers.{i}. -> GGUF suffix inside blk.{i}.
+LAGUNA_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.g_proj.weight": "attn_gate.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+    **{f"mlp.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+}
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -57,25 +69,83 @@ def _forward_transform(name: str, w: torch.Tensor, family: str, cfg: dict) -> tu
     return name, w
 
 
+def _laguna_meta(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The keys llama.cpp's converter (conversion/laguna.py + base.py) writes for Laguna."""
+    a, n, hd = "laguna", cfg["num_hidden_layers"], cfg["head_dim"]
+    heads = cfg.get("num_attention_heads_per_layer") or [cfg["num_attention_heads"]] * n
+    w.add_array(f"{a}.attention.head_count", heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_vocab_size(cfg["vocab_size"])
+    rope = cfg["rope_parameters"]
+    full, swa = rope["full_attention"], rope.get("sliding_attention")
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_uint32(f"{a}.rope.dimension_count", int(hd * full.get("partial_rotary_factor", 1.0)))
+    if full.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+    if cfg.get("sliding_window") and "sliding_attention" in cfg["layer_types"]:  # M.1: all full, no window
+        w.add_uint32(f"{a}.attention.sliding_window", cfg["sliding_window"])
+        w.add_array(f"{a}.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_float32(f"{a}.rope.freq_base_swa", swa["rope_theta"])
+        w.add_uint32(f"{a}.rope.dimension_count_swa", int(hd * swa.get("partial_rotary_factor", 1.0)))
+    w.add_uint32(f"{a}.expert_count", cfg["num_experts"])
+    w.add_uint32(f"{a}.expert_used_count", cfg["num_experts_per_tok"])
+    w.add_uint32(f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_float32(f"{a}.expert_weights_scale", cfg["moe_routed_scaling_factor"])
+    w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid
+    dense = next((i for i, t in enumerate(cfg["mlp_layer_types"]) if t != "dense"), n)
+    w.add_uint32(f"{a}.leading_dense_block_count", dense)
+
+
+def _laguna_tensors(tensors: dict, cfg: dict):
+    """(GGUF name, fp32 tensor): experts stacked per layer as llama.cpp's converter does."""
+    import re
+
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, t in sorted(tensors.items()):
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            yield {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[name], t.float()
+            continue
+        layer, inner = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        e = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", inner)
+        if e:
+            experts.setdefault((int(layer), e.group(2)), {})[int(e.group(1))] = t.float()
+            continue
+        yield f"blk.{layer}.{LAGUNA_NAMES[inner]}", t.float()
+    for (layer, part), mats in sorted(experts.items()):
+        yield f"blk.{layer}.ffn_{part}_exps.weight", torch.stack([mats[i] for i in range(len(mats))])
+
+
 def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_for=None) -> Path:
-    """qtype_for(gguf_name, shape) -> GGMLQuantizationType for 2-D weights (default F32)."""
+    """qtype_for(gguf_name, shape) -> GGMLQuantizationType for 2-D weights and stacked
+    experts (default F32)."""
     cfg = json.loads((Path(src) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     arch = ARCH[family]
     n = cfg["num_hidden_layers"]
-    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    name_map = None if family == "laguna" else gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
     w = gguf.GGUFWriter(str(dst), arch)
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_block_count(n)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if family != "llama":
+    if family == "laguna":
+        _laguna_meta(w, cfg)
+    else:
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if family not in ("llama", "laguna"):
         w.add_key_length(hd)
         w.add_value_length(hd)
     if family == "llama":
@@ -92,16 +162,12 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
         w.add_rope_dimension_sections([11, 11, 10, 0])
     add_gguf_tokenizer_metadata(w, tokenizer_meta)
     tensors = load_file(str(Path(src) / "model.safetensors"))
-    for name, t in sorted(tensors.items()):
-        name = name.replace("model.language_model.", "model.")
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-            continue
-        name, t = _forward_transform(name, t.float(), family, cfg)
-        gname = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gname, name
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    for gname, t in _laguna_tensors(tensors, cfg) if family == "laguna" else _mapped(tensors, family, cfg, name_map):
         arr = t.numpy().astype(np.float32)
         qt = gguf.GGMLQuantizationType.F32
-        if arr.ndim == 2 and not gname.endswith("norm.weight") and qtype_for is not None:
+        if arr.ndim in (2, 3) and not gname.endswith(("norm.weight", "ffn_gate_inp.weight")) and qtype_for is not None:
             qt = qtype_for(gname, arr.shape)
         if qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, arr)
@@ -117,3 +183,12 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
     w.close()
     return Path(dst)
 
+
+
+def _mapped(tensors: dict, family: str, cfg: dict, name_map):
+    for name, t in sorted(tensors.items()):
+        name = name.replace("model.language_model.", "model.")
+        name, t = _forward_transform(name, t.float(), family, cfg)
+        gname = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname, name
+        yield gname, t

@@ -114,7 +114,7 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
                    rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
                    num_attention_heads_per_layer=[4, 8, 8, 4], sliding_window=24,
                    layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"],
-                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                    moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=10.0,
                    rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0,
                                                        "partial_rotary_factor": 0.5, "factor": 4.0,

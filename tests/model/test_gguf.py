@@ -11,19 +11,27 @@ from helpers.qwen_tokenizer import gguf_tokenizer_metadata_from_hf
 from helpers.tiny import smollm2_gguf_path
 
 Q = gguf.GGMLQuantizationType
-PRE = {"llama": "smollm", "qwen3": "qwen2", "qwen3_5": "qwen35"}
+PRE = {"llama": "smollm", "qwen3": "qwen2", "qwen3_5": "qwen35", "laguna": "smollm"}
+
+
+# llama.cpp's laguna conversion carries no router soft-cap (nor does its graph apply one)
+GGUF_OVERRIDES = {"laguna": {"moe_router_logit_softcapping": 0.0}}
+
+
+def _src(tiny_dir, family):
+    return tiny_dir(family, **GGUF_OVERRIDES.get(family, {}))
 
 
 def _export(tiny_dir, tmp_path, family, qtype_for=None):
-    src = tiny_dir(family)
+    src = _src(tiny_dir, family)
     meta = gguf_tokenizer_metadata_from_hf(src, pre=PRE[family])
     return export_gguf(src, tmp_path / f"{family}.gguf", family, meta, qtype_for)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "laguna"])
 def test_f32_gguf_equals_safetensors(tiny_dir, tmp_path, family):
     path = _export(tiny_dir, tmp_path, family)
-    ours_gguf, ours_st = pipeline(path), pipeline(tiny_dir(family))
+    ours_gguf, ours_st = pipeline(path), pipeline(_src(tiny_dir, family))
     assert ours_gguf.config.layer_types == ours_st.config.layer_types
     ids = prompt_ids(ours_st, 100)
     a = ours_gguf.forward(ids, 0, logits="all").logits
@@ -122,7 +130,7 @@ def test_quantized_logits_close_to_bf16():
         assert (out.argmax(-1) == base.argmax(-1)).float().mean().item() > min_agree, quantize
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "laguna"])
 def test_native_kernels_read_the_stored_blocks(tiny_dir, tmp_path, family, monkeypatch):
     """--native-kernels on a GGUF of mixed Q8_0/Q4_0/Q4_1 blocks: the kernels read the
     stored blocks (Q/K rows of llama un-permuted like the dequantized weights, Gated
@@ -144,10 +152,31 @@ def test_native_kernels_read_the_stored_blocks(tiny_dir, tmp_path, family, monke
         err = ((w - d.weight).norm() / d.weight.norm()).item()
         assert err < 0.01, err  # stored blocks: ~1e-7; F16/F32 weights requantized to Q8_0: < 1%
     ids = prompt_ids(dense, 80)
+    routes = _record_routes(monkeypatch)
     a = native.forward(ids, 0, logits="all").logits
     b = dense.forward(ids, 0, logits="all").logits
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    assert cos.min().item() > 0.98, cos.min().item()  # int8 activations (aten int8 here: 0.997)
+    same = torch.ones(len(ids), dtype=torch.bool)
+    if routes:  # MoE: int8 activations may flip a near-tied expert choice, a discrete change
+        half = len(routes) // 2
+        for x, y in zip(routes[:half], routes[half:]):
+            same &= (x == y).all(-1)
+        assert same.float().mean().item() > 0.85, same
+    assert cos[same].min().item() > 0.98, cos.min().item()  # int8 activations (aten int8 here: 0.997)
+
+
+def _record_routes(monkeypatch) -> list:
+    """Every MoE layer's chosen experts (sorted per row), call after call."""
+    from dflash_server.layers.moe import MoE
+
+    out, route = [], MoE.route
+
+    def recording(self, h):
+        ids, w = route(self, h)
+        out.append(ids.sort(-1).values)
+        return ids, w
+    monkeypatch.setattr(MoE, "route", recording)
+    return out
 
 
 def _kquants(name, shape):

@@ -18,7 +18,8 @@ GGUF (llama.cpp's ``laguna`` arch): experts stacked per layer (``ffn_{gate,up,do
 read matrix by matrix), ``exp_probs_b`` the selection bias, ``*_shexp`` the shared expert,
 ``attn_gate`` the gate (its width says per head or per element), a per-layer head-count
 array, the sliding pattern (full where layer % 4 == 0 unless the file lists it), the sliding
-layers' RoPE base and width under ``*_swa`` keys. No Q/K permutation (NeoX RoPE).
+layers' RoPE base and width under ``*_swa`` keys. No Q/K permutation (NeoX RoPE). The
+converter carries no router soft-cap, and llama.cpp applies none: a GGUF runs without it.
 """
 from __future__ import annotations
 
@@ -225,8 +226,9 @@ class LagunaFamily(Family):
             gu, down = w.get(m + "experts.gate_up_proj"), w.get(m + "experts.down_proj")
             experts = [SwiGLU(gu[e, :inter], gu[e, inter:], down[e]) for e in range(E)]
         for e, ex in enumerate(experts):
-            if ex.inter != inter or ex.gate_up.in_features != cfg.hidden_size:
-                raise ValueError(f"laguna layer {index}: expert {e} does not have the config's sizes")
+            if (ex.inter, ex.gate_up.in_features, ex.down.out_features) != (inter, cfg.hidden_size, cfg.hidden_size):
+                raise ValueError(f"laguna layer {index}: expert {e} has shape {ex.inter} x {ex.gate_up.in_features} "
+                                 f"but the config implies {inter} x {cfg.hidden_size}")
         shared_p = next((f"{m}{s}." for s in ("shared_expert", "shared_experts") if w.has(f"{m}{s}.gate_proj.weight")),
                         None)
         shared = None if shared_p is None else SwiGLU(*(w.get(f"{shared_p}{part}_proj.weight")
