@@ -29,7 +29,7 @@ def gen(pipe, ids, n=40, proposer=None):
         GenerationRequest(tuple(ids), max_tokens=n, ignore_eos=True))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_fits_in_pool_equals_full_kv(tiny_dir, family, stages):
     path = tiny_dir(family)
@@ -152,7 +152,7 @@ def test_config_validation_and_auto_size():
         KvFlashConfig(512, tau=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
 def test_auto_pool_budget_from_free_device_memory(tiny_dir, family, monkeypatch):
     """``--kvflash auto`` on a GPU: half of the free memory after a 1.5 GiB reserve, divided
     by the K+V bytes per token of this stage's attention layers (GDN layers hold none). The
@@ -189,7 +189,7 @@ def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir)
     assert len(res.token_ids) == 80 and pager.page_outs > 0 and 0 in pager.resident
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
 def test_prefix_cache_hit_equals_miss_with_a_paged_pool(tiny_dir, family):
     """Multi-turn chat longer than the pool (lru): snapshots carry the page table, prefill
     forwards stop at chunk boundaries once the pool can be full, so a hit continues exactly
@@ -253,7 +253,7 @@ def test_retrieval_beyond_the_pool_with_the_score_policy():
     assert passed["score"] >= 3 and passed["score"] > passed["lru"], passed
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
 def test_dflash_equals_plain_decoding_while_paging(tiny_dir, family):
     """With chunks paged out, a verify block that enters a new chunk defers the eviction
     (the spare chunk), so every position sees the keys plain decoding saw: DFlash == AR

@@ -48,9 +48,10 @@ class Attention(nn.Module):
                  q_bias=None, k_bias=None, v_bias=None, o_bias=None,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                  output_gate: bool = False, window: int | None = None, scale: float | None = None,
-                 local_rope: bool = False, softplus_gate: torch.Tensor | None = None):
+                 local_rope: bool = False, softplus_gate: torch.Tensor | None = None, v_norm: bool = False):
         """``window``: sliding-window attention (a query sees the last ``window`` positions);
-        ``local_rope``: rotate with the context's local rotary rows (Gemma's sliding layers)."""
+        ``local_rope``: rotate with the context's local rotary rows (Gemma's sliding layers);
+        ``v_norm``: RMS-normalise each value head without a weight (Gemma 4; eps of the q/k norms)."""
         super().__init__()
         self.local_rope = local_rope
         self.nh, self.nkv, self.hd = num_heads, num_kv_heads, head_dim
@@ -66,6 +67,7 @@ class Attention(nn.Module):
                                  f"{head_dim}")
             self.g = Linear(softplus_gate)
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.v_norm = RMSNorm(torch.ones(head_dim), q_norm.eps if q_norm is not None else 1e-6) if v_norm else None
         self.window = window
         self.scale = scale if scale is not None else head_dim ** -0.5
         # the fused C++ step (RoPE + KV write + attention) for plain attention on the CPU,
@@ -82,6 +84,8 @@ class Attention(nn.Module):
             self.native_args["gated"] = True
         if window is not None:
             self.native_args["window"] = int(window)
+        if v_norm:
+            self.native_args["v_norm"] = True
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState:
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
@@ -179,6 +183,8 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
         v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)
             state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))
             state.v.index_copy_(2, ctx.slots, v.transpose(1, 2).to(state.v.dtype))

@@ -34,6 +34,11 @@ def _inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tuple[torc
         return torch.where(is_mid, mid, scaled), 1.0
     if kind == "yarn":
         return _yarn(rotary_dim, theta, scaling, inv)
+    if kind == "proportional":  # Gemma 4's full layers: the whole head's pairs, the first ones turning
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * rotary_dim // 2)
+        turning = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float64) / rotary_dim))
+        inv = torch.cat([turning, torch.zeros(rotary_dim // 2 - angles, dtype=torch.float64)])
+        return inv / float(scaling.get("factor", 1.0)), 1.0
     raise ValueError(f"rope scaling type {kind!r} is not supported")
 
 
@@ -92,7 +97,9 @@ class RotaryTable:
 def rope_tables(cfg, max_pos: int, device, dtype) -> tuple[RotaryTable, RotaryTable | None]:
     """A model's RoPE rows: the main table, and the sliding layers' own one where the family
     gives them another base (Gemma, Laguna), with its own rotated width and scaling."""
-    main = RotaryTable(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, max_pos, cfg.rope_scaling, device, dtype)
+    full_hd = cfg.head_dim_full or cfg.head_dim
+    rot = full_hd if cfg.head_dim_full else cfg.rotary_dim
+    main = RotaryTable(full_hd, rot, cfg.rope_theta, max_pos, cfg.rope_scaling, device, dtype)
     local = RotaryTable(cfg.head_dim, cfg.local_rotary_dim, cfg.rope_local_theta, max_pos, cfg.rope_local_scaling,
                         device, dtype) if cfg.rope_local_theta else None
     return main, local

@@ -46,6 +46,11 @@ class ModelConfig:
     # own partial rotary factor and scaling (Laguna: full layers rotate half the head with
     # YaRN, sliding ones all of it, plainly)
     heads_per_layer: tuple[int, ...] = ()
+    # full-attention layers' own head size and KV heads (Gemma 4's global layers), and their
+    # values read from the key projection (attention_k_eq_v)
+    head_dim_full: int | None = None
+    num_kv_heads_full: int | None = None
+    attention_k_eq_v: bool = False
     local_partial_rotary_factor: float | None = None
     rope_local_scaling: dict | None = None
     # attention output gate softplus(g_proj(x)) (Laguna): "" | "per_head" | "per_element"
@@ -104,6 +109,14 @@ class ModelConfig:
     def heads(self, layer: int) -> int:
         """Query heads of one layer."""
         return int(self.heads_per_layer[layer]) if self.heads_per_layer else self.num_heads
+
+    def layer_head_dim(self, layer: int) -> int:
+        full = self.layer_types[layer] == "full_attention"
+        return self.head_dim_full if full and self.head_dim_full else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        full = self.layer_types[layer] == "full_attention"
+        return self.num_kv_heads_full if full and self.num_kv_heads_full else self.num_kv_heads
 
     @property
     def rotary_dim(self) -> int:

@@ -28,7 +28,7 @@ import re
 from ..layers.attention import Attention
 from ..layers.decoder import DecoderLayer
 from ..layers.mlp import SwiGLU
-from ..layers.moe import MoE
+from ..layers.moe import MoE, SigmoidRouter
 from ..layers.norms import RMSNorm
 from .base import Family, Slab, Weights
 from .config import ModelConfig, eos_ids
@@ -235,9 +235,9 @@ class LagunaFamily(Family):
                                                        for part in ("gate", "up", "down")))
         bias_name = next((n for n in (m + "experts.e_score_correction_bias", m + "gate.e_score_correction_bias")
                           if w.has(n)), None)
-        return MoE(w.get(m + "gate.weight"), experts, cfg.num_experts_per_tok,
-                   selection_bias=w.get(bias_name) if bias_name else None, shared=shared,
-                   routed_scale=cfg.moe_routed_scaling_factor, softcap=cfg.moe_router_softcap)
+        router = SigmoidRouter(w.get(m + "gate.weight"), cfg.num_experts_per_tok,
+                               w.get(bias_name) if bias_name else None, cfg.moe_router_softcap)
+        return MoE(router, experts, shared=shared, routed_scale=cfg.moe_routed_scaling_factor)
 
     def build_layer(self, cfg: ModelConfig, index: int, w: Weights) -> DecoderLayer:
         p = f"model.layers.{index}."

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from .base import Family
 from .gemma3 import Gemma3Family
+from .gemma4 import Gemma4Family
 from .laguna import LagunaFamily
 from .llama import LlamaFamily
 from .qwen3 import Qwen3Family
 from .qwen3_5 import Qwen3_5Family
 
 FAMILIES: tuple[Family, ...] = (LlamaFamily(), Qwen3Family(), Qwen3_5Family(), Gemma3Family(),
-                                 LagunaFamily())
+                                 Gemma4Family(), LagunaFamily())
 
 
 def family_for_hf_config(cfg: dict) -> Family:

@@ -81,8 +81,9 @@ def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_toke
                 weights += matrix_bytes(shape, "dense", elt)
         device = sh.device.removeprefix("remote:")
         kv_elt = 4 if device == "cpu" else elt  # attention KV is fp32 on a CPU (faster there)
-        attn = sum(1 for t in cfg.layer_types[sh.begin:sh.end] if t != "linear_attention")
-        kv = attn * 2 * cfg.num_kv_heads * cfg.head_dim * (kv_tokens or max_ctx) * kv_elt * lanes
+        width = sum(cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in range(sh.begin, sh.end)
+                    if cfg.layer_types[i] != "linear_attention")
+        kv = 2 * width * (kv_tokens or max_ctx) * kv_elt * lanes
         out.append(DeviceNeed(sh.device, weights, kv))
     return out
 

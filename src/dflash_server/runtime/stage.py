@@ -259,7 +259,7 @@ class LocalStage:
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
-            head = self.lm_head(self.final_norm(hs))
+            head = self._head(self.final_norm(hs))
             out.head_logits = head[0] if self.batch == 1 else head  # (T, V) or (batch, T, V)
             out.hidden = None
         return out
@@ -303,7 +303,7 @@ class LocalStage:
             self.lanes[lane].length = pos + 1
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last:
-            out.head_logits = self.lm_head(self.final_norm(h))[0]
+            out.head_logits = self._head(self.final_norm(h))[0]
             out.hidden = None
         return out
 
@@ -355,7 +355,13 @@ class LocalStage:
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on (already normed) draft hidden states (…, H) -> fp32 logits."""
-        return self.lm_head(hidden.to(self.device, self.dtype)).float()
+        return self._head(hidden.to(self.device, self.dtype)).float()
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head, its logits tanh-soft-capped where the model says (Gemma 4)."""
+        logits = self.lm_head(h)
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     # --- sequence state -------------------------------------------------------------------
     @torch.inference_mode()

@@ -61,6 +61,7 @@ struct Geometry {
   float norm_eps;
   bool gated;  // each query head is [q | gate] (Qwen3.5): out = attention * sigmoid(gate)
   int64_t window = 0;  // > 0: sliding window, a query at p sees keys (p - window, p]
+  bool v_norm = false;  // each value head RMS-normalised (no weight) before the write (Gemma 4)
 };
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
@@ -266,7 +267,14 @@ DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
     rotate(head_norm(row + s.qdim() + h * g.hd, g.k_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
            s.sin + t * g.rot, g.hd, g.rot, kd);
     const T* vs = row + s.qdim() + kvdim + h * g.hd;
-    for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
+    if (g.v_norm) {  // as a weightless RMSNorm of the per-op path: sum of squares in order, rounded to T
+      float ss = 0.f;
+      for (int64_t i = 0; i < g.hd; ++i) ss = std::fma(static_cast<float>(vs[i]), static_cast<float>(vs[i]), ss);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(g.hd) + g.norm_eps);
+      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(static_cast<T>(static_cast<float>(vs[i]) * inv));
+    } else {
+      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
+    }
   }
 }
 
@@ -326,7 +334,8 @@ bool avx2() {
 at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
                           double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
-                          const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated, int64_t window) {
+                          const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated, int64_t window,
+                          bool v_norm) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
@@ -345,7 +354,7 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   }
   Geometry g{qkv_in.size(1), nh, nkv, k_cache.size(3), cos_in.size(-1), start, k_cache.size(2),
              static_cast<float>(scale), qn.defined() ? qn.data_ptr<float>() : nullptr,
-             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps), gated, window};
+             kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps), gated, window, v_norm};
   TORCH_CHECK(g.hd % 8 == 0 && g.rot % 2 == 0 && g.rot <= g.hd, "dflash::attention_step: head_dim must be a "
               "multiple of 8 and the rotary width even and at most head_dim");
   TORCH_CHECK(qkv_in.size(2) == ((gated ? 2 : 1) * nh + 2 * nkv) * g.hd,
@@ -383,7 +392,7 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions,
                           int64_t nh, int64_t nkv, double scale, bool portable,
                           const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                          double norm_eps, bool gated, int64_t window) {
+                          double norm_eps, bool gated, int64_t window, bool v_norm) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
@@ -432,7 +441,7 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     for (int64_t b = 0; b < B; ++b) {
       Geometry g{1, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
                  qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
-                 static_cast<float>(norm_eps), gated, window};
+                 static_cast<float>(norm_eps), gated, window, v_norm};
       steps.push_back(Step<CT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
     }
@@ -462,24 +471,24 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                              double norm_eps, bool gated) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated, 0);
+                        gated, 0, false);
 }
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                              const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated) {
   return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
-                        norm_eps, gated, 0);
+                        norm_eps, gated, 0, false);
 }
 }  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float norm_eps=1e-6, bool gated=False, int window=0) -> Tensor");
+        "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
-        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0) -> Tensor");
+        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

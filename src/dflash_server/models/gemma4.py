@@ -1,0 +1,168 @@
+"""Gemma 4 text (``Gemma4ForCausalLM``, the text part of ``Gemma4ForConditionalGeneration``).
+
+Differences from Gemma 3: the full-attention layers have their own head size and KV head
+count (``per_layer_config`` / ``global_head_dim``, ``num_global_key_value_heads``), and with
+``attention_k_eq_v`` their values are the key projection (no ``v_proj``); values are
+RMS-normalised per head without a weight; attention is unscaled (the q/k norms set the
+scale); the full layers use "proportional" RoPE (all of the head's pairs, the first quarter
+turning, frequencies over the whole head); norms are plain ``w * x`` (not ``1 + w``); every
+layer ends with a learned ``layer_scalar``; logits may be tanh-soft-capped; and the MoE
+variant (26B-A4B) adds, beside the dense MLP, routed experts: a softmax router on the
+normalised residual (its own scale and per-expert scales), GELU experts, and norms that
+combine the two branches.
+
+Not supported (a clear error at load): per-layer input embeddings and KV shared across the
+last layers (the E2B / E4B kind: ``hidden_size_per_layer_input``, ``num_kv_shared_layers``),
+bidirectional attention.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import Attention
+from ..layers.decoder import DecoderLayer
+from ..layers.mlp import SwiGLU
+from ..layers.moe import MoE, SoftmaxRouter
+from ..layers.norms import RMSNorm
+from .base import Weights
+from .config import ModelConfig, eos_ids
+from .gemma3 import Gemma3Family
+
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+
+
+class Gemma4Layer(DecoderLayer):
+    """Gemma 3's sandwich layer, plus the MoE branch and the closing ``layer_scalar``."""
+
+    def __init__(self, *args, moe: MoE | None = None, moe_norms: tuple[RMSNorm, RMSNorm, RMSNorm] | None = None,
+                 scalar: torch.Tensor | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.moe = moe
+        self.moe_in, self.moe_out_dense, self.moe_out = moe_norms if moe_norms else (None, None, None)
+        self.register_buffer("scalar", None if scalar is None else scalar.detach().reshape(()).clone())
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.mlp(self.post_norm(x))
+        if self.moe is not None:  # dense and routed branches, each normed, then summed
+            a = self.moe_out_dense(a) + self.moe_out(self.moe(self.moe_in(x), route_x=x))
+        out = x + self.mlp_out_norm(a)
+        return out if self.scalar is None else out * self.scalar.to(out.dtype)
+
+
+class Gemma4Family(Gemma3Family):
+    name = "gemma4"
+    hf_architectures = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+    hf_model_types = ("gemma4_text", "gemma4")
+    gguf_archs = ()
+
+    def config_from_hf(self, cfg: dict) -> ModelConfig:
+        text = dict(cfg.get("text_config") or cfg)
+        if text.get("hidden_size_per_layer_input"):
+            raise ValueError("gemma4: per-layer input embeddings (the E2B / E4B models) are not supported yet")
+        if text.get("num_kv_shared_layers"):
+            raise ValueError("gemma4: KV shared across layers (num_kv_shared_layers, E2B / E4B) is not supported yet")
+        if text.get("use_bidirectional_attention") == "all":
+            raise ValueError("gemma4: bidirectional attention (an embedding model) is not a generator")
+        act = text.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"gemma4: unsupported activation {act!r}")
+        n = int(text["num_hidden_layers"])
+        layer_types = list(text.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                        for i in range(n)])
+        layer_types[-1] = "full_attention"  # as transformers forces it
+        rope = text.get("rope_parameters") or DEFAULT_ROPE
+        full, sliding = rope.get("full_attention") or DEFAULT_ROPE["full_attention"], \
+            rope.get("sliding_attention") or DEFAULT_ROPE["sliding_attention"]
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError("gemma4: scaled RoPE on the sliding layers is not supported")
+        hd = int(text.get("head_dim", 256))
+        nkv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+        full_hd, full_kv = text.get("global_head_dim"), text.get("num_global_key_value_heads")
+        for i, over in (text.get("per_layer_config") or {}).items():  # the form transformers saves
+            if layer_types[int(i)] == "full_attention":
+                full_hd = over.get("head_dim", full_hd)
+                full_kv = over.get("num_key_value_heads", full_kv)
+        full_hd = int(full_hd or 512)
+        k_eq_v = bool(text.get("attention_k_eq_v", False))
+        full_kv = int(full_kv) if full_kv and k_eq_v else nkv
+        experts = int(text.get("num_experts") or 0) if text.get("enable_moe_block") else 0
+        return ModelConfig(
+            family=self.name, vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]), num_layers=n, num_heads=int(text["num_attention_heads"]),
+            num_kv_heads=nkv, head_dim=hd, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+            rope_scaling=full if full.get("rope_type", "default") != "default" else None,
+            rope_local_theta=float(sliding.get("rope_theta", 10_000.0)),
+            local_partial_rotary_factor=float(sliding.get("partial_rotary_factor", 1.0)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 131072)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
+            attention_bias=bool(text.get("attention_bias", False)), qk_norm=True, zero_centred_norm=False,
+            layer_types=tuple(layer_types), sliding_window=int(text.get("sliding_window") or 512),
+            query_pre_attn_scalar=1.0, hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
+            final_logit_softcapping=float(text["final_logit_softcapping"]) if text.get("final_logit_softcapping")
+            else None,
+            head_dim_full=full_hd, num_kv_heads_full=full_kv, attention_k_eq_v=k_eq_v,
+            mlp_layer_types=tuple("sparse" if experts else "dense" for _ in range(n)),
+            num_experts=experts, num_experts_per_tok=int(text.get("top_k_experts") or 0) if experts else 0,
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if experts else 0,
+            bos_token_id=text.get("bos_token_id"), eos_token_ids=eos_ids(text.get("eos_token_id")),
+        )
+
+    def config_from_gguf(self, meta: dict, arch: str) -> ModelConfig:
+        raise ValueError("gemma4 GGUF files are not supported yet")
+
+    def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        shapes = super().expected_shapes(cfg)
+        # head sizes differ between sliding and full layers: build_attention checks them per layer
+        for key in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
+                    "k_norm.weight"):
+            shapes.pop(key)
+        return shapes
+
+    def build_attention(self, cfg: ModelConfig, p: str, w: Weights, index: int = 0) -> Attention:
+        a = p + "self_attn."
+        nh, hd, nkv, H = cfg.num_heads, cfg.layer_head_dim(index), cfg.layer_kv_heads(index), cfg.hidden_size
+        sliding = cfg.layer_types[index] == "sliding_attention"
+        q, k, o = w.get(a + "q_proj.weight"), w.get(a + "k_proj.weight"), w.get(a + "o_proj.weight")
+        k_eq_v = cfg.attention_k_eq_v and not sliding
+        v = k if k_eq_v else w.get(a + "v_proj.weight")  # the values are the key projection (normed apart)
+        want = {"q_proj": (nh * hd, H), "k_proj": (nkv * hd, H), "v_proj": (nkv * hd, H), "o_proj": (H, nh * hd)}
+        for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)):
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"gemma4 layer {index}: {name} has shape {tuple(t.shape)} but the config implies "
+                                 f"{want[name]}")
+        eps = cfg.rms_norm_eps
+        return Attention(q=q, k=k, v=v, o=o, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                         q_norm=RMSNorm(w.get(a + "q_norm.weight"), eps), k_norm=RMSNorm(w.get(a + "k_norm.weight"), eps),
+                         v_norm=True, scale=1.0, window=cfg.sliding_window if sliding else None, local_rope=sliding)
+
+    def _moe(self, cfg: ModelConfig, p: str, w: Weights) -> tuple[MoE, tuple[RMSNorm, RMSNorm, RMSNorm]]:
+        E, inter, eps = cfg.num_experts, cfg.moe_intermediate_size, cfg.rms_norm_eps
+        gu, down = w.get(p + "experts.gate_up_proj"), w.get(p + "experts.down_proj")
+        if tuple(gu.shape) != (E, 2 * inter, cfg.hidden_size) or tuple(down.shape) != (E, cfg.hidden_size, inter):
+            raise ValueError(f"gemma4: experts of shape {tuple(gu.shape)} / {tuple(down.shape)} but the config "
+                             f"implies {E} experts of {inter}")
+        experts = [SwiGLU(gu[e, :inter], gu[e, inter:], down[e], act="gelu_tanh") for e in range(E)]
+        router = SoftmaxRouter(w.get(p + "router.proj.weight"), cfg.num_experts_per_tok, w.get(p + "router.scale"),
+                               w.get(p + "router.per_expert_scale"), eps)
+
+        def norm(name):
+            return RMSNorm(w.get(p + name + ".weight"), eps)
+        return MoE(router, experts), (norm("pre_feedforward_layernorm_2"), norm("post_feedforward_layernorm_1"),
+                                      norm("post_feedforward_layernorm_2"))
+
+    def build_layer(self, cfg: ModelConfig, index: int, w: Weights) -> DecoderLayer:
+        p = f"model.layers.{index}."
+        eps = cfg.rms_norm_eps
+
+        def norm(name):
+            return RMSNorm(w.get(p + name + ".weight"), eps)
+        mlp = SwiGLU(w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight"),
+                     w.get(p + "mlp.down_proj.weight"), act="gelu_tanh")
+        moe, moe_norms = self._moe(cfg, p, w) if cfg.num_experts else (None, None)
+        return Gemma4Layer(index, norm("input_layernorm"), self.build_attention(cfg, p, w, index),
+                           norm("pre_feedforward_layernorm"), mlp, mixer_out_norm=norm("post_attention_layernorm"),
+                           mlp_out_norm=norm("post_feedforward_layernorm"), moe=moe, moe_norms=moe_norms,
+                           scalar=w.get(p + "layer_scalar") if w.has(p + "layer_scalar") else None)
