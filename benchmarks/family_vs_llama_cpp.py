@@ -8,7 +8,9 @@ do) and by us from the same F32 file, token for token:
 
 Variants: Laguna with sliding + full layers (YaRN over half the head on the full ones,
 window smaller than the text), per-head and per-element attention gates, and an all-full
-Laguna (M.1's shape). Writes JSON (default ``benchmarks/results/family_vs_llama_cpp.json``).
+Laguna (M.1's shape); Gemma 4 dense (full layers with their own head size, values from the
+keys, proportional RoPE, soft-capped logits) and with routed experts (26B-A4B's shape).
+Writes JSON (default ``benchmarks/results/family_vs_llama_cpp.json``).
 """
 from __future__ import annotations
 
@@ -25,12 +27,15 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")
 
 PROMPT = ("The quick brown fox jumps over the lazy dog because it wanted to see what was on the other side "
           "of the river")
-# llama.cpp's laguna carries no router soft-cap: every variant sets it to 0
+# label -> (tiny model kind, GGUF family, overrides); llama.cpp's laguna carries no router soft-cap
+NO_CAP = {"moe_router_logit_softcapping": 0.0}
 VARIANTS = {
-    "laguna, sliding + full (YaRN), per-head gate": {},
-    "laguna, per-element gate": {"gating": "per-element", "seed": 5},
-    "laguna, all full (M.1 shape)": {"seed": 7, "layer_types": ["full_attention"] * 4,
-                                     "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]},
+    "laguna, sliding + full (YaRN), per-head gate": ("laguna", "laguna", NO_CAP),
+    "laguna, per-element gate": ("laguna", "laguna", {**NO_CAP, "gating": "per-element", "seed": 5}),
+    "laguna, all full (M.1 shape)": ("laguna", "laguna", {**NO_CAP, "seed": 7, "layer_types": ["full_attention"] * 4,
+                                                          "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}),
+    "gemma4, dense (31B shape)": ("gemma4", "gemma4", {}),
+    "gemma4, experts beside the MLP (26B-A4B shape)": ("gemma4_moe", "gemma4", {}),
 }
 
 
@@ -48,11 +53,10 @@ def main():
     simple = ensure_built(targets=("llama-simple",)) / "llama-simple"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, overrides) in enumerate(VARIANTS.items()):
-            family = label.split(",")[0]
-            overrides = {"moe_router_logit_softcapping": 0.0, **overrides}
+        for i, (label, (kind, family, overrides)) in enumerate(VARIANTS.items()):
+            overrides = dict(overrides)
             seed = overrides.pop("seed", 0)
-            src = make_tiny_model(family, Path(tmp) / f"m{i}", seed=seed, **overrides)
+            src = make_tiny_model(kind, Path(tmp) / f"m{i}", seed=seed, **overrides)
             path = export_gguf(src, Path(tmp) / f"m{i}.gguf", family,
                                gguf_tokenizer_metadata_from_hf(src, pre="smollm"))
             pipe = pipeline(path)

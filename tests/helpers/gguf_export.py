@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from . import kquant
 from .qwen_tokenizer import add_gguf_tokenizer_metadata
 
-ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35", "laguna": "laguna"}
+ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen35", "laguna": "laguna", "gemma4": "gemma4"}
 # llama.cpp's laguna tensor names (llama-arch.cpp; the PyPI gguf-py has no laguna map):
 # HF suffix inside model.layers.{i}. -> GGUF suffix inside blk.{i}.
 LAGUNA_NAMES = {
@@ -123,6 +123,57 @@ def _laguna_tensors(tensors: dict, cfg: dict):
         yield f"blk.{layer}.ffn_{part}_exps.weight", torch.stack([mats[i] for i in range(len(mats))])
 
 
+def _gemma4_meta(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The keys llama.cpp's converter (conversion/gemma.py, Gemma4Model) writes."""
+    a, types = "gemma4", cfg["layer_types"]
+    full_cfg = next(v for k, v in cfg["per_layer_config"].items() if types[int(k)] == "full_attention")
+    hd, hd_full = cfg["head_dim"], full_cfg["head_dim"]
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_array(f"{a}.attention.head_count_kv", [cfg["num_key_value_heads"] if t == "sliding_attention"
+                                                 else full_cfg.get("num_key_value_heads", cfg["num_key_value_heads"])
+                                                 for t in types])
+    w.add_key_length(hd_full)
+    w.add_value_length(hd_full)
+    w.add_uint32(f"{a}.attention.key_length_swa", hd)
+    w.add_uint32(f"{a}.attention.value_length_swa", hd)
+    w.add_array(f"{a}.attention.sliding_window_pattern", [t == "sliding_attention" for t in types])
+    w.add_uint32(f"{a}.attention.sliding_window", cfg["sliding_window"])
+    w.add_uint32(f"{a}.attention.shared_kv_layers", cfg.get("num_kv_shared_layers") or 0)
+    w.add_uint32(f"{a}.embedding_length_per_layer_input", cfg.get("hidden_size_per_layer_input") or 0)
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_float32(f"{a}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    w.add_uint32(f"{a}.rope.dimension_count", hd_full)
+    w.add_uint32(f"{a}.rope.dimension_count_swa", hd)
+    if cfg.get("final_logit_softcapping"):
+        w.add_float32(f"{a}.final_logit_softcapping", cfg["final_logit_softcapping"])
+    if cfg.get("enable_moe_block"):
+        w.add_uint32(f"{a}.expert_count", cfg["num_experts"])
+        w.add_uint32(f"{a}.expert_used_count", cfg["top_k_experts"])
+        w.add_uint32(f"{a}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+
+
+def _gemma4_tensors(tensors: dict, cfg: dict):
+    """(GGUF name, fp32 tensor) as llama.cpp's converter names them, plus rope_freqs."""
+    import re
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, cfg["num_hidden_layers"])
+    special = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+               "layer_scalar": "layer_output_scale.weight", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+               "experts.down_proj": "ffn_down_exps.weight"}
+    for name, t in sorted(tensors.items()):
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m and m.group(2) in special:
+            yield f"blk.{m.group(1)}.{special[m.group(2)]}", t.float()
+            continue
+        base, _, kind = name.rpartition(".")
+        yield f"{names.get_name(base)}.{kind}", t.float()
+    full = next(v for k, v in cfg["per_layer_config"].items() if cfg["layer_types"][int(k)] == "full_attention")
+    half = full["head_dim"] // 2
+    turning = int(cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] * half)
+    yield "rope_freqs.weight", torch.tensor([1.0] * turning + [1e30] * (half - turning))
+
+
 def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_for=None) -> Path:
     """qtype_for(gguf_name, shape) -> GGMLQuantizationType for 2-D weights and stacked
     experts (default F32)."""
@@ -130,7 +181,8 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
     cfg = cfg.get("text_config", cfg)
     arch = ARCH[family]
     n = cfg["num_hidden_layers"]
-    name_map = None if family == "laguna" else gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    name_map = None if family in ("laguna", "gemma4") else \
+        gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
     w = gguf.GGUFWriter(str(dst), arch)
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_block_count(n)
@@ -141,11 +193,13 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
     rope = cfg.get("rope_parameters") or {}
     if family == "laguna":
         _laguna_meta(w, cfg)
+    elif family == "gemma4":
+        _gemma4_meta(w, cfg)
     else:
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if family not in ("llama", "laguna"):
+    if family not in ("llama", "laguna", "gemma4"):
         w.add_key_length(hd)
         w.add_value_length(hd)
     if family == "llama":
@@ -164,10 +218,13 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
     tensors = load_file(str(Path(src) / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
-    for gname, t in _laguna_tensors(tensors, cfg) if family == "laguna" else _mapped(tensors, family, cfg, name_map):
+    tensor_list = _laguna_tensors(tensors, cfg) if family == "laguna" else _gemma4_tensors(tensors, cfg) \
+        if family == "gemma4" else _mapped(tensors, family, cfg, name_map)
+    for gname, t in tensor_list:
         arr = t.numpy().astype(np.float32)
         qt = gguf.GGMLQuantizationType.F32
-        if arr.ndim in (2, 3) and not gname.endswith(("norm.weight", "ffn_gate_inp.weight")) and qtype_for is not None:
+        if arr.ndim in (2, 3) and not gname.endswith(("norm.weight", "ffn_gate_inp.weight", "per_layer_token_embd.weight")) \
+                and qtype_for is not None:
             qt = qtype_for(gname, arr.shape)
         if qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, arr)

@@ -144,6 +144,14 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
     else:
         raise ValueError(family)
     _perturb(model, seed)
+    if family.startswith("gemma4"):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                # unscaled attention of unit-RMS q and k heads: random logits ~sqrt(head_dim), so
+                # peaked that 1% of rounding changes which keys win; trained q norms temper them
+                layer.self_attn.q_norm.weight.mul_(0.25)
+                if family == "gemma4_moe":  # a decisive router, as trained ones are (a random one is
+                    layer.router.scale.mul_(40.0)  # nearly uniform: 2nd and 3rd choices ~0.002 apart)
     model.save_pretrained(dst, safe_serialization=True)
     return dst
 

@@ -96,6 +96,19 @@ def _warn_once(msg: str) -> None:
         log.warning(msg)
 
 
+def slice_rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of a weight, keeping its stored GGUF blocks for the native kernels
+    (a fused gate/up matrix split in two)."""
+    out = t[lo:hi]
+    packed = getattr(t, "packed", None)
+    if packed is not None:
+        def rows():
+            p = packed() if callable(packed) else packed
+            return None if not isinstance(p, kernels.PackedRows) else kernels.PackedRows(p.qtype, p.rows[lo:hi])
+        out.packed = rows
+    return out
+
+
 def _cat_packed(parts):
     """The parts' stored blocks stacked; None if one has none. Parts stored in different
     types (a Q4_K_M file keeps some V projections in Q6_K) cannot share one layout: the

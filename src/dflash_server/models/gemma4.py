@@ -11,22 +11,33 @@ variant (26B-A4B) adds, beside the dense MLP, routed experts: a softmax router o
 normalised residual (its own scale and per-expert scales), GELU experts, and norms that
 combine the two branches.
 
+GGUF (llama.cpp's ``gemma4`` arch, names from gguf-py's map): norms stored as they are; the
+router's scale at ``ffn_gate_inp.scale``, the per-expert scales at ``ffn_down_exps.scale``;
+experts stacked per layer (``ffn_gate_up_exps`` or ``ffn_gate_exps`` + ``ffn_up_exps``), read
+matrix by matrix; full layers without ``attn_v`` take their values from the keys; per-layer
+KV head counts and the sliding pattern as arrays; ``rope_freqs`` marks the proportional
+RoPE's turning pairs (1) and still ones (1e30).
+
 Not supported (a clear error at load): per-layer input embeddings and KV shared across the
 last layers (the E2B / E4B kind: ``hidden_size_per_layer_input``, ``num_kv_shared_layers``),
 bidirectional attention.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..layers.attention import Attention
 from ..layers.decoder import DecoderLayer
+from ..layers.linear import slice_rows
 from ..layers.mlp import SwiGLU
 from ..layers.moe import MoE, SoftmaxRouter
 from ..layers.norms import RMSNorm
-from .base import Weights
+from .base import Slab, Weights
 from .config import ModelConfig, eos_ids
 from .gemma3 import Gemma3Family
+from .llama import gguf_meta
 
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -55,7 +66,7 @@ class Gemma4Family(Gemma3Family):
     name = "gemma4"
     hf_architectures = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
     hf_model_types = ("gemma4_text", "gemma4")
-    gguf_archs = ()
+    gguf_archs = ("gemma4",)
 
     def config_from_hf(self, cfg: dict) -> ModelConfig:
         text = dict(cfg.get("text_config") or cfg)
@@ -111,7 +122,74 @@ class Gemma4Family(Gemma3Family):
         )
 
     def config_from_gguf(self, meta: dict, arch: str) -> ModelConfig:
-        raise ValueError("gemma4 GGUF files are not supported yet")
+        def g(key, default=None):
+            return gguf_meta(meta, arch, key, default)
+        if g("embedding_length_per_layer_input"):
+            raise ValueError("gemma4: per-layer input embeddings (the E2B / E4B models) are not supported yet")
+        if g("attention.shared_kv_layers"):
+            raise ValueError("gemma4: KV shared across layers (E2B / E4B) is not supported yet")
+        n = int(g("block_count"))
+        pattern = g("attention.sliding_window_pattern")
+        if not isinstance(pattern, (list, tuple)) or len(pattern) < n:
+            raise ValueError("gemma4 GGUF: attention.sliding_window_pattern must list every layer")
+        layer_types = tuple("sliding_attention" if p else "full_attention" for p in pattern[:n])
+
+        def per_layer(key, default=None) -> list[int]:
+            v = g(key, default)
+            return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)] * n
+        heads, kv = per_layer("attention.head_count"), per_layer("attention.head_count_kv")
+        ff = per_layer("feed_forward_length")
+        if len(set(heads)) != 1 or len(set(ff)) != 1:
+            raise ValueError("gemma4 GGUF: per-layer query heads or MLP sizes (double-wide MLPs) are not supported")
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        nkv = kv[sliding[0]] if sliding else kv[0]
+        full_kv = kv[full[0]] if full else nkv
+        hd_full = int(g("attention.key_length"))
+        hd = int(g("attention.key_length_swa") or hd_full)
+        experts = int(g("expert_count", 0) or 0)
+        cap = g("final_logit_softcapping")
+        return ModelConfig(
+            family=self.name, vocab_size=int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            hidden_size=int(g("embedding_length")), intermediate_size=ff[0], num_layers=n, num_heads=heads[0],
+            num_kv_heads=nkv, head_dim=hd, rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(g("rope.freq_base", 1_000_000.0)),
+            # the turning share is checked against the file's rope_freqs when the layers are built
+            rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25},
+            rope_local_theta=float(g("rope.freq_base_swa", 10_000.0)),
+            local_partial_rotary_factor=int(g("rope.dimension_count_swa") or hd) / hd,
+            max_position_embeddings=int(g("context_length", 131072)), tie_word_embeddings=True, qk_norm=True,
+            layer_types=layer_types, sliding_window=int(g("attention.sliding_window", 512)),
+            query_pre_attn_scalar=1.0, hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
+            final_logit_softcapping=float(cap) if cap else None, head_dim_full=hd_full, num_kv_heads_full=full_kv,
+            mlp_layer_types=tuple("sparse" if experts else "dense" for _ in range(n)), num_experts=experts,
+            num_experts_per_tok=int(g("expert_used_count", 0) or 0),
+            moe_intermediate_size=int(g("expert_feed_forward_length", 0) or 0),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids(meta.get("tokenizer.ggml.eos_token_id")), extra={"gguf_arch": arch},
+        )
+
+    def gguf_tensor(self, hf_name: str, cfg: ModelConfig):
+        import gguf
+
+        if hf_name == "model.rope_freqs":
+            return "rope_freqs.weight", None
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        if m is not None:
+            i, inner = m.groups()
+            e = re.fullmatch(r"experts\.(\d+)\.(gate_up|gate|up|down)_proj", inner)
+            if e is not None:
+                return f"blk.{i}.ffn_{e.group(2)}_exps.weight", Slab(int(e.group(1)))
+            special = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+                       "layer_scalar": "layer_output_scale.weight"}
+            if inner in special:
+                return f"blk.{i}.{special[inner]}", None
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, cfg.num_layers)
+        base, _, kind = hf_name.rpartition(".")
+        name = names.get_name(base)
+        if name is None or kind not in ("weight", "bias"):
+            raise KeyError(hf_name)
+        return f"{name}.{kind}", None
 
     def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes = super().expected_shapes(cfg)
@@ -126,8 +204,11 @@ class Gemma4Family(Gemma3Family):
         nh, hd, nkv, H = cfg.num_heads, cfg.layer_head_dim(index), cfg.layer_kv_heads(index), cfg.hidden_size
         sliding = cfg.layer_types[index] == "sliding_attention"
         q, k, o = w.get(a + "q_proj.weight"), w.get(a + "k_proj.weight"), w.get(a + "o_proj.weight")
-        k_eq_v = cfg.attention_k_eq_v and not sliding
-        v = k if k_eq_v else w.get(a + "v_proj.weight")  # the values are the key projection (normed apart)
+        # the values are the key projection (normed apart); a GGUF says so by having no attn_v
+        k_eq_v = not sliding and (cfg.attention_k_eq_v or not w.has(a + "v_proj.weight"))
+        v = k if k_eq_v else w.get(a + "v_proj.weight")
+        if not sliding and w.has("model.rope_freqs"):
+            self._check_rope_freqs(cfg, w.get("model.rope_freqs"))
         want = {"q_proj": (nh * hd, H), "k_proj": (nkv * hd, H), "v_proj": (nkv * hd, H), "o_proj": (H, nh * hd)}
         for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)):
             if tuple(t.shape) != want[name]:
@@ -138,13 +219,38 @@ class Gemma4Family(Gemma3Family):
                          q_norm=RMSNorm(w.get(a + "q_norm.weight"), eps), k_norm=RMSNorm(w.get(a + "k_norm.weight"), eps),
                          v_norm=True, scale=1.0, window=cfg.sliding_window if sliding else None, local_rope=sliding)
 
+    @staticmethod
+    def _check_rope_freqs(cfg: ModelConfig, freqs: torch.Tensor) -> None:
+        """llama.cpp's converter marks the proportional RoPE's turning pairs 1 and the still ones
+        1e30: the count must be what the config's partial factor gives."""
+        half = (cfg.head_dim_full or cfg.head_dim) // 2
+        turning = int(float(cfg.rope_scaling["partial_rotary_factor"]) * half * 2 // 2)
+        want = torch.tensor([1.0] * turning + [1e30] * (half - turning))
+        if freqs.shape != want.shape or not torch.allclose(freqs.float(), want, rtol=1e-3):
+            raise ValueError(f"gemma4 GGUF: rope_freqs does not mark the first {turning} of {half} pairs as turning")
+
     def _moe(self, cfg: ModelConfig, p: str, w: Weights) -> tuple[MoE, tuple[RMSNorm, RMSNorm, RMSNorm]]:
-        E, inter, eps = cfg.num_experts, cfg.moe_intermediate_size, cfg.rms_norm_eps
-        gu, down = w.get(p + "experts.gate_up_proj"), w.get(p + "experts.down_proj")
-        if tuple(gu.shape) != (E, 2 * inter, cfg.hidden_size) or tuple(down.shape) != (E, cfg.hidden_size, inter):
-            raise ValueError(f"gemma4: experts of shape {tuple(gu.shape)} / {tuple(down.shape)} but the config "
-                             f"implies {E} experts of {inter}")
-        experts = [SwiGLU(gu[e, :inter], gu[e, inter:], down[e], act="gelu_tanh") for e in range(E)]
+        E, inter, eps, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.rms_norm_eps, cfg.hidden_size
+        if w.has(p + "experts.0.down_proj"):  # a GGUF: matrix by matrix, their stored blocks kept
+            def expert(e: int) -> SwiGLU:
+                x = f"{p}experts.{e}."
+                if w.has(x + "gate_up_proj"):
+                    gu = w.get(x + "gate_up_proj")
+                    gate, up = slice_rows(gu, 0, inter), slice_rows(gu, inter, 2 * inter)
+                else:
+                    gate, up = w.get(x + "gate_proj"), w.get(x + "up_proj")
+                return SwiGLU(gate, up, w.get(x + "down_proj"), act="gelu_tanh")
+            experts = [expert(e) for e in range(E)]
+        else:
+            gu, down = w.get(p + "experts.gate_up_proj"), w.get(p + "experts.down_proj")
+            if tuple(gu.shape) != (E, 2 * inter, H) or tuple(down.shape) != (E, H, inter):
+                raise ValueError(f"gemma4: experts of shape {tuple(gu.shape)} / {tuple(down.shape)} but the config "
+                                 f"implies {E} experts of {inter}")
+            experts = [SwiGLU(gu[e, :inter], gu[e, inter:], down[e], act="gelu_tanh") for e in range(E)]
+        for e, ex in enumerate(experts):
+            if (ex.inter, ex.gate_up.in_features, ex.down.out_features) != (inter, H, H):
+                raise ValueError(f"gemma4: expert {e} has shape {ex.inter} x {ex.gate_up.in_features} but the config "
+                                 f"implies {inter} x {H}")
         router = SoftmaxRouter(w.get(p + "router.proj.weight"), cfg.num_experts_per_tok, w.get(p + "router.scale"),
                                w.get(p + "router.per_expert_scale"), eps)
 
