@@ -9,7 +9,8 @@ do) and by us from the same F32 file, token for token:
 Variants: Laguna with sliding + full layers (YaRN over half the head on the full ones,
 window smaller than the text), per-head and per-element attention gates, and an all-full
 Laguna (M.1's shape); Gemma 4 dense (full layers with their own head size, values from the
-keys, proportional RoPE, soft-capped logits) and with routed experts (26B-A4B's shape).
+keys, proportional RoPE, soft-capped logits), with routed experts (26B-A4B's shape) and with
+per-layer inputs, KV-shared last layers and double-wide MLPs (E2B's shape).
 Writes JSON (default ``benchmarks/results/family_vs_llama_cpp.json``).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ VARIANTS = {
                                                           "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}),
     "gemma4, dense (31B shape)": ("gemma4", "gemma4", {}),
     "gemma4, experts beside the MLP (26B-A4B shape)": ("gemma4_moe", "gemma4", {}),
+    "gemma4, per-layer inputs + KV-shared layers (E2B shape)": ("gemma4_e", "gemma4", {}),
 }
 
 

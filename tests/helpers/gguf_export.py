@@ -140,6 +140,10 @@ def _gemma4_meta(w: gguf.GGUFWriter, cfg: dict) -> None:
     w.add_uint32(f"{a}.attention.sliding_window", cfg["sliding_window"])
     w.add_uint32(f"{a}.attention.shared_kv_layers", cfg.get("num_kv_shared_layers") or 0)
     w.add_uint32(f"{a}.embedding_length_per_layer_input", cfg.get("hidden_size_per_layer_input") or 0)
+    shared = cfg.get("num_kv_shared_layers") or 0
+    if cfg.get("use_double_wide_mlp") and shared:  # the converter's per-layer MLP sizes
+        n, ff = cfg["num_hidden_layers"], cfg["intermediate_size"]
+        w.add_array(f"{a}.feed_forward_length", [ff if i < n - shared else 2 * ff for i in range(n)])
     rope = cfg["rope_parameters"]
     w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
     w.add_float32(f"{a}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
@@ -188,7 +192,8 @@ def export_gguf(src: Path, dst: Path, family: str, tokenizer_meta: dict, qtype_f
     w.add_block_count(n)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if not (family == "gemma4" and cfg.get("use_double_wide_mlp") and cfg.get("num_kv_shared_layers")):
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
     if family == "laguna":

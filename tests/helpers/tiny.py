@@ -103,7 +103,7 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
         cfg.update(overrides)
         model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
         write_smol_tokenizer(dst)
-    elif family in ("gemma4", "gemma4_moe"):
+    elif family in ("gemma4", "gemma4_moe", "gemma4_e"):
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
         # sliding layers (window 24 < the prompts) of head 32 and 2 KV heads, full ones of head
@@ -117,6 +117,10 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
         if family == "gemma4_moe":
             cfg.update(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+        if family == "gemma4_e":  # the E2B / E4B kind: per-layer inputs, the last 3 layers reusing
+            # the KV of layers 1 (sliding) and 2 (full), their MLPs double-wide
+            cfg.update(hidden_size_per_layer_input=16, vocab_size_per_layer_input=49152, num_kv_shared_layers=3,
+                       use_double_wide_mlp=True)
         cfg.update(overrides)
         model = Gemma4ForCausalLM(Gemma4TextConfig(**cfg))
         write_smol_tokenizer(dst)

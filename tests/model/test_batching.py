@@ -43,7 +43,7 @@ def _run_together(eng, reqs, when=None):
     return seqs, steps
 
 
-@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("gemma3", 1), ("gemma4_moe", 1), ("laguna", 1),
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("gemma3", 1), ("gemma4_moe", 1), ("gemma4_e", 1), ("laguna", 1),
                                            ("llama", "remote")])
 def test_concurrent_equals_alone(tiny_dir, family, stages):
     """One stage, an in-process split, and a split onto a shard worker (which holds the

@@ -42,7 +42,7 @@ class OracleProposer(DFlashProposer):
         return [self.seq[start + 1 + i] if start + 1 + i < len(self.seq) else 0 for i in range(block - 1)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "gemma3", "gemma4_moe", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "gemma3", "gemma4_moe", "gemma4_e", "laguna"])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_greedy_lossless_across_block_sizes(tiny_dir, family, stages):
     pipe = pipeline(tiny_dir(family), stages=stages)

@@ -19,7 +19,7 @@ from .test_dflash import random_draft
 
 def kv_pipeline(path, pool, stages=1, chunk=16, policy="lru", max_ctx=512, tau=64):
     src = open_model(path)
-    shards = plan_placement(src.config.num_layers, ["cpu"] * stages)
+    shards = plan_placement(src.config.num_layers, ["cpu"] * stages, together=src.config.kv_groups())
     return build_pipeline(src, shards, dtype=torch.float32, max_ctx=max_ctx, progress=False,
                           kvflash=KvFlashConfig(pool, chunk=chunk, policy=policy, tau=tau))
 
@@ -29,7 +29,7 @@ def gen(pipe, ids, n=40, proposer=None):
         GenerationRequest(tuple(ids), max_tokens=n, ignore_eos=True))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_fits_in_pool_equals_full_kv(tiny_dir, family, stages):
     path = tiny_dir(family)
@@ -152,7 +152,7 @@ def test_config_validation_and_auto_size():
         KvFlashConfig(512, tau=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 def test_auto_pool_budget_from_free_device_memory(tiny_dir, family, monkeypatch):
     """``--kvflash auto`` on a GPU: half of the free memory after a 1.5 GiB reserve, divided
     by the K+V bytes per token of this stage's attention layers (GDN layers hold none). The
@@ -160,8 +160,10 @@ def test_auto_pool_budget_from_free_device_memory(tiny_dir, family, monkeypatch)
     pipe = kv_pipeline(tiny_dir(family), 256)
     st, cfg = pipe.stages[0], pipe.config
     attn = sum(1 for s in st.states if s.kind == "kv")
-    assert attn and (family != "qwen3_5") == (attn == cfg.num_layers)  # qwen3_5: GDN layers too
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * attn  # fp32 K and V
+    # qwen3_5: GDN layers too; gemma4_e: KV-shared layers hold none of their own
+    assert attn == sum(1 for i, t in enumerate(cfg.layer_types) if t != "linear_attention" and cfg.kv_source(i) is None)
+    per_token = 4 * sum(2 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, t in enumerate(cfg.layer_types)
+                        if t != "linear_attention" and cfg.kv_source(i) is None)  # fp32 K and V
     assert st._kv_budget_tokens(KvFlashConfig("auto")) is None  # not on a GPU
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 << 30, 16 << 30))
     monkeypatch.setattr(st, "device", torch.device("cuda", 0))
@@ -189,7 +191,7 @@ def test_score_policy_observes_attention_and_stays_exact_while_it_fits(tiny_dir)
     assert len(res.token_ids) == 80 and pager.page_outs > 0 and 0 in pager.resident
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 def test_prefix_cache_hit_equals_miss_with_a_paged_pool(tiny_dir, family):
     """Multi-turn chat longer than the pool (lru): snapshots carry the page table, prefill
     forwards stop at chunk boundaries once the pool can be full, so a hit continues exactly
@@ -253,7 +255,7 @@ def test_retrieval_beyond_the_pool_with_the_score_policy():
     assert passed["score"] >= 3 and passed["score"] > passed["lru"], passed
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 def test_dflash_equals_plain_decoding_while_paging(tiny_dir, family):
     """With chunks paged out, a verify block that enters a new chunk defers the eviction
     (the spare chunk), so every position sees the keys plain decoding saw: DFlash == AR

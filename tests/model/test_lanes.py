@@ -36,7 +36,7 @@ def _alone(path, prompt, steps, **kw):
     return toks, rows
 
 
-@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("gemma3", 1), ("gemma4", 1),
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("gemma3", 1), ("gemma4", 1), ("gemma4_e", 1),
                                            ("laguna", 1)])
 def test_rows_equal_alone(tiny_dir, family, stages):
     path = tiny_dir(family)

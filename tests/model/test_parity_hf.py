@@ -5,7 +5,7 @@ import torch
 from helpers.build import pipeline, prompt_ids
 from helpers.tiny import load_hf
 
-FAMILIES = ["llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "gemma4_moe", "laguna"]
+FAMILIES = ["llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "gemma4_moe", "gemma4_e", "laguna"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,7 +25,7 @@ def converse(engine, turns=4, max_tokens=6):
     return results
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("draft", [False, True])
 def test_hit_equals_miss(tiny_dir, family, stages, draft):
@@ -89,7 +89,7 @@ def test_eviction_frees_stage_snapshots(tiny_dir):
     assert len(pipe.stages[0]._snapshots) == 2 and len(eng.prefix_cache.extras) == 2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 def test_hit_equals_miss_with_adaptive_block_size(tiny_dir, family):
     """Plain steps of the adaptive block size defer the draft-context update; snapshots
     flush it, so a hit continues with the full draft context and the same output."""

@@ -32,6 +32,12 @@ class KVState:
     kind = "kv"
 
 
+class NoState:
+    """A KV-shared layer's state: nothing of its own (it reads its source layer's KV)."""
+
+    kind = "none"
+
+
 class Attention(nn.Module):
     """Grouped-query attention with the options of the supported families.
 
@@ -41,6 +47,8 @@ class Attention(nn.Module):
     ``softplus_gate``: a separate projection of the layer input, ``softplus(g(x))``, scales
     the output before the O projection, one value per head (broadcast over the head) or
     per element (Laguna).
+    ``kv_role``: "store" leaves this layer's KV for later layers of its kind (``ctx.shared_kv``),
+    "reuse" has no K/V projections and attends over that KV (Gemma 4's KV-shared layers).
     """
 
     def __init__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -48,7 +56,8 @@ class Attention(nn.Module):
                  q_bias=None, k_bias=None, v_bias=None, o_bias=None,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                  output_gate: bool = False, window: int | None = None, scale: float | None = None,
-                 local_rope: bool = False, softplus_gate: torch.Tensor | None = None, v_norm: bool = False):
+                 local_rope: bool = False, softplus_gate: torch.Tensor | None = None, v_norm: bool = False,
+                 kv_role: str = ""):
         """``window``: sliding-window attention (a query sees the last ``window`` positions);
         ``local_rope``: rotate with the context's local rotary rows (Gemma's sliding layers);
         ``v_norm``: RMS-normalise each value head without a weight (Gemma 4; eps of the q/k norms)."""
@@ -58,7 +67,11 @@ class Attention(nn.Module):
         self.output_gate = output_gate
         self.q_dim = num_heads * head_dim * (2 if output_gate else 1)
         self.kv_dim = num_kv_heads * head_dim
-        self.qkv = Linear.fused([q, k, v], [q_bias, k_bias, v_bias])
+        if kv_role not in ("", "store", "reuse"):
+            raise ValueError(f"unknown kv_role {kv_role!r}")
+        self.kv_role, self.share_key = kv_role, ("sliding" if window is not None else "full")
+        # a KV-reusing layer projects only its queries
+        self.qkv = Linear(q, q_bias) if kv_role == "reuse" else Linear.fused([q, k, v], [q_bias, k_bias, v_bias])
         self.o = Linear(o, o_bias)
         self.g = None
         if softplus_gate is not None:
@@ -74,12 +87,12 @@ class Attention(nn.Module):
         # where the native kernels are on (kernels.attention_step)
         norms_ok = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps
                                       and q_norm.weight.shape == k_norm.weight.shape == (head_dim,))
-        self.native = (o.device.type == "cpu" and norms_ok and head_dim % 8 == 0 and kernels.enabled()
-                       and kernels.load())
+        self.native = (o.device.type == "cpu" and norms_ok and head_dim % 8 == 0 and kv_role != "reuse"
+                       and kernels.enabled() and kernels.load())
         # the per-head q/k norms (Qwen3, Qwen3.5), the output gate (Qwen3.5) and the sliding
         # window (Gemma) as the native step takes them
-        self.native_args = {} if q_norm is None else {"q_norm": q_norm.weight, "k_norm": k_norm.weight,
-                                                       "norm_eps": q_norm.eps}
+        self.native_args = {} if q_norm is None or k_norm is None else {
+            "q_norm": q_norm.weight, "k_norm": k_norm.weight, "norm_eps": q_norm.eps}
         if output_gate:
             self.native_args["gated"] = True
         if window is not None:
@@ -87,7 +100,9 @@ class Attention(nn.Module):
         if v_norm:
             self.native_args["v_norm"] = True
 
-    def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState:
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState | NoState:
+        if self.kv_role == "reuse":
+            return NoState()
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
         # query over 300 keys), so the cache is fp32 there; elsewhere it is the compute dtype.
         if torch.device(device).type == "cpu":
@@ -109,7 +124,19 @@ class Attention(nn.Module):
         return (self.native and x.shape[0] == 1 and bank.k.dtype == torch.float32
                 and not torch.compiler.is_compiling())
 
+    def _shared(self, ctx: ForwardContext, state):
+        """The KV this layer reads: its own (leaving it for the layers that reuse it), or the
+        one its source layer left in this forward."""
+        if self.kv_role == "store":
+            ctx.shared_kv[self.share_key] = state
+        elif self.kv_role == "reuse":
+            state = ctx.shared_kv.get(self.share_key)
+            if state is None:
+                raise RuntimeError("a KV-shared layer ran without its source layer's KV in the same forward")
+        return state
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
+        state = self._shared(ctx, state)
         qkv = self.qkv(x)
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
@@ -130,6 +157,7 @@ class Attention(nn.Module):
     def forward_rows(self, x: torch.Tensor, ctx: ForwardContext, bank: KVState) -> torch.Tensor:
         """Decode rows of several sequences: row b attends over lane ``ctx.lanes[b]`` of the
         KV bank (lanes, nkv, ctx, hd) at ``ctx.positions[b]``; the projections take all rows."""
+        bank = self._shared(ctx, bank)
         qkv = self.qkv(x)
         if self.native_rows_ok(x, bank) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
@@ -168,7 +196,13 @@ class Attention(nn.Module):
         gate = None
         cos, sin = ctx.rope(self.local_rope)
         cos, sin = cos[:, None], sin[:, None]
-        if self.output_gate:
+        k = v = None
+        if self.kv_role == "reuse":  # queries only: the keys and values are already in the cache
+            q = qkv.view(B, T, self.nh, self.hd)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            q = apply_rope(q, cos, sin)
+        elif self.output_gate:
             qg = qkv[..., :self.q_dim].view(B, T, self.nh, 2 * self.hd)
             q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(B, T, self.nh * self.hd)
             k = qkv[..., self.q_dim:self.q_dim + self.kv_dim].view(B, T, self.nkv, self.hd)
@@ -182,24 +216,27 @@ class Attention(nn.Module):
                 qk = torch.cat([self.q_norm(qk[:, :, :self.nh]), self.k_norm(qk[:, :, self.nh:])], dim=2)
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
-        v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
-        if self.v_norm is not None:
-            v = self.v_norm(v)
+        if k is not None:
+            v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
         if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)
-            state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))
-            state.v.index_copy_(2, ctx.slots, v.transpose(1, 2).to(state.v.dtype))
+            if k is not None:
+                state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))
+                state.v.index_copy_(2, ctx.slots, v.transpose(1, 2).to(state.v.dtype))
             n, mask = ctx.pool_mask(qkv.device, self.window)
             keys, values = state.k[:, :, :n], state.v[:, :, :n]
         else:
-            state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
-            state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
+            if k is not None:
+                state.k[:, :, ctx.start:ctx.end] = k.transpose(1, 2)
+                state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
             keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
             mask = ctx.causal_mask(qkv.device, self.window)
         out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.nh != self.nkv)
-        if ctx.last_q is not None:  # KV Flash re-selection scores every chunk against these
+        if ctx.last_q is not None and k is not None:  # KV Flash re-selection scores chunks against these
             ctx.last_q.append(q[:, -SCORE_QUERY_ROWS:].detach())
-        if ctx.attn_mass is not None:  # KV Flash score policy: how much each slot was attended
+        if ctx.attn_mass is not None and k is not None:  # KV Flash score policy: how much each slot was attended
             qh = q.transpose(1, 2).to(keys.dtype)  # (B, nh, T, hd)
             kh = keys.repeat_interleave(self.nh // self.nkv, dim=1)  # (B, nh, P, hd)
             w = qh @ kh.transpose(-1, -2) * self.scale

@@ -37,6 +37,10 @@ class ForwardContext:
     # the rotary rows of sliding-window layers where they have their own base (Gemma)
     cos_local: torch.Tensor | None = None
     sin_local: torch.Tensor | None = None
+    # Gemma 4 E2B / E4B: per-layer inputs (B, T, layers, size) by global layer index, and the
+    # KV state each "store" layer leaves for the KV-shared layers after it, by layer kind
+    per_layer: torch.Tensor | None = None
+    shared_kv: dict = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)
 
     def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

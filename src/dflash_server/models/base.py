@@ -41,6 +41,11 @@ class Embedding(nn.Module):
         x = F.embedding(ids, self.weight)
         return x * self.scale if self.scale is not None else x
 
+    def per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor | None:
+        """Inputs every layer reads beside the residual stream (Gemma 4's per-layer
+        embeddings), from the token ids and their embeddings ``h``; None for most families."""
+        return None
+
 
 class Family:
     """A model family: config parsing, GGUF mapping and layer construction.

@@ -51,6 +51,11 @@ class ModelConfig:
     head_dim_full: int | None = None
     num_kv_heads_full: int | None = None
     attention_k_eq_v: bool = False
+    # Gemma 4 E2B / E4B: per-layer input embeddings (size per layer, their vocabulary) and the
+    # last layers attending over the KV of the last earlier layer of their type
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    num_kv_shared_layers: int = 0
     local_partial_rotary_factor: float | None = None
     rope_local_scaling: dict | None = None
     # attention output gate softplus(g_proj(x)) (Laguna): "" | "per_head" | "per_element"
@@ -93,6 +98,10 @@ class ModelConfig:
             if any(int(h) <= 0 or int(h) % self.num_kv_heads for h in self.heads_per_layer):
                 raise ValueError(f"model config: per-layer head counts {list(self.heads_per_layer)} must be positive "
                                  f"multiples of num_kv_heads {self.num_kv_heads}")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise ValueError(f"model config: {self.num_kv_shared_layers} KV-shared layers of {self.num_layers}")
+        for i in range(self.num_layers - self.num_kv_shared_layers, self.num_layers):
+            self.kv_source(i)
         if self.attn_softplus_gate not in ("", "per_head", "per_element"):
             raise ValueError(f"model config: unknown attention gate {self.attn_softplus_gate!r}")
         if self.mlp_layer_types:
@@ -109,6 +118,26 @@ class ModelConfig:
     def heads(self, layer: int) -> int:
         """Query heads of one layer."""
         return int(self.heads_per_layer[layer]) if self.heads_per_layer else self.num_heads
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose KV a KV-shared layer attends over (the last layer of its type
+        before the shared ones); None for a layer with its own KV."""
+        first = self.num_layers - self.num_kv_shared_layers
+        if not self.num_kv_shared_layers or layer < first:
+            return None
+        kind = self.layer_types[layer]
+        src = next((i for i in range(first - 1, -1, -1) if self.layer_types[i] == kind), None)
+        if src is None:
+            raise ValueError(f"model config: KV-shared layer {layer} ({kind}) has no earlier {kind} layer to share")
+        return src
+
+    def kv_groups(self) -> tuple[tuple[int, int], ...]:
+        """Inclusive layer ranges one shard must hold whole: the KV-shared layers with their
+        sources (placement never cuts them)."""
+        if not self.num_kv_shared_layers:
+            return ()
+        first = self.num_layers - self.num_kv_shared_layers
+        return ((min(self.kv_source(i) for i in range(first, self.num_layers)), self.num_layers - 1),)
 
     def layer_head_dim(self, layer: int) -> int:
         full = self.layer_types[layer] == "full_attention"

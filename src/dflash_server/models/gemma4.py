@@ -18,23 +18,31 @@ matrix by matrix; full layers without ``attn_v`` take their values from the keys
 KV head counts and the sliding pattern as arrays; ``rope_freqs`` marks the proportional
 RoPE's turning pairs (1) and still ones (1e30).
 
-Not supported (a clear error at load): per-layer input embeddings and KV shared across the
-last layers (the E2B / E4B kind: ``hidden_size_per_layer_input``, ``num_kv_shared_layers``),
-bidirectional attention.
+The E2B / E4B kind: per-layer input embeddings (PLE: a second token table of
+``layers x hidden_size_per_layer_input`` per token plus a projection of the embeddings, mixed
+into each layer's output through a gate and a projection) and the last
+``num_kv_shared_layers`` layers attending over the KV of the last earlier layer of their kind
+(no K/V projections of their own; a double-wide MLP where ``use_double_wide_mlp``). Both run
+in one process (one stage, or stages split in-process: the per-layer inputs and the shared KV
+travel with the hidden state); a shard worker refuses them.
+
+Not supported (a clear error at load): bidirectional attention.
 """
 from __future__ import annotations
 
 import re
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..layers.attention import Attention
 from ..layers.decoder import DecoderLayer
-from ..layers.linear import slice_rows
+from ..layers.linear import Linear, slice_rows
 from ..layers.mlp import SwiGLU
 from ..layers.moe import MoE, SoftmaxRouter
 from ..layers.norms import RMSNorm
-from .base import Slab, Weights
+from .base import Embedding, Slab, Weights
 from .config import ModelConfig, eos_ids
 from .gemma3 import Gemma3Family
 from .llama import gguf_meta
@@ -44,22 +52,56 @@ DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_0
                                    "rope_theta": 1_000_000.0}}
 
 
+class PerLayerEmbedding(Embedding):
+    """The token embedding (times sqrt(hidden)) plus the per-layer inputs of the E2B / E4B
+    models: ``(norm(project(h) / sqrt(hidden)) + table[ids] * sqrt(size)) / sqrt(2)``, one
+    ``size`` vector per layer and token."""
+
+    def __init__(self, weight: torch.Tensor, scale, table: torch.Tensor, projection: torch.Tensor,
+                 norm: RMSNorm, layers: int):
+        super().__init__(weight, scale)
+        self.table = nn.Parameter(table.detach(), requires_grad=False)
+        self.size = table.shape[1] // layers
+        self.table_scale = torch.tensor(self.size ** 0.5, dtype=table.dtype)
+        self.projection = Linear(projection)
+        self.norm, self.layers = norm, layers
+
+    def per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        tok = (F.embedding(ids, self.table) * self.table_scale).unflatten(-1, (self.layers, self.size))
+        proj = (self.projection(h) * h.shape[-1] ** -0.5).unflatten(-1, (self.layers, self.size))
+        return (self.norm(proj) + tok.to(proj.dtype)) * 2 ** -0.5
+
+
 class Gemma4Layer(DecoderLayer):
-    """Gemma 3's sandwich layer, plus the MoE branch and the closing ``layer_scalar``."""
+    """Gemma 3's sandwich layer, plus the MoE branch, the per-layer input (E2B / E4B) and the
+    closing ``layer_scalar``."""
 
     def __init__(self, *args, moe: MoE | None = None, moe_norms: tuple[RMSNorm, RMSNorm, RMSNorm] | None = None,
-                 scalar: torch.Tensor | None = None, **kwargs):
+                 scalar: torch.Tensor | None = None, per_layer: tuple[torch.Tensor, torch.Tensor, RMSNorm] | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.moe = moe
         self.moe_in, self.moe_out_dense, self.moe_out = moe_norms if moe_norms else (None, None, None)
         self.register_buffer("scalar", None if scalar is None else scalar.detach().reshape(()).clone())
+        self.ple_gate = self.ple_proj = self.ple_norm = None
+        if per_layer is not None:
+            gate, proj, self.ple_norm = per_layer
+            self.ple_gate, self.ple_proj = Linear(gate), Linear(proj)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         a = self.mlp(self.post_norm(x))
         if self.moe is not None:  # dense and routed branches, each normed, then summed
             a = self.moe_out_dense(a) + self.moe_out(self.moe(self.moe_in(x), route_x=x))
-        out = x + self.mlp_out_norm(a)
-        return out if self.scalar is None else out * self.scalar.to(out.dtype)
+        return x + self.mlp_out_norm(a)
+
+    def forward(self, x: torch.Tensor, ctx, state) -> torch.Tensor:
+        h = super().forward(x, ctx, state)
+        if self.ple_gate is not None:
+            if ctx.per_layer is None:
+                raise RuntimeError("a Gemma 4 per-layer-input layer ran without its inputs")
+            p = ctx.per_layer[..., self.index, :]
+            h = h + self.ple_norm(self.ple_proj(F.gelu(self.ple_gate(h), approximate="tanh") * p.to(h.dtype)))
+        return h if self.scalar is None else h * self.scalar.to(h.dtype)
 
 
 class Gemma4Family(Gemma3Family):
@@ -70,10 +112,6 @@ class Gemma4Family(Gemma3Family):
 
     def config_from_hf(self, cfg: dict) -> ModelConfig:
         text = dict(cfg.get("text_config") or cfg)
-        if text.get("hidden_size_per_layer_input"):
-            raise ValueError("gemma4: per-layer input embeddings (the E2B / E4B models) are not supported yet")
-        if text.get("num_kv_shared_layers"):
-            raise ValueError("gemma4: KV shared across layers (num_kv_shared_layers, E2B / E4B) is not supported yet")
         if text.get("use_bidirectional_attention") == "all":
             raise ValueError("gemma4: bidirectional attention (an embedding model) is not a generator")
         act = text.get("hidden_activation") or "gelu_pytorch_tanh"
@@ -118,16 +156,15 @@ class Gemma4Family(Gemma3Family):
             mlp_layer_types=tuple("sparse" if experts else "dense" for _ in range(n)),
             num_experts=experts, num_experts_per_tok=int(text.get("top_k_experts") or 0) if experts else 0,
             moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if experts else 0,
+            per_layer_input_size=int(text.get("hidden_size_per_layer_input") or 0),
+            per_layer_vocab_size=int(text.get("vocab_size_per_layer_input") or text["vocab_size"]),
+            num_kv_shared_layers=int(text.get("num_kv_shared_layers") or 0),
             bos_token_id=text.get("bos_token_id"), eos_token_ids=eos_ids(text.get("eos_token_id")),
         )
 
     def config_from_gguf(self, meta: dict, arch: str) -> ModelConfig:
         def g(key, default=None):
             return gguf_meta(meta, arch, key, default)
-        if g("embedding_length_per_layer_input"):
-            raise ValueError("gemma4: per-layer input embeddings (the E2B / E4B models) are not supported yet")
-        if g("attention.shared_kv_layers"):
-            raise ValueError("gemma4: KV shared across layers (E2B / E4B) is not supported yet")
         n = int(g("block_count"))
         pattern = g("attention.sliding_window_pattern")
         if not isinstance(pattern, (list, tuple)) or len(pattern) < n:
@@ -138,9 +175,9 @@ class Gemma4Family(Gemma3Family):
             v = g(key, default)
             return [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)] * n
         heads, kv = per_layer("attention.head_count"), per_layer("attention.head_count_kv")
-        ff = per_layer("feed_forward_length")
-        if len(set(heads)) != 1 or len(set(ff)) != 1:
-            raise ValueError("gemma4 GGUF: per-layer query heads or MLP sizes (double-wide MLPs) are not supported")
+        ff = per_layer("feed_forward_length")  # double-wide on the KV-shared layers: read from the weights
+        if len(set(heads)) != 1:
+            raise ValueError("gemma4 GGUF: per-layer query head counts are not supported")
         sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
         full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
         nkv = kv[sliding[0]] if sliding else kv[0]
@@ -165,6 +202,9 @@ class Gemma4Family(Gemma3Family):
             mlp_layer_types=tuple("sparse" if experts else "dense" for _ in range(n)), num_experts=experts,
             num_experts_per_tok=int(g("expert_used_count", 0) or 0),
             moe_intermediate_size=int(g("expert_feed_forward_length", 0) or 0),
+            per_layer_input_size=int(g("embedding_length_per_layer_input", 0) or 0),
+            per_layer_vocab_size=int(g("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            num_kv_shared_layers=int(g("attention.shared_kv_layers", 0) or 0),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids(meta.get("tokenizer.ggml.eos_token_id")), extra={"gguf_arch": arch},
         )
@@ -174,6 +214,9 @@ class Gemma4Family(Gemma3Family):
 
         if hf_name == "model.rope_freqs":
             return "rope_freqs.weight", None
+        if hf_name in ("model.per_layer_model_projection.weight", "model.per_layer_projection_norm.weight"):
+            return hf_name.removeprefix("model.").replace("per_layer_model_projection", "per_layer_model_proj") \
+                .replace("per_layer_projection_norm", "per_layer_proj_norm"), None
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
         if m is not None:
             i, inner = m.groups()
@@ -195,14 +238,38 @@ class Gemma4Family(Gemma3Family):
         shapes = super().expected_shapes(cfg)
         # head sizes differ between sliding and full layers: build_attention checks them per layer
         for key in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
-                    "k_norm.weight"):
-            shapes.pop(key)
+                    "k_norm.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            shapes.pop(key)  # (and the KV-shared layers' MLPs may be double-wide)
         return shapes
+
+    def build_embedding(self, cfg: ModelConfig, w: Weights) -> Embedding:
+        base = super().build_embedding(cfg, w)
+        if not cfg.per_layer_input_size:
+            return base
+        L, P, H = cfg.num_layers, cfg.per_layer_input_size, cfg.hidden_size
+        table = w.get("model.embed_tokens_per_layer.weight")
+        proj = w.get("model.per_layer_model_projection.weight")
+        if tuple(table.shape) != (cfg.per_layer_vocab_size, L * P) or tuple(proj.shape) != (L * P, H):
+            raise ValueError(f"gemma4: per-layer embeddings {tuple(table.shape)} / projection {tuple(proj.shape)} "
+                             f"do not fit {L} layers of {P}")
+        return PerLayerEmbedding(base.weight, base.scale, table, proj,
+                                 RMSNorm(w.get("model.per_layer_projection_norm.weight"), cfg.rms_norm_eps), L)
 
     def build_attention(self, cfg: ModelConfig, p: str, w: Weights, index: int = 0) -> Attention:
         a = p + "self_attn."
         nh, hd, nkv, H = cfg.num_heads, cfg.layer_head_dim(index), cfg.layer_kv_heads(index), cfg.hidden_size
         sliding = cfg.layer_types[index] == "sliding_attention"
+        eps = cfg.rms_norm_eps
+        window = cfg.sliding_window if sliding else None
+        if cfg.kv_source(index) is not None:  # KV-shared: queries only, over its source layer's KV
+            q, o = w.get(a + "q_proj.weight"), w.get(a + "o_proj.weight")
+            if tuple(q.shape) != (nh * hd, H) or tuple(o.shape) != (H, nh * hd):
+                raise ValueError(f"gemma4 layer {index}: q_proj {tuple(q.shape)} / o_proj {tuple(o.shape)} do not fit "
+                                 f"{nh} heads of {hd}")
+            return Attention(q=q, k=None, v=None, o=o, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                             q_norm=RMSNorm(w.get(a + "q_norm.weight"), eps), scale=1.0, window=window,
+                             local_rope=sliding, kv_role="reuse")
+        store = cfg.num_kv_shared_layers and index in {cfg.kv_source(i) for i in range(cfg.num_layers)}
         q, k, o = w.get(a + "q_proj.weight"), w.get(a + "k_proj.weight"), w.get(a + "o_proj.weight")
         # the values are the key projection (normed apart); a GGUF says so by having no attn_v
         k_eq_v = not sliding and (cfg.attention_k_eq_v or not w.has(a + "v_proj.weight"))
@@ -214,10 +281,9 @@ class Gemma4Family(Gemma3Family):
             if tuple(t.shape) != want[name]:
                 raise ValueError(f"gemma4 layer {index}: {name} has shape {tuple(t.shape)} but the config implies "
                                  f"{want[name]}")
-        eps = cfg.rms_norm_eps
         return Attention(q=q, k=k, v=v, o=o, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
                          q_norm=RMSNorm(w.get(a + "q_norm.weight"), eps), k_norm=RMSNorm(w.get(a + "k_norm.weight"), eps),
-                         v_norm=True, scale=1.0, window=cfg.sliding_window if sliding else None, local_rope=sliding)
+                         v_norm=True, scale=1.0, window=window, local_rope=sliding, kv_role="store" if store else "")
 
     @staticmethod
     def _check_rope_freqs(cfg: ModelConfig, freqs: torch.Tensor) -> None:
@@ -267,8 +333,22 @@ class Gemma4Family(Gemma3Family):
             return RMSNorm(w.get(p + name + ".weight"), eps)
         mlp = SwiGLU(w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight"),
                      w.get(p + "mlp.down_proj.weight"), act="gelu_tanh")
+        wide = 2 if cfg.kv_source(index) is not None and mlp.inter == 2 * cfg.intermediate_size else 1
+        if (mlp.inter, mlp.gate_up.in_features, mlp.down.out_features) != (wide * cfg.intermediate_size,
+                                                                            cfg.hidden_size, cfg.hidden_size):
+            raise ValueError(f"gemma4 layer {index}: MLP of {mlp.inter} x {mlp.gate_up.in_features} but the config "
+                             f"implies {cfg.intermediate_size} x {cfg.hidden_size}")
         moe, moe_norms = self._moe(cfg, p, w) if cfg.num_experts else (None, None)
+        per_layer = None
+        if cfg.per_layer_input_size:
+            gate, proj = w.get(p + "per_layer_input_gate.weight"), w.get(p + "per_layer_projection.weight")
+            if tuple(gate.shape) != (cfg.per_layer_input_size, cfg.hidden_size) or \
+                    tuple(proj.shape) != (cfg.hidden_size, cfg.per_layer_input_size):
+                raise ValueError(f"gemma4 layer {index}: per-layer input gate {tuple(gate.shape)} / projection "
+                                 f"{tuple(proj.shape)} do not fit {cfg.per_layer_input_size}")
+            per_layer = (gate, proj, norm("post_per_layer_input_norm"))
         return Gemma4Layer(index, norm("input_layernorm"), self.build_attention(cfg, p, w, index),
                            norm("pre_feedforward_layernorm"), mlp, mixer_out_norm=norm("post_attention_layernorm"),
                            mlp_out_norm=norm("post_feedforward_layernorm"), moe=moe, moe_norms=moe_norms,
-                           scalar=w.get(p + "layer_scalar") if w.has(p + "layer_scalar") else None)
+                           scalar=w.get(p + "layer_scalar") if w.has(p + "layer_scalar") else None,
+                           per_layer=per_layer)

@@ -108,6 +108,7 @@ class PromptScorer:
         if self.rope_local is not None:
             ctx.cos_local, ctx.sin_local = self.rope_local.rows(start, T)
         h = self.embed(ids)
+        ctx.per_layer = self.embed.per_layer_inputs(ids, h)
         for layer, state in zip(self.layers, states):
             h = layer(h, ctx, state)
 

@@ -82,7 +82,7 @@ def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_toke
         device = sh.device.removeprefix("remote:")
         kv_elt = 4 if device == "cpu" else elt  # attention KV is fp32 on a CPU (faster there)
         width = sum(cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in range(sh.begin, sh.end)
-                    if cfg.layer_types[i] != "linear_attention")
+                    if cfg.layer_types[i] != "linear_attention" and cfg.kv_source(i) is None)
         kv = 2 * width * (kv_tokens or max_ctx) * kv_elt * lanes
         out.append(DeviceNeed(sh.device, weights, kv))
     return out

@@ -50,10 +50,11 @@ class TargetPipeline:
         outputs (1, B, H) of the ``capture`` layers."""
         x = torch.tensor([list(tokens)], dtype=torch.long)
         caps: dict[int, torch.Tensor] = {}
+        carry: dict = {}
         for st in self.stages:
-            out = st.forward_rows(x, lanes, positions, capture)
+            out = st.forward_rows(x, lanes, positions, capture, **({"carry": carry} if carry else {}))
             caps.update(out.captures)
-            x = out.hidden
+            x, carry = out.hidden, out.carry
         return PipelineOutput(out.logits, caps)
 
     @property
@@ -102,11 +103,12 @@ class TargetPipeline:
             ids = torch.tensor([list(ids)], dtype=torch.long)
         if ids.shape[0] != self.stages[0].batch:  # one prompt for a whole batch
             ids = ids.expand(self.stages[0].batch, -1)
-        x, caps = ids, {}
+        x, caps, carry = ids, {}, {}
         for st in self.stages:
-            out = st.forward(x, start, logits=logits, capture=capture)
+            # the per-layer inputs of Gemma 4 E2B / E4B travel between in-process stages
+            out = st.forward(x, start, logits=logits, capture=capture, **({"carry": carry} if carry else {}))
             caps.update(out.captures)
-            x = out.hidden
+            x, carry = out.hidden, out.carry
         return PipelineOutput(out.logits, caps)
 
     def prefill(self, ids: list[int], start: int = 0, chunk: int = 512,
@@ -257,6 +259,10 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
         bar.close()
     if far:
         from .remote import RemoteOptions, RemoteStage
+
+        if source.config.per_layer_input_size:
+            raise ValueError("per-layer inputs (Gemma 4 E2B / E4B) do not cross to a shard worker yet: "
+                             "split this model over devices of this process")
 
         if batch != 1:
             raise ValueError("a remote shard runs batch 1")

@@ -59,9 +59,12 @@ def parse_split(text: str) -> list[float]:
     return weights
 
 
-def plan_placement(num_layers: int, devices: list[str], split: list[float] | None = None) -> list[ShardSpec]:
+def plan_placement(num_layers: int, devices: list[str], split: list[float] | None = None,
+                   together: tuple[tuple[int, int], ...] = ()) -> list[ShardSpec]:
     """Contiguous layer ranges proportional to ``split`` (equal if None), one per device,
-    each at least one layer."""
+    each at least one layer. ``together``: inclusive layer ranges that must stay on one shard
+    (Gemma 4's KV-shared layers and their sources); a boundary inside one moves to its nearer
+    end."""
     n = len(devices)
     if n == 0:
         raise ValueError("no target devices given")
@@ -79,4 +82,13 @@ def plan_placement(num_layers: int, devices: list[str], split: list[float] | Non
         lo, hi = bounds[-1] + 1, num_layers - (n - 1 - i)
         bounds.append(min(max(b, lo), hi))
     bounds.append(num_layers)
+    for k in range(1, n):
+        b = bounds[k]
+        for lo, hi in together:
+            if lo < b <= hi:  # a boundary inside: before the range, or after it, whichever is nearer
+                b = lo if (b - lo <= hi + 1 - b and lo > bounds[k - 1]) or hi + 1 >= bounds[k + 1] else hi + 1
+        if not bounds[k - 1] < b < bounds[k + 1] or any(lo < b <= hi for lo, hi in together):
+            raise ValueError(f"cannot place {n} shards on {num_layers} layers keeping layers "
+                             f"{', '.join(f'{lo}-{hi}' for lo, hi in together)} together (they share KV)")
+        bounds[k] = b
     return [ShardSpec(devices[i], bounds[i], bounds[i + 1]) for i in range(n)]

@@ -47,6 +47,9 @@ class StageOutput:
     hidden: torch.Tensor | None                  # (1, T, H) residual stream (non-last stages)
     head_logits: torch.Tensor | None = None      # (T or 1, V) on the last stage, in the LM head's dtype
     captures: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (1, T, H)
+    # what the next in-process stage needs beside the hidden state (Gemma 4 E2B / E4B: the
+    # per-layer inputs and the KV the shared layers read); empty for other families
+    carry: dict = field(default_factory=dict)
     _logits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -99,6 +102,11 @@ class LocalStage:
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
         self.is_first, self.is_last = is_first, is_last
+        for i in range(begin, end):
+            src = cfg.kv_source(i)
+            if src is not None and src < begin:
+                raise ValueError(f"layer {i} attends over layer {src}'s KV (KV-shared layers): a stage boundary "
+                                 f"between them is not supported; split before layer {src} or after layer {i}")
         fam, w = source.family, _Weights(source, self.device, dtype)
         self.embed = fam.build_embedding(cfg, w) if is_first else None
         self.layers = []
@@ -218,12 +226,27 @@ class LocalStage:
 
     def weight_bytes(self) -> int:
         total = sum(m.nbytes() for m in self._linears())
-        return total + (self.embed.weight.numel() * self.embed.weight.element_size() if self.embed else 0)
+        return total + (sum(p.numel() * p.element_size() for p in self.embed.parameters()) if self.embed else 0)
 
     # --- compute --------------------------------------------------------------------------
     @torch.inference_mode()
+    def _inputs(self, x: torch.Tensor, ctx: ForwardContext, carry: dict | None) -> torch.Tensor:
+        """The stage's input hidden state (the first stage embeds token ids), with the
+        per-layer inputs (Gemma 4 E2B / E4B) the embedding made or the previous stage carried
+        put in ``ctx``."""
+        if not self.is_first:
+            ctx.per_layer = (carry or {}).get("per_layer")
+            return x.to(self.dtype)
+        h = self.embed(x)
+        ctx.per_layer = self.embed.per_layer_inputs(x, h)
+        return h
+
+    @staticmethod
+    def _carry(ctx: ForwardContext) -> dict:
+        return {} if ctx.per_layer is None else {"per_layer": ctx.per_layer}
+
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
-                capture: tuple[int, ...] = ()) -> StageOutput:
+                capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
         """x: token ids (1, T) on the first stage, else hidden (1, T, H). Writes state for
         positions [start, start+T) and sets ``length = start + T``. ``logits``: "last",
         "all" or "none" (last stage only). ``capture``: global layer ids whose outputs to return."""
@@ -233,9 +256,9 @@ class LocalStage:
         if start + T > self.max_ctx:
             raise ValueError(f"positions up to {start + T} exceed the context size {self.max_ctx}")
         x = x.to(self.device)
-        h = self.embed(x) if self.is_first else x.to(self.dtype)
         cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
+        h = self._inputs(x, ctx, carry)
         if self.rope_local is not None:
             ctx.cos_local, ctx.sin_local = self.rope_local.rows(start, T)
         if self.pool is not None:
@@ -256,7 +279,7 @@ class LocalStage:
         self.length = start + T
         if self.pool is not None:
             self.pool.finish(ctx, T)
-        out = StageOutput(hidden=h, captures=caps)
+        out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx))
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
             head = self._head(self.final_norm(hs))
@@ -266,7 +289,7 @@ class LocalStage:
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                     capture: tuple[int, ...] = ()) -> StageOutput:
+                     capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
         """One decode row in each of several lanes: row b is the token of the sequence in
         ``lanes[b]`` at ``positions[b]`` (at most that lane's length; the lane's length
         becomes ``positions[b] + 1``). x: token ids (1, B) on the first stage, else hidden
@@ -285,14 +308,14 @@ class LocalStage:
                 raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} "
                                  f"(length {st.length}, context {self.max_ctx}) or it holds a checkpoint")
         if self.lanes[0].pool is not None:
-            return self._rows_one_by_one(x, lanes, positions, capture)
+            return self._rows_one_by_one(x, lanes, positions, capture, carry)
         x = x.to(self.device)
-        h = self.embed(x) if self.is_first else x.to(self.dtype)
         idx = torch.tensor(positions, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
                              positions=tuple(positions))
         if self.rope_local is not None:
             ctx.cos_local, ctx.sin_local = self.rope_local.cos[idx], self.rope_local.sin[idx]
+        h = self._inputs(x, ctx, carry)
         caps = {}
         for i, layer in enumerate(self.layers):
             bank = self.banks[i]
@@ -301,28 +324,31 @@ class LocalStage:
                 caps[layer.index] = h
         for lane, pos in zip(lanes, positions):
             self.lanes[lane].length = pos + 1
-        out = StageOutput(hidden=h, captures=caps)
+        out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx))
         if self.is_last:
             out.head_logits = self._head(self.final_norm(h))[0]
             out.hidden = None
         return out
 
     def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                         capture: tuple[int, ...] = ()) -> StageOutput:
+                         capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
         """``forward_rows`` as one single-row forward per slot (KV Flash: each slot's pool
         pages on its own)."""
         keep, outs = self.lane, []
+        per_layer = (carry or {}).get("per_layer")
         try:
             for b, (lane, pos) in enumerate(zip(lanes, positions)):
                 self.select(lane)
-                outs.append(self.forward(x[:, b:b + 1], pos, logits="last", capture=capture))
+                row = None if per_layer is None else {"per_layer": per_layer[:, b:b + 1]}
+                outs.append(self.forward(x[:, b:b + 1], pos, logits="last", capture=capture, carry=row))
         finally:
             self.select(keep)
         caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}
         if self.is_last:
             return StageOutput(hidden=None, head_logits=torch.cat([o.head_logits for o in outs], dim=0),
                                captures=caps)
-        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1), captures=caps)
+        out_carry = {} if not outs[0].carry else {"per_layer": torch.cat([o.carry["per_layer"] for o in outs], dim=1)}
+        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1), captures=caps, carry=out_carry)
 
     # --- KV Flash ---------------------------------------------------------------------------
     def _kv_budget_tokens(self, kvflash, lanes: int = 1) -> int | None:
@@ -421,7 +447,7 @@ class LocalStage:
             elif s.kind == "kv":
                 out[f"kv_k.{i}"] = s.k[:, :, :length]
                 out[f"kv_v.{i}"] = s.v[:, :, :length]
-            else:
+            elif s.kind == "recurrent":
                 out[f"conv.{i}"], out[f"ssm.{i}"] = s.conv, s.ssm
         if self.pool is not None:
             table, free = self.pool.pager.table()
@@ -521,7 +547,7 @@ class LocalStage:
             if s.kind == "kv":
                 shape = (s.k.shape[0], s.k.shape[1], length, s.k.shape[3])
                 out[f"kv_k.{i}"], out[f"kv_v.{i}"] = (shape, s.k.dtype), (shape, s.v.dtype)
-            else:
+            elif s.kind == "recurrent":
                 out[f"conv.{i}"], out[f"ssm.{i}"] = (tuple(s.conv.shape), s.conv.dtype), (tuple(s.ssm.shape), s.ssm.dtype)
         if self.pool is not None:
             out[self._table_key] = out[self._free_key] = (None, torch.int64)
@@ -545,7 +571,7 @@ class LocalStage:
             if s.kind == "kv":
                 s.k[:, :, :length].copy_(tensors[f"kv_k.{i}"])
                 s.v[:, :, :length].copy_(tensors[f"kv_v.{i}"])
-            else:
+            elif s.kind == "recurrent":
                 s.conv = tensors[f"conv.{i}"].clone()
                 s.ssm = tensors[f"ssm.{i}"].clone()
                 s.discard_checkpoint()
