@@ -84,7 +84,8 @@ class Run:
     def __init__(self, job, prompt: Prompt, opts: GenOptions, stop_ids: set[int], on_result=None):
         self.job, self.prompt, self.opts = job, prompt, opts
         self.on_result = on_result
-        self.parser = OutputParser(think_open=prompt.think_open, tools=opts.tools) if opts.parse_output else None
+        self.parser = OutputParser(think_open=prompt.think_open, tools=opts.tools, markup=prompt.markup) \
+            if opts.parse_output else None
         if self.parser is not None and prompt.prefix:
             self.parser.push(prompt.prefix)  # already in the prompt; opens the tool-call block
         self.stop_ids = stop_ids
@@ -266,7 +267,7 @@ class Service:
         tools = opts.tools
         if tools is None or not tools.active or (tools.forced_name is None and tools.parallel):
             return ()
-        return ("</tool_call>",)
+        return (self.prompts.markup.tool_markers[0][1],)  # "</tool_call>" (Gemma 4: "<tool_call|>")
 
     def start(self, prompt: Prompt, opts: GenOptions, n: int = 1, label: str = "") -> list[Run]:
         """Queue ``n`` generations of one prompt back to back (all or none)."""

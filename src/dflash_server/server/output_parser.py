@@ -17,6 +17,23 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _TOOL_MARKERS = (("<tool_call>", "</tool_call>", False), ("<function=", "</function>", True))
 
 
+@dataclass(frozen=True)
+class Markup:
+    """How a model family writes reasoning and tool calls."""
+    think_open: str = THINK_OPEN
+    think_close: str = THINK_CLOSE
+    tool_markers: tuple = _TOOL_MARKERS
+
+
+QWEN_MARKUP = Markup()
+# Gemma 4: <|channel>thought ... <channel|>, <|tool_call>call:f{...}<tool_call|>
+GEMMA4_MARKUP = Markup("<|channel>thought", "<channel|>", (("<|tool_call>", "<tool_call|>", False),))
+
+
+def markup_for(tool_format: str) -> Markup:
+    return GEMMA4_MARKUP if tool_format == "gemma4" else QWEN_MARKUP
+
+
 @dataclass
 class Delta:
     kind: str                     # "reasoning" | "content" | "tool_call"
@@ -36,12 +53,13 @@ def _partial_suffix(text: str, markers) -> int:
 
 
 class OutputParser:
-    def __init__(self, *, think_open: bool = False, tools: ToolSet | None = None):
+    def __init__(self, *, think_open: bool = False, tools: ToolSet | None = None, markup: Markup = QWEN_MARKUP):
+        self.markup = markup
         self.mode = "reasoning" if think_open else "content"
         self.buf = ""
         self.tools = tools.names if tools is not None and tools.active else None
         self.parallel = tools.parallel if tools is not None else True
-        self.markers = _TOOL_MARKERS if self.tools is not None else ()
+        self.markers = markup.tool_markers if self.tools is not None else ()
         self.tool_marker = None
         self.at_start = think_open    # drop leading whitespace (after </think>, a tool call)
         self.emitted = think_open     # anything emitted (or a think block already open)
@@ -83,18 +101,19 @@ class OutputParser:
 
     def _drain(self, final: bool) -> list[Delta]:
         out: list[Delta] = []
+        opener, close = self.markup.think_open, self.markup.think_close
         while True:
             if self.mode == "reasoning":
-                i = self.buf.find(THINK_CLOSE)
+                i = self.buf.find(close)
                 if i >= 0:
                     self._emit(out, "reasoning", self.buf[:i].rstrip())
-                    self.buf = self.buf[i + len(THINK_CLOSE):]
+                    self.buf = self.buf[i + len(close):]
                     self.mode, self.at_start = "content", True
                     continue
                 # hold back a possible "</think>" start and trailing whitespace (dropped at the close)
                 cut = len(self.buf)
                 if not final:
-                    cut -= _partial_suffix(self.buf, (THINK_CLOSE,))
+                    cut -= _partial_suffix(self.buf, (close,))
                     cut = len(self.buf[:cut].rstrip())
                 self._emit(out, "reasoning", self.buf[:cut])
                 self.buf = self.buf[cut:]
@@ -104,11 +123,11 @@ class OutputParser:
                     self.buf = self.buf.lstrip()
                 if not self.emitted:  # a think block may open the output (after whitespace)
                     rest = self.buf.lstrip()
-                    if rest.startswith(THINK_OPEN):
-                        self.buf = rest[len(THINK_OPEN):]
+                    if rest.startswith(opener):
+                        self.buf = rest[len(opener):]
                         self.mode, self.emitted, self.at_start = "reasoning", True, True
                         continue
-                    if not final and THINK_OPEN.startswith(rest):
+                    if not final and opener.startswith(rest):
                         return out
                 watch = [m[0] for m in self.markers]
                 hits = [(i, m) for m in watch if (i := self.buf.find(m)) >= 0]
@@ -124,13 +143,13 @@ class OutputParser:
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out
             # mode == "tool": buffer until the closing tag
-            opener, closer, inclusive = self.tool_marker
-            j = self.buf.find(closer, len(opener) if inclusive else 0)
+            t_open, closer, inclusive = self.tool_marker
+            j = self.buf.find(closer, len(t_open) if inclusive else 0)
             if j < 0 and not final:
                 return out
             end = len(self.buf) if j < 0 else j + len(closer)
             block = self.buf[:end] if inclusive else self.buf[:j if j >= 0 else end]
-            raw = ("" if inclusive else opener) + self.buf[:end]
+            raw = ("" if inclusive else t_open) + self.buf[:end]
             self.buf = self.buf[end:]
             self._tool(out, block, raw)
             self.mode, self.at_start = "content", True

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from ..weights.chat_template import render_chat
 from .errors import bad_request
-from .output_parser import THINK_OPEN
-from .reasoning import CLOSE_TEXT, Thinking
+from .output_parser import QWEN_MARKUP, Markup, markup_for
+from .reasoning import Thinking, close_text
 from .tools import ToolSet, forced_prefix, tool_format
 
 RESERVED_KWARGS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
@@ -36,6 +36,7 @@ class Prompt:
     param: str = "messages"    # the request field it came from (named in errors)
     query: str | None = None   # the last user message's text (guides PFlash's selection)
     continuation: bool = False  # the history holds assistant or tool turns (PFlash leaves it whole)
+    markup: Markup = QWEN_MARKUP  # how this model writes reasoning and tool calls
 
 
 def _args_obj(arguments):
@@ -60,6 +61,7 @@ class PromptBuilder:
         self.template = template if template is not None else tokenizer.chat_template
         self.template_tools = bool(self.template) and "tools" in self.template
         self.tool_format = tool_format(self.template) if self.template_tools else "json"
+        self.markup = markup_for(self.tool_format)
 
     def chat(self, messages: list[dict], tools: ToolSet | None = None, thinking: Thinking = Thinking(),
              template_kwargs: dict | None = None) -> Prompt:
@@ -87,16 +89,16 @@ class PromptBuilder:
                                **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors and template bugs alike are a 400
             raise bad_request(f"chat template: {e}") from None
-        think_open = text.rstrip().endswith(THINK_OPEN)
+        think_open = text.rstrip().endswith(self.markup.think_open)
         prefix = forced_prefix(tools, self.tool_format) if tools is not None and tools.active else ""
         if prefix and think_open:
-            text, think_open = text + CLOSE_TEXT.lstrip("\n"), False
+            text, think_open = text + close_text(self.markup).lstrip("\n"), False
         text += prefix
         self.check_size(len(text), "messages")
         users = [m for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
         return Prompt(self.tokenizer.encode(text, add_bos=False), text, think_open, prefix,
                       query=users[-1]["content"] if users else None,
-                      continuation=any(m.get("role") in ("assistant", "tool") for m in messages))
+                      continuation=any(m.get("role") in ("assistant", "tool") for m in messages), markup=self.markup)
 
     def check_size(self, chars: int, param: str) -> None:
         """400 when ``chars`` characters of text cannot fit in the context."""

@@ -15,6 +15,12 @@ EFFORTS = ("none", *EFFORT_BUDGETS)
 CLOSE_TEXT = "\n</think>\n\n"
 
 
+def close_text(markup) -> str:
+    """What closes a think block early (the budget, a forced tool call): Qwen's "</think>"
+    with its blank line, Gemma 4's "<channel|>"."""
+    return CLOSE_TEXT if markup.think_close == "</think>" else markup.think_close
+
+
 @dataclass(frozen=True)
 class Thinking:
     enabled: bool | None = None     # None: the chat template's default
@@ -36,15 +42,19 @@ class ThinkTokens:
     close_ids: tuple[int, ...]
 
 
-def think_tokens(tokenizer) -> ThinkTokens | None:
-    """The single-token <think> / </think> pair of this vocabulary, if it has one."""
+def think_tokens(tokenizer, markup=None) -> ThinkTokens | None:
+    """The single-token open / close pair of this vocabulary's think block (``<think>`` /
+    ``</think>``; Gemma 4: ``<|channel>`` / ``<channel|>``), if it has one."""
     tok = getattr(tokenizer, "tok", None)
     if tok is None:
         return None
-    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    opener, closer = ("<think>", "</think>") if markup is None or markup.think_close == "</think>" \
+        else ("<|channel>", markup.think_close)
+    start, end = tok.token_to_id(opener), tok.token_to_id(closer)
     if start is None or end is None:
         return None
-    return ThinkTokens(start, end, tuple(tokenizer.encode(CLOSE_TEXT, add_bos=False)))
+    text = CLOSE_TEXT if markup is None else close_text(markup)
+    return ThinkTokens(start, end, tuple(tokenizer.encode(text, add_bos=False)))
 
 
 def budget_fields(thinking: Thinking, think_open: bool, max_tokens: int, tokens: ThinkTokens | None) -> dict:

@@ -46,7 +46,7 @@ class ServerState:
         # with a prefill drafter, prompts up to what it reads are admitted (PFlash compresses them)
         self.prompts = PromptBuilder(tok, self.config.chat_template,
                                      max(max_ctx, compressor.max_tokens) if compressor is not None else max_ctx)
-        self.think = think_tokens(tok)
+        self.think = think_tokens(tok, self.prompts.markup)
         self.token_texts = TokenTexts(tok)
         self.info = dict(info)
         self.sampling_defaults, self.sampling_sources = self.config.sampling_defaults(info.get("sampling") or {})

@@ -8,7 +8,12 @@ function), for the two call formats ``tools`` parses, as Lark for llguidance:
   type (string, with its maxLength; integer, number, boolean, null, an enum of strings;
   objects and arrays as JSON), then ``</function>``.
 
-Each call ends with ``</tool_call>``; with parallel calls allowed more may follow. The
+- Gemma 4: ``call:f{key:value,...}`` with keys among the function's declared parameters (any
+  bare key when it declares none) and Gemma 4's values (``<|"|>``-quoted strings, numbers,
+  booleans, null, arrays, nested mappings), as llama.cpp's Gemma 4 grammar (not typed by
+  the schema).
+
+Each call ends with ``</tool_call>`` (Gemma 4: ``<tool_call|>``); with parallel calls allowed more may follow. The
 grammar starts where ``tools.forced_prefix`` leaves the prompt. ``term`` writes a text as a
 Lark terminal (a special single token of the vocabulary must be named as that token).
 """
@@ -37,9 +42,47 @@ def tool_grammar(tools: ToolSet | None, fmt: str, term=json.dumps) -> str | None
         return None
     import llguidance
 
+    if fmt == "gemma4":
+        lark = _gemma4_lark(tools, term("<tool_call|>"), term("<|tool_call>"), term('<|"|>'))
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     end, begin = term("</tool_call>"), term("<tool_call>")
     lark = _json_lark(tools, end, begin) if fmt == "json" else _xml_lark(tools, end, begin)
     return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _gemma4_lark(tools: ToolSet, end: str, begin: str, quote: str) -> str:
+    """The prompt ends with '<|tool_call>call:' (and the forced function's name)."""
+    # a string: between two quote tokens where the vocabulary has <|"|> as one special token;
+    # else one terminal, quotes included (as separate lexemes the string's regex would have
+    # to give back the "<|" it started to read)
+    string = f"string: {quote} STRING {quote}" if quote.startswith("<[") else \
+        'string: QUOTED\nQUOTED: /<\\|"\\|>([^<]|<[^|])*<\\|"\\|>/'
+    values = [
+        "value: string | mapping | array | NUMBER | \"true\" | \"false\" | \"null\"",
+        string,
+        "mapping: \"{\" (pair (\",\" pair)*)? \"}\"",
+        "pair: KEY \":\" value",
+        "array: \"[\" (value (\",\" value)*)? \"]\"",
+        "STRING: /([^<]|<[^|])*/",
+        "KEY: /[A-Za-z_][A-Za-z0-9_.-]*/",
+        "NUMBER: /-?(0|[1-9][0-9]{0,17})(\\.[0-9]{1,17})?([eE][+-]?[0-9]{1,3})?/",
+    ]
+
+    def args(name: str, rule: str) -> str:
+        props = _params(tools, name).get("properties")
+        if not isinstance(props, dict) or not props:
+            return "mapping"
+        keys = " | ".join(json.dumps(k) for k in props if k and ":" not in k and "," not in k and "}" not in k)
+        values.append(f"{rule}_pair: ({keys}) \":\" value" if keys else f"{rule}_pair: pair")
+        values.append(f"{rule}: \"{{\" ({rule}_pair (\",\" {rule}_pair)*)? \"}}\"")
+        return rule
+    if tools.forced_name is not None:
+        head = f"start: {args(tools.forced_name, 'f0')} {end}"
+    else:
+        alts = [f"{json.dumps(name)} {args(name, f'f{i}')}" for i, name in enumerate(tools.names)]
+        more = f" ({begin} \"call:\" call)*" if tools.parallel else ""
+        head = f"start: call{more}\ncall: ({' | '.join(alts)}) {end}"
+    return "\n".join([head] + values) + "\n"
 
 
 def _params(tools: ToolSet, name: str) -> dict:

@@ -1,9 +1,12 @@
 """Tool calls: the tool set of a request, and parsing the model's tool-call markup.
 
-Two output formats are understood, inside ``<tool_call>...</tool_call>``:
+Three output formats are understood, inside ``<tool_call>...</tool_call>`` (Gemma 4:
+``<|tool_call>...<tool_call|>``):
 - Hermes / Qwen3 JSON: ``{"name": "f", "arguments": {...}}``
 - Qwen3.5 XML: ``<function=f><parameter=p>value</parameter></function>``; values are
   coerced to the JSON-schema type the tool declares for that parameter.
+- Gemma 4: ``call:f{key:value,...}``, keys bare, strings between ``<|"|>`` marks, numbers,
+  ``true`` / ``false`` / ``null``, ``[...]`` and nested ``{...}`` as in JSON.
 A block that does not parse, names a tool the request did not declare, or holds values
 JSON cannot carry (``1e999``, ``NaN``) is not a tool call: the caller keeps its raw text
 as content rather than emitting half of it (or invalid JSON).
@@ -158,10 +161,106 @@ def parse_tool_block(block: str, tools: dict[str, dict]) -> list[ToolCall] | Non
         return None
 
 
+GEMMA4_QUOTE = '<|"|>'
+_GEMMA4_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
+_GEMMA4_DEPTH = 64
+
+
+class _Gemma4Reader:
+    """A recursive-descent reader of Gemma 4's call arguments (ValueError when malformed)."""
+
+    def __init__(self, text: str):
+        self.text, self.i = text, 0
+
+    def ws(self) -> None:
+        while self.i < len(self.text) and self.text[self.i] in " \t\r\n":
+            self.i += 1
+
+    def expect(self, s: str) -> None:
+        if not self.text.startswith(s, self.i):
+            raise ValueError(f"expected {s!r} at {self.i}")
+        self.i += len(s)
+
+    def value(self, depth: int = 0):
+        if depth > _GEMMA4_DEPTH:
+            raise ValueError("arguments nested too deeply")
+        self.ws()
+        t = self.text
+        if t.startswith(GEMMA4_QUOTE, self.i):
+            j = t.find(GEMMA4_QUOTE, self.i + len(GEMMA4_QUOTE))
+            if j < 0:
+                raise ValueError("unterminated string")
+            v, self.i = t[self.i + len(GEMMA4_QUOTE):j], j + len(GEMMA4_QUOTE)
+            return v
+        if t.startswith("{", self.i):
+            return self.mapping(depth)
+        if t.startswith("[", self.i):
+            self.i += 1
+            out = []
+            self.ws()
+            if t.startswith("]", self.i):
+                self.i += 1
+                return out
+            while True:
+                out.append(self.value(depth + 1))
+                self.ws()
+                if t.startswith("]", self.i):
+                    self.i += 1
+                    return out
+                self.expect(",")
+        for word, v in (("true", True), ("false", False), ("null", None)):
+            if t.startswith(word, self.i):
+                self.i += len(word)
+                return v
+        m = _GEMMA4_NUMBER.match(t, self.i)
+        if m is None:
+            raise ValueError(f"no value at {self.i}")
+        self.i = m.end()
+        return int(m.group()) if m.group(2) is None and m.group(3) is None else _finite(m.group())
+
+    def mapping(self, depth: int = 0) -> dict:
+        t = self.text
+        self.expect("{")
+        out: dict = {}
+        self.ws()
+        if t.startswith("}", self.i):
+            self.i += 1
+            return out
+        while True:
+            self.ws()
+            j = t.find(":", self.i)
+            key = t[self.i:j].strip() if j >= 0 else ""
+            if not key or any(c in key for c in "{}[],") or key.startswith(GEMMA4_QUOTE):
+                raise ValueError(f"no key at {self.i}")
+            self.i = j + 1
+            out[key] = self.value(depth + 1)
+            self.ws()
+            if t.startswith("}", self.i):
+                self.i += 1
+                return out
+            self.expect(",")
+
+
+def _gemma4_call(text: str, tools: dict[str, dict]) -> list[ToolCall] | None:
+    """``call:f{...}`` (one call: the text between Gemma 4's tool-call marks)."""
+    brace = text.find("{")
+    name = text[len("call:"):brace].strip() if brace >= 0 else ""
+    if name not in tools:
+        return None
+    reader = _Gemma4Reader(text)
+    reader.i = brace
+    args = reader.mapping()
+    if text[reader.i:].strip():
+        return None  # stray text after the call
+    return [ToolCall(name, dumps_args(args))]
+
+
 def _parse_tool_block(block: str, tools: dict[str, dict]) -> list[ToolCall] | None:
     text = block.strip()
     if not text:
         return None
+    if text.startswith("call:"):
+        return _gemma4_call(text, tools)
     if text.startswith("{"):
         obj = loads(text)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -193,7 +292,9 @@ def _parse_tool_block(block: str, tools: dict[str, dict]) -> list[ToolCall] | No
 
 
 def tool_format(template: str | None) -> str:
-    """Which markup a chat template teaches: "xml" (Qwen3.5), "json" (Hermes/Qwen3)."""
+    """Which markup a chat template teaches: "gemma4", "xml" (Qwen3.5), "json" (Hermes/Qwen3)."""
+    if template and "<|tool_call>" in template:
+        return "gemma4"
     if template and "<function=" in template:
         return "xml"
     return "json"
@@ -203,6 +304,8 @@ def forced_prefix(tools: ToolSet, fmt: str) -> str:
     """Assistant text that commits the model to a tool call (tool_choice required/named)."""
     if tools.choice not in ("required", "function"):
         return ""
+    if fmt == "gemma4":
+        return "<|tool_call>call:" + (tools.forced_name or "")
     if tools.forced_name is None:
         return "<tool_call>\n"
     if fmt == "xml":
