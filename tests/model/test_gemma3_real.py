@@ -58,3 +58,52 @@ def test_fp32_greedy_equals_transformers(gguf_path):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
     assert ours.token_ids == ref, (ours.text, open_model(gguf_path).tokenizer.decode(ref))
+
+
+# llama.cpp's llama-tokenize on the same gemma4-model vocabulary (ids recorded from its build
+# of the llama-cpp-python 0.3.36 sdist): BOS, lines and newline runs, "▁" spaces, byte pieces
+GEMMA4_TOKENIZER_CASES = {
+    "Hello world! The Eiffel Tower is in the city of":
+        [2, 9259, 1902, 236888, 669, 94648, 25822, 563, 528, 506, 3207, 529],
+    "  two  spaces\n\n\nthree newlines\nand\ttab":
+        [2, 236743, 1156, 236743, 9952, 109, 19891, 861, 8721, 107, 624, 255968, 4823],
+    "def f(x):\n    return x**2  # ünïcödé 日本語 🚀":
+        [2, 2063, 517, 236769, 236781, 1473, 107, 139, 994, 1123, 1018, 236778, 236743, 997, 174898, 238527,
+         236755, 55515, 236859, 33375, 238582, 236743, 242015],
+    "a\n\nb": [2, 236746, 108, 236763],
+}
+
+
+def test_gemma4_tokenizer_model_as_llama_cpp(gguf_path, tmp_path):
+    """Gemma 4 GGUFs carry ``tokenizer.ggml.model = "gemma4"`` (SentencePiece-style pieces with
+    explicit merges). No Gemma 4 vocabulary is installable here, so this one is Gemma 3's
+    pieces written that way (spaces as "▁", merges from the scores), tokenized as llama.cpp
+    tokenizes the same file."""
+    import gguf
+
+    from dflash_server.weights.gguf_tokenizer import (_spm_merges, read_gguf_metadata,
+                                                      tokenizer_from_gguf_metadata)
+
+    meta = read_gguf_metadata(gguf_path)
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    have = set(tokens)
+    tokens = [("▁" * len(t) if t and t.strip(" ") == "" and "▁" * len(t) not in have else t).replace(" ", "▁")
+              for t in tokens]
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
+    scores = [float(x) for x in meta["tokenizer.ggml.scores"]]
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "gemma4")
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_token_merges([f"{a} {b}" for a, b in _spm_merges(tokens, types, scores)])
+    w.add_bos_token_id(int(meta["tokenizer.ggml.bos_token_id"]))
+    w.add_eos_token_id(int(meta["tokenizer.ggml.eos_token_id"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = tokenizer_from_gguf_metadata(read_gguf_metadata(tmp_path / "v.gguf")).tokenizer
+    for text, ids in GEMMA4_TOKENIZER_CASES.items():
+        assert tok.encode(text).ids == ids, text
+        assert tok.decode(ids[1:]) == text

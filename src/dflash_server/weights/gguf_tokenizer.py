@@ -2,6 +2,7 @@
 
 * ``tokenizer.ggml.model == "gpt2"``: byte-level BPE. Pre-tokenizer = Split(regex of
   ``tokenizer.ggml.pre``, as in llama.cpp's llama-vocab.cpp) + ByteLevel(use_regex=False); ByteLevel decoder.
+* ``tokenizer.ggml.model == "gemma4"``: SentencePiece-style BPE with merges (Gemma 4).
 * ``tokenizer.ggml.model == "llama"``: SentencePiece-style BPE (Llama-2, Gemma, Mistral v1 GGUFs): ``▁`` space
   marker, ``<0xNN>`` byte fallback, merges from the file or derived from the token scores.
 
@@ -167,9 +168,21 @@ def tokenizer_from_gguf_metadata(meta: dict[str, object]) -> GGUFTokenizerInfo:
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
                                         + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
         add_bos = True if add_bos is None else bool(add_bos)
+    elif model_type == "gemma4":
+        # SentencePiece-style BPE with explicit merges (llama.cpp's gemma4 vocabulary): spaces
+        # are "▁" in the pieces, no space prefix, the text split into lines and newline runs
+        # before merging, bytes without a piece as <0xXX>; BOS always
+        if not merges:
+            raise ValueError("gemma4 GGUF metadata has no tokenizer.ggml.merges")
+        vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicate texts
+        tok = _bpe(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=True)
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated")
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        add_bos = True
     else:
         raise ValueError(f"unsupported GGUF tokenizer model tokenizer.ggml.model={model_type!r}; "
-                         "supported: 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+                         "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE) and 'gemma4'")
 
     special = {tokens[i]: i for i in range(n) if types[i] in (CONTROL, USER_DEFINED, UNKNOWN)}
     # special=False: registered whole-match added tokens that decode() never skips.
