@@ -20,9 +20,12 @@ Q4, Q8 = ("native", "native") if NATIVE else ("int4", "int8")
 
 def random_draft(pipe, block_size=8, taps=(1, 2), seed=0, layers=2, std=0.05):
     c = pipe.config
+    # Gemma targets: their drafts scale the raw embedding rows as the target does (the z-lab
+    # Gemma drafts' input_embedding_scale)
     cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=layers, num_heads=4,
                       num_kv_heads=2, head_dim=16, block_size=block_size, mask_token_id=5,
-                      target_layer_ids=tuple(taps), num_target_layers=c.num_layers)
+                      target_layer_ids=tuple(taps), num_target_layers=c.num_layers,
+                      input_embedding_scale=c.hidden_size ** 0.5 if c.embed_scale else 1.0)
     return DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, seed, std), "cpu", torch.float32, pipe.max_ctx)
 
 
