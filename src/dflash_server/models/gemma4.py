@@ -23,8 +23,9 @@ The E2B / E4B kind: per-layer input embeddings (PLE: a second token table of
 into each layer's output through a gate and a projection) and the last
 ``num_kv_shared_layers`` layers attending over the KV of the last earlier layer of their kind
 (no K/V projections of their own; a double-wide MLP where ``use_double_wide_mlp``). Both run
-in one process (one stage, or stages split in-process: the per-layer inputs and the shared KV
-travel with the hidden state); a shard worker refuses them.
+in one process: one stage, or stages split in-process, the per-layer inputs travelling with
+the hidden state and placement keeping the KV-shared layers on their sources' stage; a shard
+worker refuses such a model.
 
 Not supported (a clear error at load): bidirectional attention.
 """
