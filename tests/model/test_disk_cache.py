@@ -36,7 +36,8 @@ def run(eng, ids, n=6):
     return eng.generate(GenerationRequest(ids, max_tokens=n, ignore_eos=True))
 
 
-@pytest.mark.parametrize("family,stages,draft", [("llama", 1, False), ("qwen3_5", 2, True), ("llama", 2, True)])
+@pytest.mark.parametrize("family,stages,draft", [("llama", 1, False), ("qwen3_5", 2, True), ("llama", 2, True),
+                                                ("gemma4_e", 2, True), ("laguna", 2, False)])
 def test_restart_hits_from_disk_and_equals_warm(tiny_dir, tmp_path, family, stages, draft):
     path = tiny_dir(family)
     a = make_engine(path, tmp_path, family, stages, draft)
