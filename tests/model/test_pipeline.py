@@ -144,3 +144,17 @@ def test_batched_lockstep_equals_single(tiny_dir, family):
         for j, t in enumerate(cont):
             ref = single.forward([t], 20 + j).logits[-1]
             assert (rows[j][b, -1] - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma3", "laguna"])
+def test_sliding_layers_snapshot_only_their_window(tiny_dir, family):
+    """A snapshot keeps a sliding-window layer's last ``window`` KV rows (all a continuation
+    reads), full layers all of theirs; restoring it continues exactly (the test above)."""
+    pipe = pipeline(tiny_dir(family))
+    cfg = pipe.config
+    pipe.prefill(prompt_ids(pipe, 60))
+    pipe.snapshot_save(2)
+    tensors = pipe.snapshot_export(2)
+    for i, kind in enumerate(cfg.layer_types):
+        k = next(v for name, v in tensors.items() if name.endswith(f"kv_k.{i}"))
+        assert k.shape[2] == (cfg.sliding_window if kind == "sliding_attention" else 60), (i, kind, k.shape)

@@ -434,6 +434,14 @@ class LocalStage:
             self.rollback(self.length)
 
     # --- snapshots ------------------------------------------------------------------------
+    @staticmethod
+    def _kv_from(layer, length: int) -> int:
+        """The first KV row a snapshot of ``length`` positions keeps for this layer: a
+        sliding-window layer only needs its last window (every later query sees keys past
+        ``position - window``; a restored sequence always continues at ``length``)."""
+        window = getattr(layer.mixer, "window", None)
+        return max(0, length - window) if window else 0
+
     def _state_tensors(self, length: int) -> dict[str, torch.Tensor]:
         """Named state of positions [0, length). With KV Flash: the KV rows in position
         order, gathered from the pool and host memory, plus the page table."""
@@ -445,8 +453,9 @@ class LocalStage:
                 out[f"kv_k.{i}"], out[f"kv_v.{i}"] = self.pool.logical_rows(kv_index, length)
                 kv_index += 1
             elif s.kind == "kv":
-                out[f"kv_k.{i}"] = s.k[:, :, :length]
-                out[f"kv_v.{i}"] = s.v[:, :, :length]
+                lo = self._kv_from(layer, length)
+                out[f"kv_k.{i}"] = s.k[:, :, lo:length]
+                out[f"kv_v.{i}"] = s.v[:, :, lo:length]
             elif s.kind == "recurrent":
                 out[f"conv.{i}"], out[f"ssm.{i}"] = s.conv, s.ssm
         if self.pool is not None:
@@ -545,7 +554,8 @@ class LocalStage:
         for layer, s in zip(self.layers, self.states):
             i = layer.index
             if s.kind == "kv":
-                shape = (s.k.shape[0], s.k.shape[1], length, s.k.shape[3])
+                rows = length if self.pool is not None else length - self._kv_from(layer, length)
+                shape = (s.k.shape[0], s.k.shape[1], rows, s.k.shape[3])
                 out[f"kv_k.{i}"], out[f"kv_v.{i}"] = (shape, s.k.dtype), (shape, s.v.dtype)
             elif s.kind == "recurrent":
                 out[f"conv.{i}"], out[f"ssm.{i}"] = (tuple(s.conv.shape), s.conv.dtype), (tuple(s.ssm.shape), s.ssm.dtype)
@@ -569,8 +579,9 @@ class LocalStage:
             if s.kind == "kv" and self.pool is not None:
                 continue
             if s.kind == "kv":
-                s.k[:, :, :length].copy_(tensors[f"kv_k.{i}"])
-                s.v[:, :, :length].copy_(tensors[f"kv_v.{i}"])
+                lo = self._kv_from(layer, length)
+                s.k[:, :, lo:length].copy_(tensors[f"kv_k.{i}"])
+                s.v[:, :, lo:length].copy_(tensors[f"kv_v.{i}"])
             elif s.kind == "recurrent":
                 s.conv = tensors[f"conv.{i}"].clone()
                 s.ssm = tensors[f"ssm.{i}"].clone()
