@@ -17,7 +17,7 @@ BODIES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"
           "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
           "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
           "/tokenize": {"content": "hi"}, "/detokenize": {"tokens": [1, 2]}}
-GETS = ["/health", "/props", "/metrics", "/v1/models", "/slots"]
+GETS = ["/", "/health", "/props", "/metrics", "/v1/models", "/slots"]
 
 
 @pytest.fixture(scope="module")

@@ -107,13 +107,14 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
         # sliding layers (window 24 < the prompts) of head 32 and 2 KV heads, full ones of head
-        # 64 with one KV head whose values are the keys (k_eq_v), proportional RoPE, soft-capped
-        # logits; gemma4_moe adds the routed experts beside each dense MLP (the 26B-A4B shape)
+        # 64 with one KV head whose values are the keys (k_eq_v), proportional RoPE, logits soft-capped
+        # at 5 (so a missing cap shows: these logits reach ~2.5); gemma4_moe adds the routed
+        # experts beside each dense MLP (the 26B-A4B shape)
         cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
                    num_global_key_value_heads=1, attention_k_eq_v=True, max_position_embeddings=1024,
                    rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
-                   sliding_window=24, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                   sliding_window=24, final_logit_softcapping=5.0, hidden_size_per_layer_input=0,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
         if family == "gemma4_moe":
             cfg.update(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)

@@ -100,6 +100,7 @@ class ScriptedEngine:
             script, fail_at = script.removeprefix("FAIL_MID:"), 3
         eos = self.tokenizer.eos_token_ids[0]
         ids = self.tokenizer.encode(script, add_bos=False) + [eos]
+        t0 = time.monotonic()
         detok = IncrementalDetokenizer(self.tokenizer, skip_ids=(eos,))
         stops = StopStringMatcher(req.stop)
         tokens, pieces, finish, stop_reason = [], [], "length", None
@@ -131,7 +132,8 @@ class ScriptedEngine:
             if tail:
                 pieces.append(tail)
                 emit(TokenEvent(-1, tail))
-        return GenerationResult(tokens, "".join(pieces), finish, len(req.prompt_ids), stop_reason=stop_reason)
+        return GenerationResult(tokens, "".join(pieces), finish, len(req.prompt_ids), stop_reason=stop_reason,
+                                decode_s=time.monotonic() - t0)
 
 
 class ThreadServer:

@@ -58,9 +58,8 @@ class Gemma3Family(LlamaFamily):
 
     def config_from_hf(self, cfg: dict) -> ModelConfig:
         text = dict(cfg.get("text_config") or cfg)
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if text.get(key) is not None:
-                raise ValueError(f"gemma3: {key} is not supported")
+        if text.get("attn_logit_softcapping") is not None:
+            raise ValueError("gemma3: attn_logit_softcapping is not supported")
         if text.get("use_bidirectional_attention"):
             raise ValueError("gemma3: bidirectional attention (an embedding model) is not a generator")
         n = int(text["num_hidden_layers"])
@@ -93,6 +92,8 @@ class Gemma3Family(LlamaFamily):
             layer_types=tuple(layer_types), sliding_window=int(text.get("sliding_window") or 4096),
             query_pre_attn_scalar=float(text.get("query_pre_attn_scalar", 256)), rope_local_theta=local,
             hidden_act="gelu_tanh", embed_scale=True, sandwich_norms=True,
+            final_logit_softcapping=float(text["final_logit_softcapping"]) if text.get("final_logit_softcapping")
+            else None,
             bos_token_id=text.get("bos_token_id"), eos_token_ids=eos_ids(text.get("eos_token_id")),
         )
 

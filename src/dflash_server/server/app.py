@@ -40,6 +40,26 @@ def _error_response(err: APIError, path: str) -> JSONResponse:
     return JSONResponse(error_body(err, is_anthropic_path(path)), status_code=err.status, headers=err.headers)
 
 
+def _chat_page() -> tuple[bytes, dict[str, str]]:
+    """The chat page (``static/chat.html``) and its headers: a content security policy that
+    allows its own inline script (by hash) and requests to this origin only."""
+    import base64
+    import hashlib
+    import re
+    from importlib import resources
+
+    html = resources.files(__package__).joinpath("static/chat.html").read_bytes()
+    script = re.search(rb"<script>(.*?)</script>", html, re.S).group(1)
+    digest = base64.b64encode(hashlib.sha256(script).digest()).decode()
+    csp = (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; connect-src 'self'; "
+           "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return html, {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+                  "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+
+
+CHAT_PAGE, CHAT_PAGE_HEADERS = _chat_page()
+
+
 def create_app(state, on_shutdown=None):
     """ASGI app over ``state`` (a ServerState); ``on_shutdown`` runs after the server
     stopped taking requests (in-flight ones have finished or were cancelled)."""
@@ -153,6 +173,12 @@ def create_app(state, on_shutdown=None):
         if model_id != state.config.model_name:
             raise APIError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
         return model_card()
+
+    @api.api_route("/", methods=["GET", "HEAD"])
+    async def chat_page():
+        # public: the page holds no secret (the key is typed into it and stays in the tab);
+        # its one inline script is the only script the policy lets run
+        return Response(CHAT_PAGE, media_type="text/html; charset=utf-8", headers=CHAT_PAGE_HEADERS)
 
     @api.api_route("/health", methods=["GET", "HEAD"])
     async def health():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hmac
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/"})  # "/": the chat page (static; its calls carry the key)
 
 
 def presented_key(headers: dict[bytes, bytes]) -> bytes | None:

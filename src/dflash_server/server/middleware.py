@@ -13,7 +13,7 @@ from .hosts import HostPolicy
 
 log = logging.getLogger("dflash_server.http")
 
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+ROUTES = frozenset({"/", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                     "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/props",
                     "/metrics", "/slots"})
 
