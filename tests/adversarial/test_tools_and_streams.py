@@ -119,8 +119,13 @@ def test_numbers_json_cannot_carry_never_reach_the_client(srv, oa, script):
         if stream:
             events = [_valid_json(line[6:]) for line in r.text.splitlines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
-            args = [t["function"]["arguments"] for e in events for c in e["choices"]
-                    for t in c["delta"].get("tool_calls") or []]
+            calls: dict[int, str] = {}  # arguments stream in fragments: each call's, joined
+            for t in (t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or []):
+                calls[t["index"]] = calls.get(t["index"], "") + t["function"]["arguments"]
+            finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+            args = list(calls.values())
+            if finish == ["length"] and args:  # cut off mid-call (as OpenAI streams it): a JSON prefix
+                args[-1] += "}" if args[-1] else "{}"
         else:
             msg = _valid_json(r.text)["choices"][0]["message"]
             args = [t["function"]["arguments"] for t in msg.get("tool_calls") or []]

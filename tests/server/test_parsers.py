@@ -129,3 +129,44 @@ def test_forced_prefix():
     assert forced_prefix(named, "xml") == "<tool_call>\n<function=get_weather>\n"
     assert forced_prefix(named, "json").startswith('<tool_call>\n{"name": "get_weather"')
     assert forced_prefix(make_toolset([WEATHER]), "xml") == ""
+
+
+@pytest.mark.parametrize("fmt,text,markup", [
+    ("json", JSON_CALL, None),
+    ("xml", XML_CALL, None),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3,coords:{lat:48.8,tags:[1,2]},'
+               'note:<|"|>a, b}<|"|>}<tool_call|>', "gemma4"),
+])
+def test_arguments_stream_while_written(fmt, text, markup):
+    """The call starts with its first complete argument, each argument follows as soon as it
+    is complete, and the fragments add up to the final arguments; every prefix of them is a
+    prefix of valid JSON (closing it with "}" parses)."""
+    from dflash_server.server.output_parser import GEMMA4_MARKUP, QWEN_MARKUP
+
+    p = OutputParser(tools=TOOLS, markup=GEMMA4_MARKUP if markup else QWEN_MARKUP)
+    seen, closer = [], ("<tool_call|>" if markup else "</tool_call>")
+    for i in range(len(text)):
+        for d in p.push(text[i]):
+            seen.append((i, d))
+    for d in p.finish():
+        seen.append((len(text), d))
+    kinds = [d.kind for _, d in seen]
+    assert kinds[0] == "tool_start" and kinds[-1] == "tool_call" and set(kinds[1:-1]) == {"tool_args"}
+    args = [d for _, d in seen if d.kind == "tool_args"]
+    assert len(args) >= 3  # one per argument (and the closing brace)
+    call = p.calls[0]
+    assert "".join(d.text for d in args) == call.arguments and json.loads(call.arguments)["city"] == "Paris"
+    assert seen[0][0] < text.index(closer)  # started before the call was closed
+    assert seen[1][0] < text.index("days")  # the first argument went out before the second was written
+    acc = ""
+    for d in args[:-1]:
+        acc += d.text
+        json.loads(acc + "}")
+    assert all(d.call is call for _, d in seen)
+
+
+def test_a_call_garbled_after_its_first_argument_ends_as_sent():
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": three}}\n</tool_call>'
+    p, deltas = feed(bad, 1, tools=TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("get_weather", {"city": "Paris"})]
+    assert p.text == ""

@@ -242,3 +242,44 @@ def test_one_log_line_per_request(srv, oa, an, caplog):
         and "finish stop" in lines[0], lines[0]
     assert lines[1].startswith("messages: ") and "tok/s" in lines[1], lines[1]
     assert lines[2].startswith("chat failed after") and "Error: " in lines[2], lines[2]
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory):
+    """The scripted engine at a decode's pace (a token every 10 ms), so tokens reach the
+    client in separate steps as a real model's do."""
+    from .scripted import ScriptedEngine, ThreadServer, qwen35_tokenizer
+
+    s = ThreadServer(ScriptedEngine(qwen35_tokenizer(tmp_path_factory), SCRIPTS, delay_s=0.01))
+    yield official_clients(s.url)
+    s.stop()
+
+
+@pytest.mark.parametrize("script", ["xml_tool", "json_tool"])
+def test_tool_arguments_stream_through_the_sdk_helpers(paced, script):
+    """Arguments arrive in several deltas (one per argument, then the closing brace) and each
+    SDK's stream helper assembles the call: OpenAI chat, Responses and Anthropic."""
+    oa, an = paced
+    msgs = [{"role": "user", "content": ask(script)}]
+    with oa.chat.completions.stream(model="scripted", messages=msgs, max_tokens=200, tools=CHAT_TOOLS) as s:
+        events = list(s)
+        final = s.get_final_completion()
+    deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(deltas) >= 3, [e.type for e in events]
+    call = final.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
+    assert "".join(e.arguments_delta for e in deltas) == call.function.arguments
+
+    with oa.responses.stream(model="scripted", input=ask(script), tools=RESP_TOOLS) as s:
+        events = list(s)
+        r = s.get_final_response()
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) >= 3 and "".join(e.delta for e in deltas) == r.output[-1].arguments
+    assert json.loads(r.output[-1].arguments) == ARGS and [o.type for o in r.output][-1] == "function_call"
+
+    with an.messages.stream(model="scripted", max_tokens=200, tools=ANTH_TOOLS, messages=msgs) as s:
+        events = list(s)
+        m = s.get_final_message()
+    parts = [e for e in events if e.type == "input_json"]
+    assert len(parts) >= 3 and parts[-1].snapshot == ARGS
+    assert m.content[-1].type == "tool_use" and m.content[-1].input == ARGS

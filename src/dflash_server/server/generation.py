@@ -72,8 +72,12 @@ def stream_failure(app, e: Exception, api: str) -> APIError:
 
 
 def _merge(out: list[Delta], d: Delta) -> None:
-    if out and d.kind == out[-1].kind and d.kind != "tool_call":
-        out[-1] = Delta(d.kind, out[-1].text + d.text)
+    """Neighbours of one kind become one delta (a burst, one chunk): text of one kind, or
+    argument fragments of one call."""
+    last = out[-1] if out else None
+    if last is not None and d.kind == last.kind and (d.kind in ("content", "reasoning") or (
+            d.kind == "tool_args" and d.call is last.call)):
+        out[-1] = Delta(d.kind, last.text + d.text, d.call)
     else:
         out.append(d)
 
@@ -125,8 +129,9 @@ class Run:
         return Step(deltas, lps)
 
     def _record(self, deltas: list[Delta]) -> None:
-        for d in deltas:
-            _merge(self.blocks, Delta(d.kind, d.text, d.call))
+        for d in deltas:  # a call is one block, whole (its start and fragments are for streams)
+            if d.kind not in ("tool_start", "tool_args"):
+                _merge(self.blocks, Delta(d.kind, d.text, d.call))
 
     def __aiter__(self):
         return self._iterate()
@@ -154,7 +159,7 @@ class Run:
                 if self.on_result is not None:
                     self.on_result(opts=self.opts, result=item)
                 if self.parser is not None:
-                    tail = self.parser.finish()
+                    tail = self.parser.finish(cut=item.finish_reason == "length")
                     if tail:
                         self._record(tail)
                         yield Step(tail, [])

@@ -2,15 +2,25 @@
 
 Fed the engine's text deltas in order; returns typed deltas as soon as they are certain.
 Text that may be the start of a marker (``<think>``, ``</think>``, ``<tool_call>``,
-``<function=``) is held back until the next delta decides, and a tool call is buffered
-until its closing tag, so a half-written call never reaches the client as content.
+``<function=``) is held back until the next delta decides, and a tool call's text never
+reaches the client as content: once its first argument is complete the call starts
+(``tool_start``: id and name), each argument follows as soon as it is complete
+(``tool_args``, JSON fragments: ``tool_stream``), and the closing tag ends it (``tool_call``,
+the whole call). A block cut off (by max_tokens) or garbled before its first argument goes
+out whole as content, never as a call; one garbled after its first argument ends as a call
+with the arguments completed before it.
 The same parser serves streaming and non-streaming responses, so both agree exactly.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
+from .tool_stream import ArgumentStream
 from .tools import ToolCall, ToolSet, parse_tool_block
+
+log = logging.getLogger("dflash_server.tools")
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # (opener, closer, the opener belongs to the parsed block)
@@ -36,7 +46,7 @@ def markup_for(tool_format: str) -> Markup:
 
 @dataclass
 class Delta:
-    kind: str                     # "reasoning" | "content" | "tool_call"
+    kind: str                     # "reasoning" | "content" | "tool_start" | "tool_args" | "tool_call"
     text: str = ""
     call: ToolCall | None = None
 
@@ -66,6 +76,9 @@ class OutputParser:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
+        self.args: ArgumentStream | None = None  # the block being written, and its started call
+        self.started: ToolCall | None = None
+        self.cut = False
 
     @property
     def text(self) -> str:
@@ -79,7 +92,10 @@ class OutputParser:
         self.buf += text
         return self._drain(final=False)
 
-    def finish(self) -> list[Delta]:
+    def finish(self, cut: bool = False) -> list[Delta]:
+        """The end of the output; ``cut``: it ended at max_tokens (an open tool call is then
+        cut off; otherwise it ended at its closing tag, which a stop string took)."""
+        self.cut = cut
         return self._drain(final=True)
 
     # ----------------------------------------------------------------------------------
@@ -146,24 +162,67 @@ class OutputParser:
             t_open, closer, inclusive = self.tool_marker
             j = self.buf.find(closer, len(t_open) if inclusive else 0)
             if j < 0 and not final:
+                self._partial(out, self.buf)
                 return out
             end = len(self.buf) if j < 0 else j + len(closer)
             block = self.buf[:end] if inclusive else self.buf[:j if j >= 0 else end]
             raw = ("" if inclusive else t_open) + self.buf[:end]
             self.buf = self.buf[end:]
-            self._tool(out, block, raw)
+            self._tool(out, block, raw, closed=j >= 0 or not self.cut)
             self.mode, self.at_start = "content", True
             if j < 0:
                 return out
 
-    def _tool(self, out: list[Delta], block: str, raw: str) -> None:
+    def _partial(self, out: list[Delta], block: str) -> None:
+        """A call's start and its completed arguments, while the block is still open. The
+        call starts with its first complete argument: a block cut off or garbled before one
+        never started, so it still goes out whole as content."""
+        if self.args is None:
+            self.args = ArgumentStream(self.tools or {})
+        if self.started is None and (self.args.head(block) is None or (self.calls and not self.parallel)):
+            return
+        pieces = self.args.members(block)
+        if pieces and self.started is None:
+            self.started = ToolCall(self.args.name, "")
+            self.emitted = True
+            out.append(Delta("tool_start", call=self.started))
+        for piece in pieces:
+            self.started.arguments += piece
+            out.append(Delta("tool_args", piece, call=self.started))
+
+    def _tool(self, out: list[Delta], block: str, raw: str, closed: bool = True) -> None:
+        self._partial(out, block)
+        started, self.started, self.args = self.started, None, None
         calls = parse_tool_block(block, self.tools or {})
-        if calls is None:
+        if started is not None and not closed:
+            # cut off (max_tokens): not a call (a stream has seen it begin, and its finish
+            # reason says "length"); the text goes out as content, as a never-started one's
+            log.info("tool call %s cut off before its end; kept as text", started.name)
+            self._emit(out, "content", raw)
+            return
+        if started is not None:  # finish the call the client has seen begin
+            sent = started.arguments
+            whole = calls[0].arguments if calls and calls[0].name == started.name else None
+            if whole is None or not whole.startswith(sent):
+                log.warning("tool call %s did not parse to the arguments streamed so far; closed as sent",
+                            started.name)
+                whole = sent + "}" if sent else "{}"
+            self._finish(out, started, whole)
+            calls = (calls or [])[1:]
+        elif calls is None:
             self._emit(out, "content", raw)  # not a valid call: the model's text, whole
             return
         for call in calls:
             if self.calls and not self.parallel:
                 break
-            self.calls.append(call)
-            self.emitted = True
-            out.append(Delta("tool_call", call=call))
+            out.append(Delta("tool_start", call=ToolCall(call.name, "", call.id)))
+            self._finish(out, out[-1].call, call.arguments)
+
+    def _finish(self, out: list[Delta], call: ToolCall, whole: str) -> None:
+        rest = whole[len(call.arguments):]
+        if rest:
+            call.arguments = whole
+            out.append(Delta("tool_args", rest, call=call))
+        self.calls.append(call)
+        self.emitted = True
+        out.append(Delta("tool_call", call=call))

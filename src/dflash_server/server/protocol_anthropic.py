@@ -107,11 +107,12 @@ async def _stream(app, run: Run, mid: str, model: str, prompt_tokens: int):
                     if open_kind != "text":
                         yield open_block("text", {"type": "text", "text": ""})
                     yield delta({"type": "text_delta", "text": d.text})
-                else:
+                elif d.kind == "tool_start":
                     c = d.call
                     yield open_block("tool_use", {"type": "tool_use", "id": tool_use_id(c), "name": c.name,
                                                   "input": {}})
-                    yield delta({"type": "input_json_delta", "partial_json": c.arguments})
+                elif d.kind == "tool_args":
+                    yield delta({"type": "input_json_delta", "partial_json": d.text})
         if open_kind is None:  # an empty answer is still one (empty) text block
             yield open_block("text", {"type": "text", "text": ""})
         yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})

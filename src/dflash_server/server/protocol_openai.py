@@ -108,7 +108,7 @@ async def _stream(app, runs: list[Run], cid: str, created: int, model: str, incl
             yield chunk(i, {"role": "assistant", "content": ""})
             want_lp = run.opts.logprobs is not None
             pending_lp: list = []
-            ncalls = 0
+            ncalls, index = 0, {}
             async for step in run:
                 pending_lp.extend(step.logprobs)
                 for d in step.deltas:
@@ -119,9 +119,14 @@ async def _stream(app, runs: list[Run], cid: str, created: int, model: str, incl
                         yield chunk(i, {"content": d.text}, logprobs=lp)
                     elif d.kind == "reasoning":
                         yield chunk(i, {"reasoning_content": d.text})
-                    else:
-                        yield chunk(i, {"tool_calls": [tool_call_json(d.call, ncalls)]})
+                    elif d.kind == "tool_start":  # id and name, then the arguments as they come
+                        index[d.call.id] = ncalls
                         ncalls += 1
+                        yield chunk(i, {"tool_calls": [{**tool_call_json(d.call, index[d.call.id]),
+                                                        "function": {"name": d.call.name, "arguments": ""}}]})
+                    elif d.kind == "tool_args":
+                        yield chunk(i, {"tool_calls": [{"index": index[d.call.id],
+                                                        "function": {"arguments": d.text}}]})
             lp = {"content": chat_entries(pending_lp, app.token_texts)} if want_lp else None
             yield chunk(i, {}, finish=run.finish_reason, logprobs=lp)
         if include_usage:

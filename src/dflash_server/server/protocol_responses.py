@@ -39,7 +39,9 @@ class _Response:
     def obj(self, status: str, run: Run | None = None, output: list | None = None) -> dict:
         b = self.body
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "model": self.model, "output": self.output if output is None else output, "error": None,
+               "model": self.model, "error": None,
+               # (a call whose arguments were still streaming when the response failed has no item)
+               "output": [o for o in (self.output if output is None else output) if o is not None],
                "incomplete_details": None, "instructions": b.instructions, "max_output_tokens": b.output_limit,
                "parallel_tool_calls": b.parallel_tool_calls is not False, "tool_choice": self.tool_choice,
                "tools": self.tools, "temperature": b.temperature, "top_p": b.top_p,
@@ -149,6 +151,7 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
         return sse.event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
 
     cur = None  # (kind, output_index, item_id, accumulated text)
+    calling: dict[str, tuple[int, str]] = {}  # call id -> (output index, item id) while its arguments stream
 
     def close():
         nonlocal cur
@@ -187,16 +190,23 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
     try:
         async for step in run:
             for d in step.deltas:
-                if d.kind == "tool_call":
+                if d.kind == "tool_start":
                     yield close()
                     idx, iid = len(resp.output), _id("fc")
+                    calling[d.call.id] = (idx, iid)
+                    resp.output.append(None)  # its place; the item once the call is complete
                     yield ev("response.output_item.added", output_index=idx, item=call_item(iid, d.call, "in_progress"))
-                    yield ev("response.function_call_arguments.delta", item_id=iid, output_index=idx,
-                             delta=d.call.arguments)
+                    continue
+                if d.kind == "tool_args":
+                    idx, iid = calling[d.call.id]
+                    yield ev("response.function_call_arguments.delta", item_id=iid, output_index=idx, delta=d.text)
+                    continue
+                if d.kind == "tool_call":
+                    idx, iid = calling.pop(d.call.id)
                     yield ev("response.function_call_arguments.done", item_id=iid, output_index=idx,
                              name=d.call.name, arguments=d.call.arguments)
                     item = call_item(iid, d.call)
-                    resp.output.append(item)
+                    resp.output[idx] = item
                     yield ev("response.output_item.done", output_index=idx, item=item)
                     continue
                 kind = "reasoning" if d.kind == "reasoning" else "message"
