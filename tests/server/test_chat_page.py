@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +16,8 @@ from .scripted import ScriptedEngine, ThreadServer, qwen35_tokenizer
 SCRIPTS = {"THINK": "weighing it up\n</think>\n\nThe answer is 42.",  # the template opened <think>
            "LONG": " tick" * 400}
 KEY = "s3cret-key"
+# screenshots of each stage, kept for a person to look at (ignored by git)
+ARTEFACTS = Path(__file__).resolve().parents[2] / "test-artefacts" / "chat-page"
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,8 @@ def test_chat_in_a_real_browser(server):
         page.fill("#input", "SCRIPT=THINK hello")
         page.press("#input", "Enter")
         expect(page.locator(".msg.assistant .error")).to_contain_text("API key")
+        ARTEFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=ARTEFACTS / "1-wrong-key.png")
 
         # with it: the server's props, then a streamed answer with its reasoning apart
         page.fill("#key", KEY)
@@ -89,6 +94,7 @@ def test_chat_in_a_real_browser(server):
         expect(page.locator(".msg.assistant .reasoning")).to_be_hidden()  # folded once the answer came
         prompt = server.engine.prompts[-1]
         assert "Be brief." in prompt and "what is it?" in prompt  # system prompt and history sent
+        page.screenshot(path=ARTEFACTS / "2-answer.png")
 
         # stop: a long answer (reasoning off: the template opens no think block) is cut and the
         # page takes input again
@@ -102,6 +108,7 @@ def test_chat_in_a_real_browser(server):
         expect(page.locator("#send")).to_be_enabled()
         expect(page.locator("#stop")).to_be_disabled()
         assert len(second.locator(".text").text_content()) < len(SCRIPTS["LONG"])
+        page.screenshot(path=ARTEFACTS / "3-stopped.png", full_page=True)
         assert server.engine.prompts[-1].endswith("<think>\n\n</think>\n\n")  # "off" reached the template
         browser.close()
     assert not errors, errors
