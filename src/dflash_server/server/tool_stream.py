@@ -36,7 +36,7 @@ class ArgumentStream:
         self.name: str | None = None
         self.body_at = 0          # where the arguments begin in the block
         self.done = 0             # arguments parsed so far
-        self.scan_at = 0          # where the next argument starts (JSON, Gemma 4)
+        self.scan_at = 0          # where the next argument starts
         self.broken = False       # an argument did not parse: no more fragments
 
     def head(self, block: str) -> str | None:
@@ -70,9 +70,11 @@ class ArgumentStream:
         params = self.tools[self.name]
         props = params.get("properties") if isinstance(params, dict) else None
         props = props if isinstance(props, dict) else {}
-        found = list(_XML_PARAM.finditer(block, self.body_at))[self.done:]
-        return [(m.group(1).strip(), coerce_value(_strip_nl(m.group(2)), props.get(m.group(1).strip())))
-                for m in found]
+        out = []
+        for m in _XML_PARAM.finditer(block, self.scan_at):  # from the end of the last one found
+            out.append((m.group(1).strip(), coerce_value(_strip_nl(m.group(2)), props.get(m.group(1).strip()))))
+            self.scan_at = m.end()
+        return out
 
     def _scan(self, block: str) -> list[tuple[str, object]]:
         """JSON / Gemma 4: each top-level member that a ``,`` or the closing ``}`` ended."""
