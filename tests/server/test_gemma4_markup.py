@@ -91,29 +91,14 @@ def test_calls_in_a_stream(step):
 
 
 def test_forced_prefix_and_grammar():
-    import llguidance
-
-    from dflash_server.engine.grammar import GrammarCompiler
     from dflash_server.server.tool_grammar import tool_grammar
-    from dflash_server.weights.tokenizer import Tokenizer
-    from helpers.tiny import write_smol_tokenizer
+    from helpers.grammar import accepts, smol_compiler
 
     named = make_toolset(TOOLS_LIST, choice="function", forced_name="get_time", parallel=False)
     required = make_toolset(TOOLS_LIST, choice="required")
     assert forced_prefix(named, "gemma4") == "<|tool_call>call:get_time"
     assert forced_prefix(required, "gemma4") == "<|tool_call>call:"
-
-    import tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        write_smol_tokenizer(Path(d))
-        tok = Tokenizer.from_hf_dir(Path(d), {})
-    comp = GrammarCompiler(tok, tok.vocab_size)
-
-    def accepts(grammar: str, text: str) -> bool:
-        m = llguidance.LLMatcher(comp.ll_tokenizer, grammar)
-        return m.consume_tokens(tok.encode(text, add_bos=False)) and m.is_accepting()
-
+    comp, _ = smol_compiler()
     g = tool_grammar(named, "gemma4", comp.lark_text)
     assert accepts(g, f"{{city:{Q}Paris{Q}}}<tool_call|>")
     assert not accepts(g, "{town:1}<tool_call|>")          # not a declared parameter

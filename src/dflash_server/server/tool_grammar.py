@@ -5,8 +5,8 @@ function), for the two call formats ``tools`` parses, as Lark for llguidance:
   function's parameter schema (llguidance's ``%json``);
 - XML (Qwen3.5): ``<function=f>`` then one ``<parameter=p>`` block per parameter, in the
   order the schema declares them (required ones always present), each value shaped by its
-  type (string, with its maxLength; integer, number, boolean, null, an enum of strings;
-  objects and arrays as JSON), then ``</function>``.
+  type (string, with its maxLength; integer, number (with their bounds), boolean, null, an
+  enum of strings; objects and arrays as JSON), then ``</function>``.
 
 - Gemma 4: ``call:f{key:value,...}`` with keys among the function's declared parameters (any
   bare key when it declares none) and Gemma 4's values (``<|"|>``-quoted strings, numbers,
@@ -116,6 +116,9 @@ def _xml_value(schema) -> str:
         return "(" + " | ".join(json.dumps(v) for v in enum) + f") {close}"
     t = schema.get("type")
     types = [t] if isinstance(t, str) else ([x for x in t if isinstance(x, str)] if isinstance(t, list) else [])
+    if types and set(types) <= {"integer", "number"} and any(
+            k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")):
+        return f"%json {_fixed(schema)} {close}"  # bounds: llguidance's JSON numbers enforce them
     if types and all(x in _XML_VALUES for x in types):
         values = dict(_XML_VALUES)
         n = schema.get("maxLength")
