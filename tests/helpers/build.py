@@ -14,7 +14,7 @@ def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: in
     """``devices`` (e.g. ["cpu", "remote:cpu"]) overrides ``stages``; ``remote``: RemoteOptions."""
     src = open_model(path)
     shards = plan_placement(src.config.num_layers, devices or ["cpu"] * stages, split,
-                            together=src.config.kv_groups())
+                            together=src.config.kv_groups() if split is None else ())
     return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False,
                           remote=remote)
 

@@ -1,7 +1,7 @@
 """Gemma 4 E2B / E4B shape: per-layer inputs (PLE) and the last layers attending over earlier
-layers' KV (with double-wide MLPs). transformers is the reference (test_parity_hf); here: an
-in-process split carries the per-layer inputs, a boundary between a KV-shared layer and its
-source or a shard worker is refused clearly, and the GGUF form loads as the safetensors one."""
+layers' KV (with double-wide MLPs). transformers is the reference (test_parity_hf); here:
+splits anywhere (inside the KV-shared range too, in-process and to a shard worker) equal one
+stage, hostile carries are refused, and the GGUF form loads as the safetensors one."""
 import pytest
 import torch
 
@@ -10,45 +10,73 @@ from helpers.gguf_export import export_gguf
 from helpers.qwen_tokenizer import gguf_tokenizer_metadata_from_hf
 
 
-def test_split_before_the_shared_source_equals_unsplit(tiny_dir):
+@pytest.mark.parametrize("stages,split", [(2, [1, 5]), (2, [2, 4]), (2, [4, 2]), (3, [1, 2, 3]), (3, [3, 1, 2])])
+def test_split_equals_unsplit(tiny_dir, stages, split):
+    """Stage boundaries anywhere, inside the KV-shared range too: a later stage mirrors the
+    source's KV from the rows the earlier one carries, with the per-layer inputs."""
     path = tiny_dir("gemma4_e")
     ref_pipe = pipeline(path)
     ids = prompt_ids(ref_pipe, 40)
     ref = greedy(ref_pipe, ids, max_tokens=16)
-    pipe = pipeline(path, stages=2, split=[1, 5])  # layers 3-5 read layers 1 and 2: 1-5 stay together
+    pipe = pipeline(path, stages=stages, split=split)
     assert greedy(pipe, ids, max_tokens=16) == ref
-    assert pipe.stages[1].embed is None  # the per-layer inputs came from stage 0
+    assert all(st.embed is None for st in pipe.stages[1:])  # the per-layer inputs came from stage 0
+    roles = [l.mixer.kv_role for st in pipe.stages for l in st.layers]
+    assert len(roles) == 6 and (split == [1, 5]) == ("mirror" not in roles)
+
+
+def test_shard_worker_inside_the_shared_range(tiny_dir):
+    """A shard worker holding KV-shared layers whose sources stay here (layers 4-5 of 6, reading
+    layers 1 and 2): equal to one stage, prefix hits included."""
+    from dflash_server.engine.generate import Engine, GenerationRequest
+
+    path = tiny_dir("gemma4_e")
+    ref_pipe = pipeline(path)
+    ids = prompt_ids(ref_pipe, 40)
+    ref = greedy(ref_pipe, ids, max_tokens=16)
+    pipe = pipeline(path, devices=["cpu", "remote:cpu"], split=[4, 2])
+    try:
+        assert greedy(pipe, ids, max_tokens=16) == ref
+        eng = Engine(pipe, prefix_slots=4)
+        turn = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "Hi there"}]
+        req = GenerationRequest(tuple(eng.tokenizer.encode_chat(turn)), max_tokens=8, ignore_eos=True)
+        first, second = eng.generate(req), eng.generate(req)
+        assert second.cached_tokens > 0 and first.token_ids == second.token_ids
+        cold = Engine(pipeline(path)).generate(req)  # the worker's prefix-hit answer == one stage's
+        assert cold.token_ids == first.token_ids
+    finally:
+        pipe.close()
 
 
 @pytest.mark.parametrize("split,bounds", [([2, 4], (0, 1, 6)), ([3, 3], (0, 1, 6)), ([5, 1], (0, 1, 6))])
-def test_placement_keeps_shared_layers_with_their_sources(split, bounds):
-    """Layers 3-5 read layers 1 and 2: every boundary inside 1-5 moves out of it, and a
-    placement with no room outside is refused."""
+def test_automatic_placement_keeps_shared_layers_with_their_sources(split, bounds):
+    """Layers 3-5 read layers 1 and 2: a boundary placed automatically moves out of 1-5 (no KV
+    rows cross then) where every shard keeps a layer, else it stays (KV rows cross)."""
     from dflash_server.runtime.placement import plan_placement
 
     shards = plan_placement(6, ["cpu", "cpu"], split, together=((1, 5),))
     assert (shards[0].begin, shards[0].end, shards[1].end) == bounds
     assert [(s.begin, s.end) for s in plan_placement(8, ["cpu"] * 2, together=((1, 5),))] == [(0, 6), (6, 8)]
-    with pytest.raises(ValueError, match="together"):
-        plan_placement(6, ["cpu"] * 3, together=((1, 5),))
+    assert [(s.begin, s.end) for s in plan_placement(6, ["cpu"] * 3, together=((1, 5),))] == [(0, 1), (1, 4), (4, 6)]
 
 
-def test_stage_boundary_inside_the_shared_range_is_refused(tiny_dir):
-    """A stage given layers whose KV source is on another stage (a hand-made placement, a
-    shard worker's spec) refuses to build."""
-    from dflash_server.runtime.pipeline import build_pipeline
-    from dflash_server.runtime.placement import ShardSpec
-    from dflash_server.weights.loader import open_model
+def test_hostile_carry_is_a_clear_error(tiny_dir):
+    """A stage given wrongly shaped per-layer inputs or K/V rows (a confused or hostile peer)
+    refuses them."""
+    from dflash_server.runtime.carry import carry_from_tensors
 
-    src = open_model(tiny_dir("gemma4_e"))
-    with pytest.raises(ValueError, match="KV-shared layers"):
-        build_pipeline(src, [ShardSpec("cpu", 0, 3), ShardSpec("cpu", 3, 6)], dtype=torch.float32, max_ctx=64,
-                       progress=False)
-
-
-def test_shard_worker_refused_for_per_layer_inputs(tiny_dir):
-    with pytest.raises(ValueError, match="shard worker"):
-        pipeline(tiny_dir("gemma4_e"), devices=["cpu", "remote:cpu"], split=[1, 5])
+    pipe = pipeline(tiny_dir("gemma4_e"), stages=2, split=[4, 2])
+    first, second = pipe.stages
+    out = first.forward(torch.tensor([[5, 6, 7]]), 0)
+    with pytest.raises(ValueError, match="per-layer inputs"):
+        second.forward(out.hidden, 0, carry={**out.carry, "per_layer": out.carry["per_layer"][:, :, :3]})
+    bad = {key: (k[:, :1], v[:, :1]) for key, (k, v) in out.carry["kv"].items()}
+    with pytest.raises(ValueError, match="carried K/V rows"):
+        second.forward(out.hidden, 0, carry={**out.carry, "kv": bad})
+    with pytest.raises(ValueError, match="carry tensor"):
+        carry_from_tensors({"carry.k.full": torch.zeros(1)})
+    with pytest.raises(ValueError, match="carry tensor"):
+        carry_from_tensors({"carry.q.full": torch.zeros(1), "carry.v.full": torch.zeros(1)})
 
 
 def test_shared_layers_hold_no_state(tiny_dir):

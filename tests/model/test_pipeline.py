@@ -4,7 +4,7 @@ import torch
 
 from helpers.build import greedy, pipeline, prompt_ids
 
-FAMILIES = ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_moe", "laguna"]
+FAMILIES = ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_moe", "gemma4_e", "laguna"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

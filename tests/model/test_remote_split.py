@@ -22,7 +22,7 @@ def closing():
         p.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 def test_remote_split_equals_unsplit_with_and_without_dflash(tiny_dir, family, closing):
     path = tiny_dir(family)
     ref_pipe = pipeline(path)
@@ -48,7 +48,7 @@ def test_remote_split_equals_unsplit_with_and_without_dflash(tiny_dir, family, c
             assert res.extra["spec"] == local_res.extra["spec"]  # same captures reach the draft
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "gemma4", "gemma4_e", "laguna"])
 def test_snapshots_stay_in_the_worker_and_round_trip(tiny_dir, family, closing):
     path = tiny_dir(family)
     pipe = pipeline(path, devices=["cpu", "remote:cpu"])

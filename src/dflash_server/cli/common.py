@@ -170,7 +170,9 @@ def load_engine(args, progress: bool = True):
         device = resolve_device(args.device)
         devices = parse_devices(args.target_devices) if args.target_devices else parse_devices(device)
         split = parse_split(args.target_layer_split) if args.target_layer_split else None
-        shards = plan_placement(cfg.num_layers, devices, split, together=cfg.kv_groups())
+        # an automatic split keeps KV-shared layers with their sources (no KV rows between
+        # stages); a split given by hand is taken as given
+        shards = plan_placement(cfg.num_layers, devices, split, together=cfg.kv_groups() if split is None else ())
     except ValueError as e:
         raise UserError(str(e)) from None
     for d in {s.device for s in shards}:

@@ -48,7 +48,10 @@ class Attention(nn.Module):
     the output before the O projection, one value per head (broadcast over the head) or
     per element (Laguna).
     ``kv_role``: "store" leaves this layer's KV for later layers of its kind (``ctx.shared_kv``),
-    "reuse" has no K/V projections and attends over that KV (Gemma 4's KV-shared layers).
+    "reuse" has no K/V projections and attends over that KV (Gemma 4's KV-shared layers);
+    "mirror" is a reuse layer whose source is on an earlier stage: it keeps a copy of the
+    source's KV, written from the rows the previous stage carried (``ctx.carry_kv``), and
+    leaves it for the reuse layers after it on its stage (the stage sets this role).
     """
 
     def __init__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -67,11 +70,12 @@ class Attention(nn.Module):
         self.output_gate = output_gate
         self.q_dim = num_heads * head_dim * (2 if output_gate else 1)
         self.kv_dim = num_kv_heads * head_dim
-        if kv_role not in ("", "store", "reuse"):
+        if kv_role not in ("", "store", "reuse", "mirror"):
             raise ValueError(f"unknown kv_role {kv_role!r}")
         self.kv_role, self.share_key = kv_role, ("sliding" if window is not None else "full")
         # a KV-reusing layer projects only its queries
-        self.qkv = Linear(q, q_bias) if kv_role == "reuse" else Linear.fused([q, k, v], [q_bias, k_bias, v_bias])
+        self.qkv = Linear(q, q_bias) if kv_role in ("reuse", "mirror") else \
+            Linear.fused([q, k, v], [q_bias, k_bias, v_bias])
         self.o = Linear(o, o_bias)
         self.g = None
         if softplus_gate is not None:
@@ -87,7 +91,7 @@ class Attention(nn.Module):
         # where the native kernels are on (kernels.attention_step)
         norms_ok = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps
                                       and q_norm.weight.shape == k_norm.weight.shape == (head_dim,))
-        self.native = (o.device.type == "cpu" and norms_ok and head_dim % 8 == 0 and kv_role != "reuse"
+        self.native = (o.device.type == "cpu" and norms_ok and head_dim % 8 == 0 and kv_role not in ("reuse", "mirror")
                        and kernels.enabled() and kernels.load())
         # the per-head q/k norms (Qwen3, Qwen3.5), the output gate (Qwen3.5) and the sliding
         # window (Gemma) as the native step takes them
@@ -102,7 +106,7 @@ class Attention(nn.Module):
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState | NoState:
         if self.kv_role == "reuse":
-            return NoState()
+            return NoState()  # (a mirror keeps its copy of the source's KV: a state like any)
         # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
         # query over 300 keys), so the cache is fp32 there; elsewhere it is the compute dtype.
         if torch.device(device).type == "cpu":
@@ -127,13 +131,48 @@ class Attention(nn.Module):
     def _shared(self, ctx: ForwardContext, state):
         """The KV this layer reads: its own (leaving it for the layers that reuse it), or the
         one its source layer left in this forward."""
-        if self.kv_role == "store":
+        if self.kv_role == "mirror":
+            rows = ctx.carry_kv.get(self.share_key)
+            if rows is None:
+                raise RuntimeError("a KV-shared layer's source KV rows did not come with the hidden state")
+            self._write_rows(ctx, state, *rows)
+        if self.kv_role in ("store", "mirror"):
             ctx.shared_kv[self.share_key] = state
         elif self.kv_role == "reuse":
             state = ctx.shared_kv.get(self.share_key)
             if state is None:
                 raise RuntimeError("a KV-shared layer ran without its source layer's KV in the same forward")
         return state
+
+    @staticmethod
+    def _write_rows(ctx: ForwardContext, state: KVState, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This forward's K/V rows (B, nkv, T, hd: as the source layer stored them) into
+        ``state``, where this forward writes: its positions, its KV Flash slots, or each row's
+        lane and position."""
+        rows = ctx.length if ctx.lanes is None else len(ctx.lanes)
+        want = (1 if ctx.lanes is not None else state.k.shape[0], state.k.shape[1], rows, state.k.shape[3])
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"carried K/V rows of shape {tuple(k.shape)} / {tuple(v.shape)}, expected {want}")
+        k, v = k.to(state.k.device, state.k.dtype), v.to(state.v.device, state.v.dtype)
+        if ctx.lanes is not None:
+            for b, (lane, pos) in enumerate(zip(ctx.lanes, ctx.positions)):
+                state.k[lane, :, pos], state.v[lane, :, pos] = k[0, :, b], v[0, :, b]
+        elif ctx.slots is not None:
+            state.k.index_copy_(2, ctx.slots, k)
+            state.v.index_copy_(2, ctx.slots, v)
+        else:
+            state.k[:, :, ctx.start:ctx.end], state.v[:, :, ctx.start:ctx.end] = k, v
+
+    @staticmethod
+    def read_rows(ctx: ForwardContext, state: KVState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V rows this forward wrote into ``state`` (B, nkv, T, hd): what a later stage's
+        mirror of this layer needs."""
+        if ctx.lanes is not None:
+            lanes, pos = list(ctx.lanes), list(ctx.positions)
+            return state.k[lanes, :, pos].transpose(0, 1)[None], state.v[lanes, :, pos].transpose(0, 1)[None]
+        if ctx.slots is not None:
+            return state.k[:, :, ctx.slots], state.v[:, :, ctx.slots]
+        return state.k[:, :, ctx.start:ctx.end], state.v[:, :, ctx.start:ctx.end]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> torch.Tensor:
         state = self._shared(ctx, state)
@@ -197,7 +236,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope(self.local_rope)
         cos, sin = cos[:, None], sin[:, None]
         k = v = None
-        if self.kv_role == "reuse":  # queries only: the keys and values are already in the cache
+        if self.kv_role in ("reuse", "mirror"):  # queries only: the keys and values are already in the cache
             q = qkv.view(B, T, self.nh, self.hd)
             if self.q_norm is not None:
                 q = self.q_norm(q)

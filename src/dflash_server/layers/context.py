@@ -41,6 +41,9 @@ class ForwardContext:
     # KV state each "store" layer leaves for the KV-shared layers after it, by layer kind
     per_layer: torch.Tensor | None = None
     shared_kv: dict = field(default_factory=dict)
+    # the K/V rows of this forward that a previous stage's source layers wrote, by layer kind
+    # ((B, nkv, T, hd) each), for this stage's mirrors of them
+    carry_kv: dict = field(default_factory=dict)
     _masks: dict = field(default_factory=dict)
 
     def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -260,9 +260,6 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
     if far:
         from .remote import RemoteOptions, RemoteStage
 
-        if source.config.per_layer_input_size:
-            raise ValueError("per-layer inputs (Gemma 4 E2B / E4B) do not cross to a shard worker yet: "
-                             "split this model over devices of this process")
 
         if batch != 1:
             raise ValueError("a remote shard runs batch 1")

@@ -62,9 +62,10 @@ def parse_split(text: str) -> list[float]:
 def plan_placement(num_layers: int, devices: list[str], split: list[float] | None = None,
                    together: tuple[tuple[int, int], ...] = ()) -> list[ShardSpec]:
     """Contiguous layer ranges proportional to ``split`` (equal if None), one per device,
-    each at least one layer. ``together``: inclusive layer ranges that must stay on one shard
-    (Gemma 4's KV-shared layers and their sources); a boundary inside one moves to its nearer
-    end."""
+    each at least one layer. ``together``: inclusive layer ranges better kept on one shard
+    (Gemma 4's KV-shared layers and their sources: split apart, K/V rows cross the boundary
+    every forward); a boundary inside one moves to its nearer end where that leaves every
+    shard a layer, else it stays."""
     n = len(devices)
     if n == 0:
         raise ValueError("no target devices given")
@@ -87,8 +88,6 @@ def plan_placement(num_layers: int, devices: list[str], split: list[float] | Non
         for lo, hi in together:
             if lo < b <= hi:  # a boundary inside: before the range, or after it, whichever is nearer
                 b = lo if (b - lo <= hi + 1 - b and lo > bounds[k - 1]) or hi + 1 >= bounds[k + 1] else hi + 1
-        if not bounds[k - 1] < b < bounds[k + 1] or any(lo < b <= hi for lo, hi in together):
-            raise ValueError(f"cannot place {n} shards on {num_layers} layers keeping layers "
-                             f"{', '.join(f'{lo}-{hi}' for lo, hi in together)} together (they share KV)")
-        bounds[k] = b
+        if bounds[k - 1] < b < bounds[k + 1] and not any(lo < b <= hi for lo, hi in together):
+            bounds[k] = b
     return [ShardSpec(devices[i], bounds[i], bounds[i + 1]) for i in range(n)]

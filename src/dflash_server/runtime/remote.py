@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from .carry import carry_tensors
 from .ipc_codec import DTYPE_NAMES
 from .kv_pool import merge_stats
 from .stage import StageOutput
@@ -74,11 +75,11 @@ class RemoteStage:
         self.lane = lane
 
     def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                     capture: tuple[int, ...] = ()) -> StageOutput:
+                     capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
         mine = [c for c in capture if self.begin <= c < self.end]
         res, out = self._call("forward_rows", {"lanes": [int(v) for v in lanes],
                                                "positions": [int(v) for v in positions], "capture": mine},
-                              {"x": x.to(self.dtype)})
+                              {"x": x.to(self.dtype), **carry_tensors(carry)})
         for lane, n in zip(lanes, res.get("lengths", [])):
             self.lengths[lane] = int(n)
         lg = out.get("logits")
@@ -95,12 +96,12 @@ class RemoteStage:
         return int(self.link.setup_results[0].get("weight_bytes", 0)) if self.link.setup_results else 0
 
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
-                capture: tuple[int, ...] = ()) -> StageOutput:
+                capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
         if x.shape[0] != 1:
             raise ValueError("a remote stage runs batch 1")
         mine = [c for c in capture if self.begin <= c < self.end]
         res, out = self._call("forward", {"start": start, "logits": logits, "capture": mine},
-                              {"x": x.to(self.dtype)})
+                              {"x": x.to(self.dtype), **carry_tensors(carry)})
         caps = {c: out[f"cap.{c}"].to(self.device) for c in mine if f"cap.{c}" in out}
         if "kvflash" in res:
             self._kvflash_stats = res["kvflash"]

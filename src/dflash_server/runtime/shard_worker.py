@@ -17,6 +17,7 @@ import time
 import torch
 import zmq
 
+from .carry import carry_from_tensors
 from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
 from .ipc_codec import DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
 from .ipc_shm import SharedArea
@@ -127,12 +128,12 @@ class ShardWorker:
         for v in (lanes, positions, capture):
             if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
                 raise ValueError("forward_rows: lanes, positions and capture must be lists of integers")
-        x, out_t = _tensor(t, "x"), {}
+        x, out_t, carry = _tensor(t, "x"), {}, carry_from_tensors(t)
         t0 = time.perf_counter()
         for st in stages:
-            out = st.forward_rows(x, lanes, positions, tuple(capture))
+            out = st.forward_rows(x, lanes, positions, tuple(capture), carry=carry)
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
-            x = out.hidden
+            x, carry = out.hidden, out.carry
         if out.head_logits is not None:
             out_t["logits"] = out.head_logits
         if out.hidden is not None:
@@ -147,12 +148,12 @@ class ShardWorker:
         if mode not in ("last", "all", "none") or not isinstance(capture, list) or \
                 not all(isinstance(c, int) for c in capture):
             raise ValueError("forward: logits must be last|all|none and capture a list of layer ids")
-        capture, out_t = tuple(capture), {}
+        capture, out_t, carry = tuple(capture), {}, carry_from_tensors(t)
         t0 = time.perf_counter()
         for st in stages:
-            out = st.forward(x, start, logits=mode, capture=capture)
+            out = st.forward(x, start, logits=mode, capture=capture, carry=carry)
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
-            x = out.hidden
+            x, carry = out.hidden, out.carry
         if out.head_logits is not None:
             # in the head's dtype (bf16: half the bytes of fp32, and not widened here); the
             # client widens it exactly as a local stage does

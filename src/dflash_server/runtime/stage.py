@@ -60,6 +60,31 @@ class StageOutput:
         return self._logits
 
 
+def _carry_row(carry: dict | None, b: int) -> dict | None:
+    """Row ``b`` of a rows forward's carry (per-layer inputs (1, B, ...), K/V rows (1, nkv, B, hd))."""
+    if not carry:
+        return None
+    out = {}
+    if carry.get("per_layer") is not None:
+        out["per_layer"] = carry["per_layer"][:, b:b + 1]
+    if carry.get("kv"):
+        out["kv"] = {key: (k[:, :, b:b + 1], v[:, :, b:b + 1]) for key, (k, v) in carry["kv"].items()}
+    return out
+
+
+def _carry_cat(carries: list[dict]) -> dict:
+    """The carries of single-row forwards as one rows carry."""
+    if not carries or not carries[0]:
+        return {}
+    out = {}
+    if carries[0].get("per_layer") is not None:
+        out["per_layer"] = torch.cat([c["per_layer"] for c in carries], dim=1)
+    if carries[0].get("kv"):
+        out["kv"] = {key: (torch.cat([c["kv"][key][0] for c in carries], dim=2),
+                           torch.cat([c["kv"][key][1] for c in carries], dim=2)) for key in carries[0]["kv"]}
+    return out
+
+
 class _Weights:
     """Adapts a ModelSource to the family's Weights protocol for one device/dtype."""
 
@@ -102,11 +127,6 @@ class LocalStage:
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
         self.is_first, self.is_last = is_first, is_last
-        for i in range(begin, end):
-            src = cfg.kv_source(i)
-            if src is not None and src < begin:
-                raise ValueError(f"layer {i} attends over layer {src}'s KV (KV-shared layers): a stage boundary "
-                                 f"between them is not supported; split before layer {src} or after layer {i}")
         fam, w = source.family, _Weights(source, self.device, dtype)
         self.embed = fam.build_embedding(cfg, w) if is_first else None
         self.layers = []
@@ -114,6 +134,7 @@ class LocalStage:
             self.layers.append(fam.build_layer(cfg, i, w).eval())
             if on_layer:
                 on_layer()
+        self._share_across_stages(cfg)
         self.final_norm = fam.build_final_norm(cfg, w) if is_last else None
         self.lm_head = fam.build_lm_head(cfg, w) if is_last else None
         layer_mode, head_mode = (quantize, quantize) if isinstance(quantize, str) else quantize
@@ -230,20 +251,53 @@ class LocalStage:
 
     # --- compute --------------------------------------------------------------------------
     @torch.inference_mode()
+    def _share_across_stages(self, cfg) -> None:
+        """KV-shared layers split from their source (Gemma 4 E2B / E4B): on this stage the
+        first reader of each kind becomes a mirror (a copy of the source's KV, written from the
+        rows the previous stage carries); a source read by layers of a later stage exports its
+        rows of each forward (``_exports``: share key -> the layer's position here)."""
+        self._exports: dict[str, int] = {}
+        if not cfg.num_kv_shared_layers:
+            return
+        mirrored = set()
+        for k, layer in enumerate(self.layers):
+            m, src = layer.mixer, cfg.kv_source(layer.index)
+            if src is not None and src < self.begin and m.share_key not in mirrored:
+                m.kv_role = "mirror"
+                mirrored.add(m.share_key)
+            if getattr(m, "kv_role", "") == "store" and any(
+                    cfg.kv_source(j) == layer.index for j in range(self.end, cfg.num_layers)):
+                self._exports[m.share_key] = k
+
     def _inputs(self, x: torch.Tensor, ctx: ForwardContext, carry: dict | None) -> torch.Tensor:
         """The stage's input hidden state (the first stage embeds token ids), with the
         per-layer inputs (Gemma 4 E2B / E4B) the embedding made or the previous stage carried
         put in ``ctx``."""
+        ctx.carry_kv = dict((carry or {}).get("kv") or {})
         if not self.is_first:
             ctx.per_layer = (carry or {}).get("per_layer")
+            cfg = self.config
+            if cfg.per_layer_input_size:
+                want = (*x.shape[:2], cfg.num_layers, cfg.per_layer_input_size)
+                if ctx.per_layer is None or tuple(ctx.per_layer.shape) != want:
+                    got = None if ctx.per_layer is None else tuple(ctx.per_layer.shape)
+                    raise ValueError(f"per-layer inputs of shape {got}, expected {want}")
             return x.to(self.dtype)
         h = self.embed(x)
         ctx.per_layer = self.embed.per_layer_inputs(x, h)
         return h
 
-    @staticmethod
-    def _carry(ctx: ForwardContext) -> dict:
-        return {} if ctx.per_layer is None else {"per_layer": ctx.per_layer}
+    def _carry(self, ctx: ForwardContext, states) -> dict:
+        """What the next stage needs beside the hidden state: the per-layer inputs, and the
+        K/V rows this forward wrote for KV-shared layers on later stages (with those an
+        earlier stage sent through this one)."""
+        kv = dict(ctx.carry_kv)
+        for key, k in self._exports.items():
+            kv[key] = self.layers[k].mixer.read_rows(ctx, states[k])
+        out = {} if ctx.per_layer is None else {"per_layer": ctx.per_layer}
+        if kv:
+            out["kv"] = kv
+        return out
 
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
                 capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
@@ -279,7 +333,7 @@ class LocalStage:
         self.length = start + T
         if self.pool is not None:
             self.pool.finish(ctx, T)
-        out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx))
+        out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.states))
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
             head = self._head(self.final_norm(hs))
@@ -324,7 +378,7 @@ class LocalStage:
                 caps[layer.index] = h
         for lane, pos in zip(lanes, positions):
             self.lanes[lane].length = pos + 1
-        out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx))
+        out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.banks))
         if self.is_last:
             out.head_logits = self._head(self.final_norm(h))[0]
             out.hidden = None
@@ -335,20 +389,19 @@ class LocalStage:
         """``forward_rows`` as one single-row forward per slot (KV Flash: each slot's pool
         pages on its own)."""
         keep, outs = self.lane, []
-        per_layer = (carry or {}).get("per_layer")
         try:
             for b, (lane, pos) in enumerate(zip(lanes, positions)):
                 self.select(lane)
-                row = None if per_layer is None else {"per_layer": per_layer[:, b:b + 1]}
-                outs.append(self.forward(x[:, b:b + 1], pos, logits="last", capture=capture, carry=row))
+                outs.append(self.forward(x[:, b:b + 1], pos, logits="last", capture=capture,
+                                         carry=_carry_row(carry, b)))
         finally:
             self.select(keep)
         caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}
         if self.is_last:
             return StageOutput(hidden=None, head_logits=torch.cat([o.head_logits for o in outs], dim=0),
                                captures=caps)
-        out_carry = {} if not outs[0].carry else {"per_layer": torch.cat([o.carry["per_layer"] for o in outs], dim=1)}
-        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1), captures=caps, carry=out_carry)
+        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1), captures=caps,
+                           carry=_carry_cat([o.carry for o in outs]))
 
     # --- KV Flash ---------------------------------------------------------------------------
     def _kv_budget_tokens(self, kvflash, lanes: int = 1) -> int | None:
