@@ -99,3 +99,29 @@ def test_f32_gguf_equals_safetensors(tiny_dir, tmp_path):
     ids = prompt_ids(b, 100)
     diff = (a.forward(ids, 0, logits="all").logits - b.forward(ids, 0, logits="all").logits).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_kvflash_and_slots_across_the_shared_split(tiny_dir):
+    """KV Flash pools on both sides of a boundary inside the KV-shared range (the mirror pages
+    with its own stage's pool), and sequence slots batched across it: both == one stage."""
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+    from dflash_server.runtime.pipeline import build_pipeline
+    from dflash_server.runtime.placement import ShardSpec
+    from dflash_server.weights.loader import open_model
+
+    path = tiny_dir("gemma4_e")
+    ref_pipe = pipeline(path)
+    prompts = [prompt_ids(ref_pipe, 30 + 7 * k, seed=k) for k in range(3)]
+    refs = [greedy(ref_pipe, p, max_tokens=12) for p in prompts]
+    src = open_model(path)
+    shards = [ShardSpec("cpu", 0, 4), ShardSpec("cpu", 4, 6)]
+    pooled = build_pipeline(src, shards, dtype=torch.float32, max_ctx=512, progress=False,
+                            kvflash=KvFlashConfig(256, chunk=16))
+    assert [greedy(pooled, p, max_tokens=12) for p in prompts] == refs
+    laned = build_pipeline(src, shards, dtype=torch.float32, max_ctx=512, progress=False, lanes=3)
+    eng = Engine(laned)
+    seqs = [eng.submit(GenerationRequest(tuple(p), max_tokens=12, ignore_eos=True)) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    assert [s.result.token_ids for s in seqs] == refs
