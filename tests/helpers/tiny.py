@@ -50,6 +50,7 @@ def make_tiny_model(family: str, dst: Path, seed: int = 0, **overrides) -> Path:
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    overrides = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}  # (hashable in tiny_dir)
     if family == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -270,3 +270,18 @@ def test_dflash_equals_plain_decoding_while_paging(tiny_dir, family):
         res = gen(pipe, ids, n=150, proposer=prop)
         assert res.token_ids == ref.token_ids, block
         pipe.stages[0].pager.check_integrity()
+
+
+def test_sliding_layers_keep_their_window_resident(tiny_dir):
+    """The pool keeps at least a sliding layer's window of recent chunks resident: a model
+    whose layers all slide (window 100, 16-token chunks: 8 recent chunks) decodes far past
+    its pool exactly as with full KV, while chunks page out."""
+    path = tiny_dir("gemma3", sliding_window=100, layer_types=("sliding_attention",) * 6)
+    ref_pipe = pipeline(path)
+    ids = prompt_ids(ref_pipe, 180)
+    ref = gen(ref_pipe, ids, n=60).token_ids
+    pipe = kv_pipeline(path, 64, chunk=16)  # raised to sink + 8 recent + 3 chunks = 192 tokens
+    st = pipe.stages[0]
+    assert st.pager.tail == 8 and st.pager.pool_tokens == 192
+    assert gen(pipe, ids, n=60).token_ids == ref
+    assert st.pager.page_outs > 0

@@ -6,6 +6,7 @@ at ``start`` writes positions ``[start, start+T)``; ``length`` is how far the ca
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -145,7 +146,13 @@ class LocalStage:
         self.batch = batch
         if lanes < 1 or (lanes > 1 and batch > 1):
             raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch")
-        # KV Flash: a pool (and page table) per slot, each of the pool size
+        # KV Flash: a pool (and page table) per slot, each of the pool size; the most recent
+        # chunks stay resident, at least a sliding layer's window of them, so sliding layers
+        # attend exactly as with full KV while full layers page
+        windows = [w for layer in self.layers if (w := getattr(layer.mixer, "window", None))]
+        if kvflash is not None and windows:
+            kvflash = dataclasses.replace(kvflash, tail_chunks=max(kvflash.tail_chunks,
+                                                                   -(-max(windows) // kvflash.chunk) + 1))
         pagers = [kvflash.new_pager(max_ctx, self._kv_budget_tokens(kvflash, lanes)) for _ in range(lanes)] \
             if kvflash is not None else None
         kv_rows = pagers[0].pool_tokens if pagers else max_ctx
