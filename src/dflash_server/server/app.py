@@ -138,13 +138,13 @@ def create_app(state, on_shutdown=None):
 
     @api.post("/detokenize")
     async def detokenize(request: Request):
-        body = await state.parse(request, DetokenizeRequest)
+        body = await state.parse(request, DetokenizeRequest, prompt_sized=False)  # ids, not text
 
         def decode(ids: list[int]) -> str:  # millions of ids fit in a body: off the event loop
             vocab = state.tokenizer.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-            return state.tokenizer.decode(ids)
+            return state.tokenizer.decode_long(ids)  # in pieces: /health stays responsive
         text = await to_thread.run_sync(decode, body.tokens)
         return {"content": text, "prompt": text}
 

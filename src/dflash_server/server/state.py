@@ -20,6 +20,10 @@ from .scheduler import Scheduler
 
 log = logging.getLogger("dflash_server")
 PARSE_INLINE_BYTES = 256 << 10  # bodies at least this large are parsed on a worker thread
+# a request carrying text is refused unparsed when its body is larger than this many times the
+# characters the context can hold, plus this slack (tools, schemas): validating 30 MB of
+# messages holds the GIL for over a second, and /health must answer meanwhile
+PROMPT_BODY_FACTOR, PROMPT_BODY_SLACK = 8, 4 << 20
 
 
 class ServerState:
@@ -112,9 +116,16 @@ class ServerState:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(self, request: Request, model_cls):
+    async def parse(self, request: Request, model_cls, prompt_sized: bool = True):
+        """The body validated as ``model_cls``; ``prompt_sized``: it carries text for the model
+        (a body far larger than the context can hold is refused before it is parsed)."""
         self.require_ready()
         body = await self.read_body(request)
+        max_chars = self.prompts.max_chars if prompt_sized else None
+        if max_chars is not None and len(body) > PROMPT_BODY_FACTOR * max_chars + PROMPT_BODY_SLACK:
+            raise APIError(400, f"the request has {len(body)} characters of JSON: far more than the context of "
+                                f"{self.prompts.max_tokens} tokens can hold (one token of this model spans at most "
+                                f"{self.tokenizer.max_token_chars - 1} characters)")
         try:
             if len(body) < PARSE_INLINE_BYTES:
                 return model_cls.model_validate_json(body)
