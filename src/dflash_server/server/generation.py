@@ -246,11 +246,11 @@ class Service:
         else:
             max_tokens = opts.max_tokens
         grammar = opts.grammar
-        if grammar is None and opts.tools is not None:  # tool_choice required / named: the call's shape
+        if opts.tools is not None:  # a forced call's shape; a format with tools: the answer or calls
             compiler = getattr(self.scheduler.engine, "grammars", None)
             try:
-                grammar = None if compiler is None else tool_grammar(opts.tools, self.prompts.tool_format,
-                                                                       compiler.lark_text)
+                grammar = grammar if compiler is None else tool_grammar(opts.tools, self.prompts.tool_format,
+                                                                          compiler.lark_text, grammar)
             except ValueError as e:
                 raise bad_request(f"tools: a parameters schema cannot be enforced: {str(e)[:300]}", "tools") from None
         sampling = opts.sampling

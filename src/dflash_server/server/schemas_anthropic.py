@@ -151,8 +151,6 @@ class MessagesRequest(CountTokensRequest, CacheFields):
         f = self.output_config.format if self.output_config else None
         if f is None:
             return None
-        if self.tools and not (self.tool_choice and self.tool_choice.type == "none"):
-            raise bad_request("output_config.format does not combine with tools yet", "output_config.format")
         return output_grammar(f.type, f.schema_, "output_config.format")
 
 

@@ -98,9 +98,6 @@ class ChatRequest(SamplingFields):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.grammar() is not None and self.tools and self.tool_choice != "none":
-            raise bad_request("response_format json_object / json_schema does not combine with tools yet",
-                              "response_format")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.top_logprobs and not self.logprobs:

@@ -97,8 +97,6 @@ class ResponsesRequest(SamplingFields):
                               "or send the full input", "conversation")
         if self.previous_response_id is not None and not self.previous_response_id:
             raise bad_request("previous_response_id is empty", "previous_response_id")
-        if self.grammar() is not None and self.function_tools() and self.tool_choice != "none":
-            raise bad_request("text.format json_object / json_schema does not combine with tools yet", "text.format")
 
     def grammar(self) -> str | None:
         f = self.text.format if self.text else None

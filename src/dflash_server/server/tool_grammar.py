@@ -16,6 +16,11 @@ function), for the two call formats ``tools`` parses, as Lark for llguidance:
 Each call ends with ``</tool_call>`` (Gemma 4: ``<tool_call|>``); with parallel calls allowed more may follow. The
 grammar starts where ``tools.forced_prefix`` leaves the prompt. ``term`` writes a text as a
 Lark terminal (a special single token of the vocabulary must be named as that token).
+
+A structured-output format together with tools (``tool_choice`` auto): the output is either
+the answer in that format or tool calls, each opened by its marker (``<tool_call>``), as
+the model chooses. With a forced call the format has nothing to shape in this turn (its
+output is the call; the format applies to the answer of a later turn).
 """
 from __future__ import annotations
 
@@ -36,18 +41,33 @@ _XML_VALUES = {
 }
 
 
-def tool_grammar(tools: ToolSet | None, fmt: str, term=json.dumps) -> str | None:
-    """The llguidance grammar for the rest of a forced call; None when nothing is forced."""
-    if tools is None or not tools.active or tools.choice not in ("required", "function"):
-        return None
+def tool_grammar(tools: ToolSet | None, fmt: str, term=json.dumps, answer: str | None = None) -> str | None:
+    """The llguidance grammar of the output: the rest of a forced call; with tool_choice auto
+    and an ``answer`` grammar (a structured-output format), that answer or tool calls;
+    otherwise ``answer`` (None: free text)."""
+    if tools is None or not tools.active or (tools.choice not in ("required", "function") and answer is None):
+        return answer
     import llguidance
 
     if fmt == "gemma4":
-        lark = _gemma4_lark(tools, term("<tool_call|>"), term("<|tool_call>"), term('<|"|>'))
+        begin = term("<|tool_call>")
+        lark, opener = _gemma4_lark(tools, term("<tool_call|>"), begin, term('<|"|>')), f'{begin} "call:"'
+    else:
+        end, begin = term("</tool_call>"), term("<tool_call>")
+        lark = _json_lark(tools, end, begin) if fmt == "json" else _xml_lark(tools, end, begin)
+        opener = f'{begin} "\\n"'
+    if tools.choice in ("required", "function"):
         return llguidance.LLMatcher.grammar_from_lark(lark)
-    end, begin = term("</tool_call>"), term("<tool_call>")
-    lark = _json_lark(tools, end, begin) if fmt == "json" else _xml_lark(tools, end, begin)
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    return _either(lark, opener, answer)
+
+
+def _either(calls_lark: str, opener: str, answer: str) -> str:
+    """tool_choice auto with a format: ``answer`` (an llguidance grammar, its first grammar
+    the start) or the calls of ``calls_lark`` (its ``start`` rule begins after the opener)."""
+    assert calls_lark.startswith("start: ")
+    sub = json.loads(answer)["grammars"]
+    lark = f"start: @answer | {opener} calls\ncalls: " + calls_lark[len("start: "):]
+    return json.dumps({"grammars": [{"lark_grammar": lark}, {**sub[0], "name": "answer"}, *sub[1:]]})
 
 
 def _gemma4_lark(tools: ToolSet, end: str, begin: str, quote: str) -> str:
