@@ -24,7 +24,7 @@ import torch
 
 def json_schema_grammar(schema: dict | None) -> str:
     """A grammar for JSON output: any object when ``schema`` is None (``json_object``).
-    Whitespace between tokens is fixed (``, `` and ``: ``), not free: a free-whitespace
+    Whitespace between tokens is fixed (none: ``,`` and ``:``), not free: a free-whitespace
     grammar lets a weak model spend its whole budget on blank lines inside the object."""
     import llguidance
 
