@@ -32,6 +32,7 @@ class ScriptedEngine:
         self.prompts: list[str] = []
         self.requests: list = []
         self.scheduler = SimpleNamespace(lanes=lanes, waiting=[], running=[])
+        self.spec: dict | None = None  # speculative-decoding stats to report in results' extra
 
     # the engine's step-loop interface (what server.scheduler drives): each step advances
     # every admitted sequence by one token; ``lanes`` of them at a time
@@ -133,7 +134,8 @@ class ScriptedEngine:
                 pieces.append(tail)
                 emit(TokenEvent(-1, tail))
         return GenerationResult(tokens, "".join(pieces), finish, len(req.prompt_ids), stop_reason=stop_reason,
-                                decode_s=time.monotonic() - t0)
+                                decode_s=time.monotonic() - t0,
+                                extra={"spec": dict(self.spec)} if self.spec else {})
 
 
 class ThreadServer:

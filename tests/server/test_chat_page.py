@@ -110,5 +110,13 @@ def test_chat_in_a_real_browser(server):
         assert len(second.locator(".text").text_content()) < len(SCRIPTS["LONG"])
         page.screenshot(path=ARTEFACTS / "3-stopped.png", full_page=True)
         assert server.engine.prompts[-1].endswith("<think>\n\n</think>\n\n")  # "off" reached the template
+
+        # with a draft: the message's acceptance length next to its speed
+        server.engine.spec = {"steps": 4, "proposed": 12, "accepted": 6, "acceptance_length": 2.5}
+        page.fill("#input", "SCRIPT=THINK once more")
+        page.click("#send")
+        expect(page.locator(".msg.assistant .stats").nth(2)).to_have_text(
+            re.compile(r"^\d+ tokens · [\d.]+ tok/s · acceptance 2\.50$"))
+        server.engine.spec = None
         browser.close()
     assert not errors, errors
