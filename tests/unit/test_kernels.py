@@ -438,3 +438,43 @@ def test_attention_step_with_output_gate(dtype):
     with pytest.raises(RuntimeError, match="width"):  # an ungated qkv read as gated
         torch.ops.dflash.attention_step(qkv[..., :(nh + 2 * nkv) * hd].contiguous(), cos, sin, kc.clone(),
                                         vc.clone(), start, nh, nkv, hd ** -0.5, **args)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_tree_rows_equal_their_paths(window):
+    """A tree of rows (DDTree verify): row t at position start + depth(t) sees the cache and
+    its ancestors; it equals, bit for bit, the one-row step of a cache that holds its path
+    contiguously; portable == vectorized; bad parents are refused."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, max_ctx, start = 4, 2, 64, 96, 30
+    parents = (-1, 0, 0, 1, 1, 2, 3, 3, 6)
+    depth = [0]
+    for p in parents[1:]:
+        depth.append(depth[p] + 1)
+    T = len(parents)
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    pos = torch.tensor(depth) + start
+    cos, sin = table.cos[pos], table.sin[pos]
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    tree = torch.tensor(parents)
+    k1, v1 = kc.clone(), vc.clone()
+    out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5, window=window, tree=tree)
+    assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv,
+                                                       hd ** -0.5, True, window=window, tree=tree), out)
+    for t in range(T):
+        path, r = [], t
+        while r >= 0:
+            path.append(r)
+            r = parents[r]
+        path = path[::-1]
+        k2, v2 = kc.clone(), vc.clone()
+        for i, r in enumerate(path):
+            row = torch.ops.dflash.attention_step(qkv[:, r:r + 1], cos[r:r + 1], sin[r:r + 1], k2, v2, start + i,
+                                                  nh, nkv, hd ** -0.5, window=window)
+        assert torch.equal(row[0, 0], out[0, t]), t
+    for bad in ((0, 0, 0, 1, 1, 2, 3, 3, 6), (-1, 0, 2, 1, 1, 2, 3, 3, 6), (-1, 0)):
+        with pytest.raises(RuntimeError, match="tree|parent"):
+            torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5,
+                                            tree=torch.tensor(bad))

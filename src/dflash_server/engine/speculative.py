@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class SpecStats:
@@ -26,6 +28,7 @@ class SpecStats:
     accepted: int = 0
     committed: int = 0
     plain_steps: int = 0  # steps the adaptive block size ran without drafting (not in tau)
+    tree_steps: int = 0   # steps that verified a DDTree (their "proposed" counts its nodes)
     histogram: list[int] = field(default_factory=list)  # [k] = steps that accepted exactly k drafts
 
     def __post_init__(self):
@@ -58,7 +61,8 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "steps": self.steps, "proposed": self.proposed,
-                "accepted": self.accepted, "plain_steps": self.plain_steps,
+                "accepted": self.accepted, "plain_steps": self.plain_steps, "tree_steps": self.tree_steps,
+                "mean_tree_nodes": round(self.proposed / self.steps, 3) if self.tree_steps and self.steps else 0.0,
                 "mean_block_size": round(1 + self.proposed / self.steps, 3) if self.steps else 0.0,
                 "acceptance_length": round(self.acceptance_length, 4),
                 "accept_rate": round(self.accept_rate, 4), "accept_histogram": list(self.histogram),
@@ -87,6 +91,8 @@ def speculative_step(pipe, proposer, seq) -> str | None:
     emitted, not yet in the target cache; its slot selected). Returns the finish reason when
     the sequence ends here, None to go on. ``seq.on_commit(length, logits)`` is called with
     the committed length and the logits that predicted the newest (not yet cached) token."""
+    if proposer.uses_tree(pipe):
+        return tree_step(pipe, proposer, seq)
     sizer = proposer.sizer
     spec_begin(proposer, seq)
     want = sizer.choose() if sizer is not None else proposer.block_size
@@ -127,4 +133,47 @@ def speculative_step(pipe, proposer, seq) -> str | None:
     seq.pos = pos + acc + 1
     if seq.on_commit is not None:
         seq.on_commit(seq.pos, verify.logits[acc])
+    return None
+
+
+def tree_step(pipe, proposer, seq) -> str | None:
+    """One DDTree step (spec.ddtree): draft once, build the best-first tree, verify
+    ``[anchor, nodes]`` in one tree-masked forward, then walk from the root committing the
+    target's token at each node (``seq.commit``: greedy, or one seeded draw per token) while
+    it is a child of that node. The path's rows stay in the caches (KV moved down, recurrent
+    state of its last row); the token that left the tree is the next anchor."""
+    spec_begin(proposer, seq)
+    anchor, pos = seq.last, seq.pos
+    # depth: at most the draft's block, the tokens left, and the room in the context
+    left = seq.req.max_tokens - len(seq.out.tokens)
+    block = min(proposer.block_size, left, pipe.max_ctx - pos)
+    if block < 1:
+        return "length"
+    budget = min(proposer.tree_budget, pipe.max_ctx - pos - 1)
+    tree = proposer.propose_tree(anchor, pos, block, budget) if block > 1 and budget > 0 else \
+        proposer.propose_tree(anchor, pos, 1, 0)
+    pipe.checkpoint()
+    verify = pipe.forward([anchor] + tree.tokens, pos, logits="all", capture=proposer.taps, tree=tree.parents)
+    children = tree.children()
+    path, done = [0], False
+    while True:
+        done = seq.commit(verify.logits[path[-1]])
+        nxt = None if done else children[path[-1]].get(seq.last)
+        if nxt is None:
+            break
+        path.append(nxt)
+    pipe.rollback_tree(path)
+    rows = torch.tensor(path, device=next(iter(verify.captures.values())).device) if verify.captures else None
+    caps = {k: v.index_select(1, rows.to(v.device)) for k, v in verify.captures.items()} if rows is not None else {}
+    proposer.add_context(caps, pos, len(path))
+    if tree.tokens:
+        seq.spec.record(len(tree.tokens), len(path) - 1)
+        seq.spec.tree_steps += 1
+    else:
+        seq.spec.record(0, 0)
+    if done:
+        return seq.out.finish
+    seq.pos = pos + len(path)
+    if seq.on_commit is not None:
+        seq.on_commit(seq.pos, verify.logits[path[-1]])
     return None

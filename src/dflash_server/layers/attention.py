@@ -180,7 +180,8 @@ class Attention(nn.Module):
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
-                                                  self.nkv, self.scale, **self.native_args)
+                                                  self.nkv, self.scale, **self.native_args,
+                                                  **({} if ctx.tree is None else {"tree": ctx.tree_parents}))
             return self.o(self._gated(out, x))
         return self.o(self._gated(self._attend(qkv, ctx, state, x.dtype), x))
 

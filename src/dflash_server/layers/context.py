@@ -44,6 +44,11 @@ class ForwardContext:
     # the K/V rows of this forward that a previous stage's source layers wrote, by layer kind
     # ((B, nkv, T, hd) each), for this stage's mirrors of them
     carry_kv: dict = field(default_factory=dict)
+    # DDTree verify: row t's parent row (-1: the root, after the cached prefix), as a tuple
+    # and a (T,) long tensor; row t sits at position start + depth(t) (cos/sin are per row)
+    # and attends to the cache before ``start`` and to its ancestors, itself included
+    tree: tuple[int, ...] | None = None
+    tree_parents: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +107,8 @@ class ForwardContext:
             return None
         key = (str(device), window)
         m = self._masks.get(key)
+        if m is None and self.tree is not None:
+            m = self._masks[key] = self._tree_mask(device, window)
         if m is None:
             q_pos = torch.arange(self.start, self.end, device=device)[:, None]
             k_pos = torch.arange(0, self.end, device=device)[None, :]
@@ -110,3 +117,28 @@ class ForwardContext:
                 m = m & (k_pos > q_pos - window)
             self._masks[key] = m
         return m
+
+    def _tree_mask(self, device: torch.device, window: int | None) -> torch.Tensor:
+        """(T, end): the cached prefix, then each row's ancestors and itself."""
+        T, depth = self.length, tree_depths(self.tree)
+        anc = torch.zeros(T, T, dtype=torch.bool)
+        for t, p in enumerate(self.tree):
+            if p >= 0:
+                anc[t] = anc[p]
+            anc[t, t] = True
+        q_pos = self.start + torch.tensor(depth)[:, None]
+        k_pos = torch.cat([torch.arange(self.start), self.start + torch.tensor(depth)])[None, :]
+        m = torch.cat([torch.ones(T, self.start, dtype=torch.bool), anc], dim=1)
+        if window is not None:
+            m = m & (k_pos > q_pos - window)
+        return m.to(device)
+
+
+def tree_depths(parents) -> list[int]:
+    """The depth of each row of a tree given by parent rows (-1: a root, depth 0)."""
+    depth: list[int] = []
+    for t, p in enumerate(parents):
+        if not -1 <= p < t:
+            raise ValueError(f"tree row {t}: parent {p} must be an earlier row or -1")
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth

@@ -26,6 +26,8 @@ class RecurrentState:
     # checkpoint for speculative rollback: (conv, ssm) at checkpoint time + recorded block
     saved: tuple[torch.Tensor, torch.Tensor] | None = None
     records: list = field(default_factory=list)
+    # DDTree verify: (conv, ssm) after each row of the tree, each from its parent's
+    tree_nodes: list = field(default_factory=list)
 
     kind = "recurrent"
 
@@ -34,7 +36,14 @@ class RecurrentState:
         self.records = []
 
     def discard_checkpoint(self) -> None:
-        self.saved, self.records = None, []
+        self.saved, self.records, self.tree_nodes = None, [], []
+
+    def take_tree_node(self, row: int) -> None:
+        """Keep the state after tree row ``row`` (the deepest accepted node); ends the checkpoint."""
+        if self.saved is None or not 0 <= row < len(self.tree_nodes):
+            raise RuntimeError(f"no tree state for row {row}")
+        self.conv, self.ssm = self.tree_nodes[row]
+        self.discard_checkpoint()
 
     def recorded_tokens(self) -> int:
         return sum(r[0].shape[-1] for r in self.records)
@@ -89,11 +98,36 @@ class GatedDeltaNet(nn.Module):
                           for b, (pos, st) in enumerate(zip(ctx.positions, states))], dim=1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
-        B, T, _ = x.shape
+        if ctx.tree is not None:
+            return self._tree(x, ctx, state)
         mixed = self.in_proj(x)
         qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         qkv_t = qkv.transpose(1, 2)  # (B, C, T)
         y, state.conv = causal_conv1d(qkv_t, state.conv, self.conv_weight)
+        return self.out_proj(self._mix(x, y, z, b, a, ctx, state, qkv_t))
+
+    def _tree(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
+        """DDTree verify rows: each row is one decode step from its parent row's state (the
+        conv window and the recurrent matrix follow the tree), computed as a plain step of
+        that row would be; every row's state is kept for ``take_tree_node``."""
+        mixed = self.in_proj(x)
+        qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        qkv_t = qkv.transpose(1, 2)
+        nodes, outs = [], []
+        for t, p in enumerate(ctx.tree):
+            conv, ssm = (state.conv, state.ssm) if p < 0 else nodes[p]
+            node = RecurrentState(conv, ssm)
+            y, node.conv = causal_conv1d(qkv_t[..., t:t + 1], node.conv, self.conv_weight)
+            outs.append(self._mix(x[:, t:t + 1], y, z[:, t:t + 1], b[:, t:t + 1], a[:, t:t + 1],
+                                  ForwardContext(ctx.start, 1, None, None), node, None))
+            nodes.append((node.conv, node.ssm))
+        state.tree_nodes = nodes
+        return self.out_proj(torch.cat(outs, dim=1))
+
+    def _mix(self, x, y, z, b, a, ctx: ForwardContext, state: RecurrentState, qkv_t) -> torch.Tensor:
+        """Everything after the conv up to the output projection: q/k/v heads, gates, the
+        delta rule on ``state``, the gated norm."""
+        B, T, _ = x.shape
         q, k, v = y.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.hk, self.dk).float()
         k = k.reshape(B, T, self.hk, self.dk).float()
@@ -110,4 +144,4 @@ class GatedDeltaNet(nn.Module):
         o, state.ssm = gated_delta_rule(q, k, v, g, beta, state.ssm)
         # gated RMSNorm over each head's value dim, in fp32
         o = F.rms_norm(o, (self.dv,), self.norm_weight, self.eps) * F.silu(z.reshape(B, T, self.hv, self.dv).float())
-        return self.out_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
+        return o.reshape(B, T, self.value_dim).to(x.dtype)

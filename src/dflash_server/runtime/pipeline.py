@@ -97,8 +97,17 @@ class TargetPipeline:
             if hasattr(st, "close"):
                 st.close()
 
-    def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = ()) -> PipelineOutput:
-        """Run ids (list or (1, T) tensor) at positions [start, start+T) through every stage."""
+    @property
+    def supports_tree(self) -> bool:
+        """Whether DDTree verify (``forward(tree=...)``, ``rollback_tree``) runs here: every
+        stage in this process, one sequence per stage, position-addressed KV."""
+        return all(getattr(st, "rollback_tree", None) is not None and st.pool is None and st.batch == 1
+                   for st in self.stages)
+
+    def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
+                tree: tuple[int, ...] | None = None) -> PipelineOutput:
+        """Run ids (list or (1, T) tensor) at positions [start, start+T) through every stage
+        (``tree``: the rows form a DDTree, see Stage.forward)."""
         if not torch.is_tensor(ids):
             ids = torch.tensor([list(ids)], dtype=torch.long)
         if ids.shape[0] != self.stages[0].batch:  # one prompt for a whole batch
@@ -106,7 +115,8 @@ class TargetPipeline:
         x, caps, carry = ids, {}, {}
         for st in self.stages:
             # the per-layer inputs of Gemma 4 E2B / E4B travel between in-process stages
-            out = st.forward(x, start, logits=logits, capture=capture, **({"carry": carry} if carry else {}))
+            out = st.forward(x, start, logits=logits, capture=capture, **({"carry": carry} if carry else {}),
+                             **({"tree": tree} if tree is not None else {}))
             caps.update(out.captures)
             x, carry = out.hidden, out.carry
         return PipelineOutput(out.logits, caps)
@@ -193,6 +203,10 @@ class TargetPipeline:
     def rollback(self, length: int):
         for st in self.stages:
             st.rollback(length)
+
+    def rollback_tree(self, path: list[int]):
+        for st in self.stages:
+            st.rollback_tree(path)
 
     def commit(self):
         for st in self.stages:

@@ -14,7 +14,7 @@ import torch
 from .. import kernels
 from ..errors import ModelLoadError
 from ..layers.attention import SCORE_QUERY_ROWS
-from ..layers.context import ForwardContext
+from ..layers.context import ForwardContext, tree_depths
 from ..layers.linear import Linear
 from ..layers.rope import rope_tables
 from .kv_pool import KvPool
@@ -307,25 +307,40 @@ class LocalStage:
         return out
 
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
-                capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
+                capture: tuple[int, ...] = (), carry: dict | None = None,
+                tree: tuple[int, ...] | None = None) -> StageOutput:
         """x: token ids (1, T) on the first stage, else hidden (1, T, H). Writes state for
         positions [start, start+T) and sets ``length = start + T``. ``logits``: "last",
-        "all" or "none" (last stage only). ``capture``: global layer ids whose outputs to return."""
+        "all" or "none" (last stage only). ``capture``: global layer ids whose outputs to return.
+        ``tree``: the rows are a DDTree (row t's parent row, -1 for the root) verified after a
+        ``checkpoint``; each row attends to the cache and its ancestors at position start +
+        its depth; ``rollback_tree`` then keeps one path."""
         if start > self.length:
             raise ValueError(f"forward at {start} leaves a gap after cached length {self.length}")
         T = x.shape[1]
         if start + T > self.max_ctx:
             raise ValueError(f"positions up to {start + T} exceed the context size {self.max_ctx}")
         x = x.to(self.device)
-        cos, sin = self.rope.rows(start, T)
+        if tree is not None:
+            tree = tuple(int(p) for p in tree)
+            if len(tree) != T or self._ckpt_length is None or self.pool is not None or self.batch != 1:
+                raise ValueError("a tree forward needs one parent per row, a checkpoint, one sequence "
+                                 "and position-addressed KV (no KV Flash pool)")
+            at = torch.tensor(tree_depths(tree)) + start
+            cos, sin = self.rope.cos[at], self.rope.sin[at]
+        else:
+            cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
+        if tree is not None:
+            ctx.tree, ctx.tree_parents = tree, torch.tensor(tree, dtype=torch.long)
         h = self._inputs(x, ctx, carry)
         if self.rope_local is not None:
-            ctx.cos_local, ctx.sin_local = self.rope_local.rows(start, T)
+            ctx.cos_local, ctx.sin_local = (self.rope_local.rows(start, T) if tree is None else
+                                            (self.rope_local.cos[at], self.rope_local.sin[at]))
         if self.pool is not None:
             self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
         caps = {}
-        if self._decode_fn is not None and ctx.slots is None and (
+        if self._decode_fn is not None and ctx.slots is None and tree is None and (
                 (T == 1 and not ctx.record) or (ctx.record and T <= self._compiled_verify_rows)):
             # every layer's output comes back (T x 30 vectors of H: nothing next to the
             # weights), so steps with captures (DFlash's plain steps, verify blocks) and without
@@ -487,6 +502,28 @@ class LocalStage:
         self._ckpt_length = None
         if self.pool is not None:
             self.pool.truncate(length)
+
+    @torch.inference_mode()
+    def rollback_tree(self, path: list[int]) -> None:
+        """After a tree forward: keep the rows of ``path`` (the root, then one accepted child
+        after another) as positions checkpoint .. checkpoint + len(path) - 1 and drop the
+        rest; ends the checkpoint. KV rows move down to their positions; recurrent layers take
+        the state after the path's last row."""
+        start = self._ckpt_length
+        if start is None:
+            raise RuntimeError("rollback without checkpoint")
+        n = len(path)
+        if not n or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])) or start + path[-1] >= self.length:
+            raise ValueError(f"tree path {path} is not a path of the last forward's rows")
+        rows = torch.tensor(path, device=self.device) + start
+        for s in self.states:
+            if s.kind == "recurrent":
+                s.take_tree_node(path[-1])
+            elif s.kind == "kv" and path != list(range(n)):
+                s.k[:, :, start:start + n] = s.k[:, :, rows]
+                s.v[:, :, start:start + n] = s.v[:, :, rows]
+        self.length = start + n
+        self._ckpt_length = None
 
     def commit(self) -> None:
         """Accept everything since the checkpoint."""

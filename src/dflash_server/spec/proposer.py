@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 
 from .block_sizer import BlockSizer
+from .ddtree import DraftTree, build_tree
+
+MAX_TREE_BUDGET = 63  # nodes: with the anchor, a verify of at most 64 rows (the native step's limit)
 from .draft import DFlashDraft
 
 
@@ -30,14 +33,16 @@ def truncate(q: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.T
 
 class DFlashProposer:
     def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None,
-                 adaptive: bool = False, sampled_verify: str = "auto"):
+                 adaptive: bool = False, sampled_verify: str = "auto", tree_budget: int = 0):
         """``block_size``: verify block (default: the trained one); with ``adaptive`` the
         largest one, and each step picks the block expected to commit the most tokens per
         second (``BlockSizer``; 1 = a plain decode step).
         ``fast_head``: give the draft its own int4 copy of the LM head (CPU only). Draft
         logits only pick proposals, so rounding there cannot change the output, and the
         weight-only head costs about half the int8 one per row (the draft projects B-1 rows
-        every step). Default: on when the target runs on CPU. A draft with ``vocab_ids``
+        every step). Default: on when the target runs on CPU. ``tree_budget`` > 0: verify a
+        DDTree of that many drafted nodes each step instead of the argmax chain (spec.ddtree;
+        where the pipeline supports tree verify). A draft with ``vocab_ids``
         always gets its own head, made of those rows only (int4 where ``fast_head``)."""
         cfg = pipeline.config
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
@@ -53,6 +58,9 @@ class DFlashProposer:
         # request's RNG: a seeded request repeats plain decoding exactly, whatever the
         # blocks); "auto": exact for seeded requests, rejection otherwise
         self.sampled_verify = sampled_verify
+        if not 0 <= tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree budget must be in [0, {MAX_TREE_BUDGET}], got {tree_budget}")
+        self.tree_budget = int(tree_budget)
         self.draft, self.pipeline = draft, pipeline
         self.selector = getattr(draft, "selector", None)   # DFlash 2's candidate selector
         if draft.cfg.dflash2 and self.selector is None:
@@ -173,6 +181,19 @@ class DFlashProposer:
         emb = self.pipeline.embed(ids, raw=True)
         scale = self.draft.cfg.input_embedding_scale
         return emb if scale == 1.0 else emb * scale
+
+    def uses_tree(self, pipeline) -> bool:
+        """Whether steps verify a DDTree: a budget, a DFlash 1 draft and a pipeline that can."""
+        return self.tree_budget > 0 and self.selector is None and pipeline.supports_tree
+
+    @torch.inference_mode()
+    def propose_tree(self, anchor: int, start: int, block: int, budget: int) -> DraftTree:
+        """The best-first tree of at most ``budget`` nodes over the draft's distributions at
+        the ``block - 1`` positions after ``anchor``."""
+        if block < 2:
+            return build_tree(torch.zeros(0, 1), 0)
+        logits = self._draft_logits(anchor, start, block)
+        return build_tree(logits, budget, self._row_ids(logits))
 
     @torch.inference_mode()
     def propose(self, anchor: int, start: int, block: int) -> list[int]:

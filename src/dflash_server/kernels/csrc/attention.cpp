@@ -62,6 +62,10 @@ struct Geometry {
   bool gated;  // each query head is [q | gate] (Qwen3.5): out = attention * sigmoid(gate)
   int64_t window = 0;  // > 0: sliding window, a query at p sees keys (p - window, p]
   bool v_norm = false;  // each value head RMS-normalised (no weight) before the write (Gemma 4)
+  // a tree of rows (DDTree verify): row t's parent row (-1: none, after the cached prefix);
+  // row t sits at position start + depth(t) and sees the cache before ``start`` and its
+  // ancestors (itself included). null: a causal block, row t at start + t.
+  const int64_t* parents = nullptr;
 };
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
@@ -96,25 +100,36 @@ DFLASH_INLINE void rotate(const T* src, const float* cos, const float* sin, int6
   for (int64_t i = rot; i < hd; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// where key j of a row's key list lies, in rows of the cache from the call's base: rows j for
+// j < m, then tail[j - m] (a tree row's ancestors in the block; m = n and no tail otherwise).
+// The arithmetic below depends only on the key list, so a tree row attends exactly as the
+// same keys laid out contiguously (a plain step of the accepted path) would.
+struct KeyRows {
+  int64_t m;
+  const int64_t* tail;
+  DFLASH_INLINE int64_t operator()(int64_t j) const { return j < m ? j : tail[j - m]; }
+};
+
 // one query row of one head against keys [0, n): out (hd) = softmax(q k^T * scale) v.
 // The reference arithmetic (the AVX2 version below does the same per lane): each score is 8
 // lanes over the head dimension (lane l: dims l, l + 8, ...) summed by sum8; the softmax
 // denominator sums key j into lane j % 8, in key order, then sum8; the output accumulates
 // keys in order with one fused multiply-add per element.
 DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd, float scale,
-                              float* scores, float* out) {
+                              float* scores, float* out, KeyRows at) {
   // four keys at a time: four independent accumulation chains (each key's own arithmetic
   // is the same as alone)
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* k0 = kc + j * hd;
+    const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
+                *k3 = kc + at(j + 3) * hd;
     float a0[8] = {}, a1[8] = {}, a2[8] = {}, a3[8] = {};
     for (int64_t i = 0; i < hd; i += 8)
       for (int l = 0; l < 8; ++l) {
         a0[l] = std::fma(q[i + l], k0[i + l], a0[l]);
-        a1[l] = std::fma(q[i + l], k0[hd + i + l], a1[l]);
-        a2[l] = std::fma(q[i + l], k0[2 * hd + i + l], a2[l]);
-        a3[l] = std::fma(q[i + l], k0[3 * hd + i + l], a3[l]);
+        a1[l] = std::fma(q[i + l], k1[i + l], a1[l]);
+        a2[l] = std::fma(q[i + l], k2[i + l], a2[l]);
+        a3[l] = std::fma(q[i + l], k3[i + l], a3[l]);
       }
     scores[j] = sum8(a0) * scale;
     scores[j + 1] = sum8(a1) * scale;
@@ -122,7 +137,7 @@ DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, 
     scores[j + 3] = sum8(a3) * scale;
   }
   for (; j < n; ++j) {
-    const float* k = kc + j * hd;
+    const float* k = kc + at(j) * hd;
     float acc[8] = {};
     for (int64_t i = 0; i < hd; i += 8)
       for (int l = 0; l < 8; ++l) acc[l] = std::fma(q[i + l], k[i + l], acc[l]);
@@ -139,7 +154,7 @@ DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, 
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (j = 0; j < n; ++j) {
     const float p = scores[j] * inv;
-    const float* v = vc + j * hd;
+    const float* v = vc + at(j) * hd;
     for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p, v[i], out[i]);
   }
 }
@@ -172,30 +187,32 @@ DFLASH_AVX2 inline __m256 exp_neg8(__m256 x) {
 
 // out (8 NV) = sum_j (scores[j] * inv) v_j, keys in order, the output held in registers
 template <int NV>
-DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, const float* vc, int64_t n, float* out) {
+DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, const float* vc, int64_t n, float* out,
+                                             KeyRows at) {
   constexpr int64_t hd = 8 * NV;
   __m256 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
-    const float* v = vc + j * hd;
+    const float* v = vc + at(j) * hd;
     for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
 DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd,
-                                 float scale, float* scores, float* out) {
+                                 float scale, float* scores, float* out, KeyRows at) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* k0 = kc + j * hd;
+    const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
+                *k3 = kc + at(j + 3) * hd;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < hd; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
       a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
     }
     scores[j] = sum8_avx2(a0) * scale;
     scores[j + 1] = sum8_avx2(a1) * scale;
@@ -203,7 +220,7 @@ DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* v
     scores[j + 3] = sum8_avx2(a3) * scale;
   }
   for (; j < n; ++j) {
-    const float* k = kc + j * hd;
+    const float* k = kc + at(j) * hd;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
     scores[j] = sum8_avx2(acc) * scale;
@@ -228,12 +245,12 @@ DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* v
     part[j % 8] += scores[j];
   }
   const float inv = 1.f / sum8(part);
-  if (hd == 64) return weighted_values_avx2<8>(scores, inv, vc, n, out);
-  if (hd == 128) return weighted_values_avx2<16>(scores, inv, vc, n, out);
+  if (hd == 64) return weighted_values_avx2<8>(scores, inv, vc, n, out, at);
+  if (hd == 128) return weighted_values_avx2<16>(scores, inv, vc, n, out, at);
   for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
   for (j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
-    const float* v = vc + j * hd;
+    const float* v = vc + at(j) * hd;
     for (int64_t i = 0; i < hd; i += 8)
       _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
   }
@@ -290,9 +307,26 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   const T* src = s.qkv + t * s.width() + h * s.qhead();
   rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
          q);
-  const int64_t n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
+  int64_t n, lo;
+  KeyRows at{0, nullptr};
+  int64_t tail[64];
+  if (g.parents == nullptr) {
+    n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
+    at.m = n - lo;
+  } else {  // the cache before start, then the ancestors root first (a parent's row is before its child's)
+    int64_t path[64], d = 0;
+    for (int64_t r = t; r >= 0; r = g.parents[r]) path[d++] = r;
+    const int64_t end = g.start + d;  // keys at positions < end: position start + depth is this row's
+    lo = g.window > 0 && end > g.window ? end - g.window : 0;
+    at.m = std::max<int64_t>(0, g.start - lo);
+    int64_t k = 0;
+    for (int64_t i = d - 1; i >= 0; --i)
+      if (g.start + (d - 1 - i) >= lo) tail[k++] = g.start + path[i] - lo;
+    at.tail = tail;
+    n = at.m + k + lo;
+  }
   (AVX2 ? attend_row_avx2 : attend_row)(q, s.kc + (kvh * g.max_ctx + lo) * g.hd, s.vc + (kvh * g.max_ctx + lo) * g.hd,
-                                        n - lo, g.hd, g.scale, scores, o);
+                                        n - lo, g.hd, g.scale, scores, o, at);
   T* dst = s.out + t * s.odim() + h * g.hd;
   if (g.gated) {
     for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[g.hd + i])));
@@ -335,7 +369,7 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
                           double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                           const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated, int64_t window,
-                          bool v_norm) {
+                          bool v_norm, const c10::optional<at::Tensor>& tree) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
@@ -362,6 +396,16 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   TORCH_CHECK(start >= 0 && g.T <= g.max_ctx && start <= g.max_ctx - g.T, "dflash::attention_step: rows past the cache");
   TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == g.T && sin_in.sizes() == cos_in.sizes(),
               "dflash::attention_step: cos/sin must be (T, rotary_dim)");
+  at::Tensor parents;
+  if (tree.has_value()) {
+    parents = tree->to(at::kLong).contiguous();
+    TORCH_CHECK(parents.dim() == 1 && parents.size(0) == g.T && g.T <= 64,
+                "dflash::attention_step: tree must give the parent of each of at most 64 rows");
+    const int64_t* pp = parents.data_ptr<int64_t>();
+    for (int64_t t = 0; t < g.T; ++t)
+      TORCH_CHECK(pp[t] >= -1 && pp[t] < t, "dflash::attention_step: a row's parent must be an earlier row or -1");
+    g.parents = pp;
+  }
   auto qkv = qkv_in.contiguous();
   auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   auto out = at::empty({1, g.T, nh * g.hd}, qkv.options());
@@ -471,7 +515,7 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                              double norm_eps, bool gated) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated, 0, false);
+                        gated, 0, false, c10::nullopt);
 }
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
@@ -485,7 +529,7 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False) -> Tensor");
+        "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, Tensor? tree=None) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False) -> Tensor");

@@ -1,0 +1,193 @@
+"""DDTree: the best-first draft tree, the tree-masked verify forward (each row equal to a
+plain step along its path, bit for bit in the serving configuration), the path commit
+(KV moved down, Gated DeltaNet state of a side branch), and the engine's tree steps:
+lossless against plain decoding, an oracle tree accepting its full depth, a best path that
+is not the first branch."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.engine.sampling import SamplingParams
+from dflash_server.spec.ddtree import build_tree
+from dflash_server.spec.proposer import DFlashProposer
+from helpers.build import pipeline, prompt_ids
+
+from .test_dflash import random_draft, run
+
+PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3, 6, 4, 9)   # a tree whose rows are made parent-first
+
+
+def test_best_first_tree():
+    """The heap search of the DDTree paper: nodes by cumulative log-probability, siblings by
+    rank, parents before children, within the budget and the depth."""
+    logp = torch.tensor([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05], [0.45, 0.35, 0.2]]).log()
+    t = build_tree(logp, 5)
+    # pops: .6 (d1 r0), .54 (d2 r0 under it), .3 (d1 r1), .27 (d2 r0 under that), .243 (d3 r0
+    # under .54)
+    assert t.tokens == [0, 0, 1, 0, 0] and t.parents == (-1, 0, 1, 0, 3, 2) and t.depth == 3
+    assert all(p < r for r, p in enumerate(t.parents) if r)
+    scores = []
+    for r in range(1, len(t.parents)):   # each node's cumulative probability
+        s, row = 1.0, r
+        while row > 0:
+            s *= math.exp(float(logp[_depth(t.parents, row) - 1, t.tokens[row - 1]]))
+            row = t.parents[row]
+        scores.append(s)
+    assert scores == sorted(scores, reverse=True)   # best first
+    # a budget past every path: all of them (3 + 9 + 27 nodes), never deeper than L
+    full = build_tree(logp, 63)
+    assert len(full.tokens) == 39 and full.depth == 3
+    assert build_tree(logp, 1).parents == (-1, 0) and build_tree(logp[:0], 4).tokens == []
+    ids = torch.tensor([7, 8, 9])
+    assert build_tree(logp, 3, ids).tokens == [7, 7, 8]    # a draft vocabulary's ids
+
+
+def _depth(parents, row):
+    d = 0
+    while parents[row] >= 0:
+        row, d = parents[row], d + 1
+    return d
+
+
+def _path(parents, t):
+    out = []
+    while t >= 0:
+        out.append(t)
+        t = parents[t]
+    return out[::-1]
+
+
+SERVING = dict(dtype=torch.bfloat16, quantize="int8")   # native kernels: bf16, int8 weights
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "gemma3", "gemma4", "laguna"])
+@pytest.mark.parametrize("config", ["serving", "fp32"])
+def test_tree_rows_equal_plain_steps(tiny_dir, family, config):
+    """Row t of a tree verify == the last step of plain decoding along t's path: bit-equal in
+    the serving configuration (the native attention step reads the row's ancestors as the
+    contiguous keys of a plain step; Gated DeltaNet rows step from their parent's state),
+    to rounding in fp32 (aten attention under a tree mask)."""
+    pipe = pipeline(tiny_dir(family), **(SERVING if config == "serving" else {}))
+    ids = prompt_ids(pipe, 24)
+    toks = [ids[20]] + [(37 * i) % 400 + 3 for i in range(1, len(PARENTS))]
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    pipe.checkpoint()
+    tree = pipe.forward(toks, 20, logits="all", tree=PARENTS).logits
+    pipe.rollback_tree([0])
+    for t in range(len(PARENTS)):
+        pipe.reset()
+        pipe.forward(ids[:20], 0)
+        for i, r in enumerate(_path(PARENTS, t)):
+            plain = pipe.forward([toks[r]], 20 + i, logits="all").logits[0]
+        if config == "serving":
+            assert torch.equal(plain, tree[t]), (family, t)
+        else:
+            torch.testing.assert_close(plain, tree[t], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_commit_of_a_side_branch(tiny_dir, family):
+    """Keeping a path through the second branch: the KV of its rows moves down to their
+    positions and the recurrent state is its last row's, so decoding on equals plain
+    decoding of that path (and the cache length is the path's)."""
+    pipe = pipeline(tiny_dir(family), **SERVING)
+    ids = prompt_ids(pipe, 24)
+    toks = [ids[20]] + [(53 * i) % 400 + 3 for i in range(1, len(PARENTS))]
+    path = _path(PARENTS, 8)                      # 0 -> 1 -> 3 -> 6 -> 8: rows move down
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    pipe.checkpoint()
+    pipe.forward(toks, 20, logits="all", tree=PARENTS)
+    pipe.rollback_tree(path)
+    assert pipe.length == 20 + len(path)
+    after = [pipe.forward([t], pipe.length, logits="all").logits[0] for t in (11, 12)]
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    for i, r in enumerate(path):
+        pipe.forward([toks[r]], 20 + i)
+    plain = [pipe.forward([t], pipe.length, logits="all").logits[0] for t in (11, 12)]
+    assert all(torch.equal(a, b) for a, b in zip(after, plain))
+    with pytest.raises(ValueError):               # not a path of the rows
+        pipe.checkpoint()
+        pipe.forward(toks[:3], pipe.length, tree=(-1, 0, 0))
+        pipe.rollback_tree([0, 2, 1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_tree_decoding_is_lossless(tiny_dir, family, stages):
+    """Greedy and seeded sampling with tree steps == plain decoding, serving configuration,
+    one stage and an in-process split; the trees are real (random draft, budget 12)."""
+    pipe = pipeline(tiny_dir(family), stages=stages, **SERVING)
+    ids = prompt_ids(pipe, 20)
+    draft = random_draft(pipe, block_size=6)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=4)):
+        ref = run(pipe, ids, sampling=sampling, max_tokens=40)
+        res = run(pipe, ids, DFlashProposer(draft, pipe, tree_budget=12), sampling=sampling, max_tokens=40)
+        assert res.token_ids == ref.token_ids, (family, stages, sampling)
+        spec = res.extra["spec"]
+        assert spec["tree_steps"] > 0 and spec["mean_tree_nodes"] > 5
+
+
+class OracleTree(DFlashProposer):
+    """Draft logits that put the target's own continuation at ``rank`` of each position
+    (``rank`` 1 at depth 1: the first branch is wrong, its sibling right)."""
+
+    def __init__(self, draft, pipe, prompt, continuation, wrong_first=False, **kw):
+        super().__init__(draft, pipe, **kw)
+        self.seq, self.wrong_first = list(prompt) + list(continuation), wrong_first
+
+    def _draft_logits(self, anchor, start, block):
+        V = self.pipeline.config.vocab_size
+        out = torch.full((block - 1, V), -30.0)
+        for i in range(block - 1):
+            j = start + 1 + i
+            right = self.seq[j] if j < len(self.seq) else 0
+            out[i, right] = 10.0
+            if i == 0 and self.wrong_first:
+                out[i, right] = 4.9
+                out[i, (right + 1) % V] = 5.0
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_oracle_tree_accepts_full_depth_and_finds_a_later_branch(tiny_dir, family):
+    pipe = pipeline(tiny_dir(family), **SERVING)
+    ids = prompt_ids(pipe, 20)
+    ref = run(pipe, ids, max_tokens=33).token_ids
+    draft = random_draft(pipe, block_size=8)
+    res = run(pipe, ids, OracleTree(draft, pipe, ids, ref, tree_budget=7), max_tokens=33)
+    spec = res.extra["spec"]
+    # 1 token from prefill + 4 trees accepting all 7 nodes of depth 7 (+ the bonus token)
+    assert res.token_ids == ref and spec["steps"] == 4 and spec["acceptance_length"] == 8
+    # the argmax chain starts on a wrong token and accepts nothing; a tree of 14 nodes holds
+    # the right path behind the wrong first branch and accepts all 7 of it
+    chain = run(pipe, ids, OracleTree(draft, pipe, ids, ref, wrong_first=True), max_tokens=33)
+    tree = run(pipe, ids, OracleTree(draft, pipe, ids, ref, wrong_first=True, tree_budget=14), max_tokens=33)
+    assert chain.token_ids == tree.token_ids == ref
+    assert chain.extra["spec"]["acceptance_length"] == 1.0
+    assert tree.extra["spec"]["acceptance_length"] == 8 and tree.extra["spec"]["steps"] == 4
+
+
+def test_no_tree_where_the_pipeline_cannot(tiny_dir):
+    """A budget with a pipeline that cannot verify trees (a KV Flash pool) runs chain steps,
+    still lossless; a tree forward there, or a budget past the native step's rows, is refused."""
+    from .test_kvflash import kv_pipeline
+
+    pipe = kv_pipeline(tiny_dir("llama"), 64)
+    assert not pipe.supports_tree
+    ids = prompt_ids(pipe, 20)
+    prop = DFlashProposer(random_draft(pipe, block_size=4), pipe, tree_budget=8)
+    res = run(pipe, ids, prop, max_tokens=24)
+    assert res.token_ids == run(pipe, ids, max_tokens=24).token_ids
+    assert res.extra["spec"]["tree_steps"] == 0 and res.extra["spec"]["steps"] > 0
+    with pytest.raises(ValueError, match="tree budget"):
+        DFlashProposer(random_draft(pipe), pipe, tree_budget=64)
+    pipe.checkpoint()
+    with pytest.raises(ValueError, match="tree forward"):
+        pipe.forward([1, 2], pipe.length, tree=(-1, 0))
