@@ -90,6 +90,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="verify block size N (may be smaller than trained), or auto (default): each step picks "
                         "the block, up to the trained one, expected to commit the most tokens per second from "
                         "measured acceptance and step times (1 = a plain decode step)")
+    d.add_argument("--ddtree", action="store_true",
+                   help="DDTree: verify a best-first tree of draft tokens each step instead of the argmax chain "
+                        "(lossless; local stages without a KV Flash pool, else chains)")
+    d.add_argument("--ddtree-budget", type=tree_budget_arg, default=None, metavar="N",
+                   help="draft tree nodes per step, 1-63 (default 22; implies --ddtree)")
     d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     f = p.add_argument_group("prefill compression (PFlash)")
     f.add_argument("--prefill-compression", default="off", choices=["off", "auto", "always"],
@@ -111,6 +116,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+DEFAULT_TREE_BUDGET = 22  # DDTree nodes per step (the seed's --ddtree-budget default)
 
 
 def _mode_for(gguf_type: str | None) -> str:
@@ -458,6 +464,8 @@ def resolve_draft_path(args):
     until a better draft ships."""
     from ..weights.default_model import default_draft_path
 
+    if (args.ddtree or args.ddtree_budget) and (args.no_draft or args.draft is None):
+        raise UserError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
     if args.no_draft or args.draft is None:
         return None
     if args.draft == "default":
@@ -475,6 +483,15 @@ def block_size_arg(text: str):
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 2 or auto, got {text!r}") from None
+
+
+def tree_budget_arg(text: str) -> int:
+    from ..spec.proposer import MAX_TREE_BUDGET
+
+    n = positive_int(text)
+    if n > MAX_TREE_BUDGET:
+        raise argparse.ArgumentTypeError(f"at most {MAX_TREE_BUDGET} nodes (a verify of 64 rows), got {n}")
+    return n
 
 
 def draft_quantize(layer_mode: str, device: str) -> str:
@@ -498,6 +515,8 @@ def load_proposer(args, pipeline, dtype, path, layer_mode: str = "dense"):
         auto = args.block_size == "auto"
         if not auto and args.block_size < 2:
             raise ValueError("--block-size must be >= 2 or auto")
-        return DFlashProposer(draft, pipeline, block_size=None if auto else args.block_size, adaptive=auto)
+        budget = args.ddtree_budget or (DEFAULT_TREE_BUDGET if args.ddtree else 0)
+        return DFlashProposer(draft, pipeline, block_size=None if auto else args.block_size, adaptive=auto,
+                              tree_budget=budget)
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

@@ -14,6 +14,9 @@ def speculative(proposer) -> dict:
     out["adaptive_block_size"] = proposer.sizer is not None
     # how sampled requests verify: rejection sampling, exact match, or auto (exact when seeded)
     out["sampled_verify"] = proposer.sampled_verify
+    # DDTree: the node budget of each step's draft tree (0: chains); active where the
+    # pipeline can verify trees (local stages, no KV Flash pool)
+    out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
     if proposer.sizer is not None:
         out["block_sizer"] = proposer.sizer.to_dict()
     return out

@@ -151,6 +151,8 @@ class Metrics:
                                   registry=r)
         self.spec_tau = Gauge(p + "spec_last_acceptance_length", "tokens committed per verify pass (last request)",
                               registry=r)
+        self.spec_tree = Counter(p + "spec_tree_steps", "verify passes over a DDTree (their drafted tokens are "
+                                 "its nodes)", registry=r)
         self.cache_hits = Counter(p + "prefix_cache_hits", "requests that restored a cached prefix",
                                   registry=r)
 
@@ -209,7 +211,8 @@ class Metrics:
         spec = (result.extra or {}).get("spec") if isinstance(result.extra, dict) else None
         if isinstance(spec, dict):
             for key, counter in (("proposed", self.spec_drafted), ("accepted", self.spec_accepted),
-                                 ("steps", self.spec_steps), ("plain_steps", self.spec_plain)):
+                                 ("steps", self.spec_steps), ("plain_steps", self.spec_plain),
+                                 ("tree_steps", self.spec_tree)):
                 v = spec.get(key)
                 if isinstance(v, (int, float)) and v > 0:
                     counter.inc(v)
