@@ -191,3 +191,25 @@ def test_no_tree_where_the_pipeline_cannot(tiny_dir):
     pipe.checkpoint()
     with pytest.raises(ValueError, match="tree forward"):
         pipe.forward([1, 2], pipe.length, tree=(-1, 0))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4_e"])
+def test_trees_across_a_shard_worker(tiny_dir, family):
+    """A pipeline whose last layers run in a shard worker verifies trees too (the worker
+    takes the tree and the path commit): tree decoding == plain decoding == the same trees
+    in one process, with the same statistics."""
+    pipe = pipeline(tiny_dir(family), devices=["cpu", "remote:cpu"], **SERVING)
+    try:
+        assert pipe.supports_tree
+        ids = prompt_ids(pipe, 20)
+        n = pipe.config.num_layers
+        draft = random_draft(pipe, block_size=6, taps=(1, n - 2))   # one tap on each side
+        ref = run(pipe, ids, max_tokens=30)
+        res = run(pipe, ids, DFlashProposer(draft, pipe, tree_budget=10), max_tokens=30)
+        assert res.token_ids == ref.token_ids and res.extra["spec"]["tree_steps"] > 0
+        local = pipeline(tiny_dir(family), stages=2, **SERVING)
+        loc = run(local, ids, DFlashProposer(random_draft(local, block_size=6, taps=(1, n - 2)), local,
+                                             tree_budget=10), max_tokens=30)
+        assert loc.token_ids == ref.token_ids and loc.extra["spec"] == res.extra["spec"]
+    finally:
+        pipe.close()

@@ -276,7 +276,7 @@ def test_wrong_protocol_version_is_a_clear_error(worker_address):
     assert sock.poll(5000)
     reply = msgpack.unpackb(sock.recv_multipart()[0])
     sock.close(0)
-    assert reply["ok"] is False and reply["error"]["message"] == "protocol version 99; this side speaks 1"
+    assert reply["ok"] is False and reply["error"]["message"] == "protocol version 99; this side speaks 2"
 
 
 def _fake_worker(addr, reply):
@@ -306,12 +306,12 @@ def _fake_worker(addr, reply):
 
 @pytest.mark.parametrize("reply,why", [
     (lambda m: [b"garbage"], "malformed"),
-    (lambda m: [msgpack.packb({"v": 1, "id": 1, "ok": True, "result": {},
+    (lambda m: [msgpack.packb({"v": 2, "id": 1, "ok": True, "result": {},
                                "tensors": [{"name": "x", "dtype": "f32", "shape": [1 << 20], "nbytes": 4 << 20,
                                             "frame": 1}]}), b"\0" * 8], "malformed"),
-    (lambda m: [msgpack.packb({"v": 1, "id": 1, "ok": True, "result": 5, "tensors": []})], "without a result"),
-    (lambda m: [msgpack.packb({"v": 2, "id": 1, "ok": True, "result": {}, "tensors": []})],
-     "protocol version 2; this side speaks 1"),
+    (lambda m: [msgpack.packb({"v": 2, "id": 1, "ok": True, "result": 5, "tensors": []})], "without a result"),
+    (lambda m: [msgpack.packb({"v": 1, "id": 1, "ok": True, "result": {}, "tensors": []})],
+     "protocol version 1; this side speaks 2"),
     (lambda m: [b"\0" * 4096], "did not answer"),  # over MAXMSGSIZE: dropped by ZeroMQ
     (lambda m: [], "did not answer"),
 ])

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tree verify (forward "tree", rollback_tree)
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 4096
 MAX_RANK = 6

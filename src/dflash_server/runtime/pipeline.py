@@ -99,10 +99,9 @@ class TargetPipeline:
 
     @property
     def supports_tree(self) -> bool:
-        """Whether DDTree verify (``forward(tree=...)``, ``rollback_tree``) runs here: every
-        stage in this process, one sequence per stage, position-addressed KV."""
-        return all(getattr(st, "rollback_tree", None) is not None and st.pool is None and st.batch == 1
-                   for st in self.stages)
+        """Whether DDTree verify (``forward(tree=...)``, ``rollback_tree``) runs here: one
+        sequence per stage and position-addressed KV everywhere (a shard worker included)."""
+        return all(getattr(st, "can_tree", False) for st in self.stages)
 
     def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
                 tree: tuple[int, ...] | None = None) -> PipelineOutput:

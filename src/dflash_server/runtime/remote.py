@@ -95,13 +95,21 @@ class RemoteStage:
     def weight_bytes(self) -> int:
         return int(self.link.setup_results[0].get("weight_bytes", 0)) if self.link.setup_results else 0
 
+    @property
+    def can_tree(self) -> bool:
+        """Tree verify runs on the worker's stages unless they page KV (KV Flash)."""
+        return not self._load["kvflash"]
+
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
-                capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
+                capture: tuple[int, ...] = (), carry: dict | None = None,
+                tree: tuple[int, ...] | None = None) -> StageOutput:
         if x.shape[0] != 1:
             raise ValueError("a remote stage runs batch 1")
         mine = [c for c in capture if self.begin <= c < self.end]
-        res, out = self._call("forward", {"start": start, "logits": logits, "capture": mine},
-                              {"x": x.to(self.dtype), **carry_tensors(carry)})
+        args = {"start": start, "logits": logits, "capture": mine}
+        if tree is not None:
+            args["tree"] = [int(p) for p in tree]
+        res, out = self._call("forward", args, {"x": x.to(self.dtype), **carry_tensors(carry)})
         caps = {c: out[f"cap.{c}"].to(self.device) for c in mine if f"cap.{c}" in out}
         if "kvflash" in res:
             self._kvflash_stats = res["kvflash"]
@@ -128,6 +136,9 @@ class RemoteStage:
 
     def rollback(self, length: int) -> None:
         self._call("rollback", {"length": int(length)})
+
+    def rollback_tree(self, path: list[int]) -> None:
+        self._call("rollback_tree", {"path": [int(r) for r in path]})
 
     def commit(self) -> None:
         self._call("commit")

@@ -46,6 +46,14 @@ def _int(a: dict, key: str) -> int:
     return v
 
 
+def _ints(a: dict, key: str, limit: int = 64) -> tuple[int, ...]:
+    v = a.get(key)
+    if not isinstance(v, list) or not 0 < len(v) <= limit or \
+            not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ValueError(f"argument {key!r} must be a list of 1 to {limit} integers")
+    return tuple(v)
+
+
 def _tensor(t: dict, key: str):
     if key not in t:
         raise ValueError(f"missing tensor {key!r}")
@@ -149,9 +157,10 @@ class ShardWorker:
                 not all(isinstance(c, int) for c in capture):
             raise ValueError("forward: logits must be last|all|none and capture a list of layer ids")
         capture, out_t, carry = tuple(capture), {}, carry_from_tensors(t)
+        tree = {"tree": _ints(a, "tree")} if a.get("tree") is not None else {}
         t0 = time.perf_counter()
         for st in stages:
-            out = st.forward(x, start, logits=mode, capture=capture, carry=carry)
+            out = st.forward(x, start, logits=mode, capture=capture, carry=carry, **tree)
             out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
             x, carry = out.hidden, out.carry
         if out.head_logits is not None:
@@ -188,6 +197,10 @@ class ShardWorker:
     def op_rollback(self, a, t):
         self._select(a)
         return self._each("rollback", _int(a, "length"))
+
+    def op_rollback_tree(self, a, t):
+        self._select(a)
+        return self._each("rollback_tree", list(_ints(a, "path")))
 
     def op_commit(self, a, t):
         self._select(a)

@@ -503,6 +503,11 @@ class LocalStage:
         if self.pool is not None:
             self.pool.truncate(length)
 
+    @property
+    def can_tree(self) -> bool:
+        """Whether ``forward(tree=...)`` runs here: one sequence, position-addressed KV."""
+        return self.pool is None and self.batch == 1
+
     @torch.inference_mode()
     def rollback_tree(self, path: list[int]) -> None:
         """After a tree forward: keep the rows of ``path`` (the root, then one accepted child
