@@ -213,3 +213,34 @@ def test_trees_across_a_shard_worker(tiny_dir, family):
         assert loc.token_ids == ref.token_ids and loc.extra["spec"] == res.extra["spec"]
     finally:
         pipe.close()
+
+
+def test_trees_in_sequence_slots_and_with_the_prefix_cache(tiny_dir):
+    """Sequences in slots, with tree steps when one runs alone: each one's output equals
+    running alone; a second turn restored from the prefix cache decodes as a cold one."""
+    from .test_batching import _pipe, _run_together
+
+    path = tiny_dir("qwen3_5")
+    alone = _pipe(path, 1)
+    together = _pipe(path, 3)
+    draft = random_draft(alone, block_size=5)
+    reqs = [GenerationRequest(tuple(prompt_ids(alone, 10 + 3 * i, seed=i)), max_tokens=16 + 16 * (i == 2),
+                              ignore_eos=True,
+                              sampling=SamplingParams() if i != 1 else SamplingParams(temperature=0.8, seed=9))
+            for i in range(3)]
+    want = [Engine(alone, proposer=DFlashProposer(draft, alone, tree_budget=8)).generate(r).token_ids for r in reqs]
+    eng = Engine(together, proposer=DFlashProposer(random_draft(together, block_size=5), together, tree_budget=8))
+    seqs, _ = _run_together(eng, reqs, when=[0, 0, 2])
+    assert [s.result.token_ids for s in seqs] == want
+    # (several running sequences decode plainly in one batched forward; one running alone
+    # speculates: the last one here verifies trees on its own)
+    assert seqs[2].result.extra["spec"]["tree_steps"] > 0
+
+    from .test_prefix_cache import converse
+
+    def engine(slots):
+        return Engine(alone, proposer=DFlashProposer(draft, alone, tree_budget=8), prefix_slots=slots)
+    cached, fresh = converse(engine(8)), converse(engine(0))
+    assert [a.token_ids for a in cached] == [b.token_ids for b in fresh]
+    assert [a.extra["spec"] for a in cached] == [b.extra["spec"] for b in fresh]
+    assert all(r.cached_tokens > 0 for r in cached[1:])
