@@ -16,14 +16,14 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
                          double scale, const at::Tensor& o_w, int64_t o_t, const at::Tensor& n2, double eps2,
                          const at::Tensor& gu_w, int64_t gu_t, int64_t inter, const at::Tensor& d_w, int64_t d_t,
                          const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                         double norm_eps, bool gated) {
+                         double norm_eps, bool gated, const c10::optional<at::Tensor>& tree) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer: x must be (1, T, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_cache.size(-1);
   using dflash::qmm_op;
   auto qkv = qmm_op(dflash::rms_norm_op(x, n1, eps1), qkv_w, qkv_t, qkv_n, hidden, -1);
   auto a = dflash::attention_step_op(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm,
-                                     norm_eps, gated);
+                                     norm_eps, gated, tree);
   auto x1 = x + qmm_op(a, o_w, o_t, hidden, attn, -1);
   auto gu = qmm_op(dflash::rms_norm_op(x1, n2, eps2), gu_w, gu_t, 2 * inter, hidden, -1);
   auto act = at::silu(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter);
@@ -60,7 +60,7 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("decoder_layer(Tensor x, Tensor n1, float eps1, Tensor qkv_w, int qkv_t, int qkv_n, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int start, int nh, int nkv, float scale, Tensor o_w, int o_t, "
         "Tensor n2, float eps2, Tensor gu_w, int gu_t, int inter, Tensor d_w, int d_t, Tensor? q_norm=None, "
-        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False) -> Tensor");
+        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, Tensor? tree=None) -> Tensor");
   m.def("decoder_layer_rows(Tensor x, Tensor n1, float eps1, Tensor qkv_w, int qkv_t, int qkv_n, Tensor cos, "
         "Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, int[] positions, int nh, int nkv, "
         "float scale, Tensor o_w, int o_t, Tensor n2, float eps2, Tensor gu_w, int gu_t, int inter, Tensor d_w, "
