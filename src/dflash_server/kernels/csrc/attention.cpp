@@ -109,14 +109,18 @@ struct KeyRows {
   const int64_t* tail;
   DFLASH_INLINE int64_t operator()(int64_t j) const { return j < m ? j : tail[j - m]; }
 };
+struct Contiguous {  // rows j (a causal block's row: no index to read)
+  DFLASH_INLINE int64_t operator()(int64_t j) const { return j; }
+};
 
 // one query row of one head against keys [0, n): out (hd) = softmax(q k^T * scale) v.
 // The reference arithmetic (the AVX2 version below does the same per lane): each score is 8
 // lanes over the head dimension (lane l: dims l, l + 8, ...) summed by sum8; the softmax
 // denominator sums key j into lane j % 8, in key order, then sum8; the output accumulates
 // keys in order with one fused multiply-add per element.
+template <typename Rows>
 DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd, float scale,
-                              float* scores, float* out, KeyRows at) {
+                              float* scores, float* out, Rows at) {
   // four keys at a time: four independent accumulation chains (each key's own arithmetic
   // is the same as alone)
   int64_t j = 0;
@@ -186,9 +190,9 @@ DFLASH_AVX2 inline __m256 exp_neg8(__m256 x) {
 }
 
 // out (8 NV) = sum_j (scores[j] * inv) v_j, keys in order, the output held in registers
-template <int NV>
+template <int NV, typename Rows>
 DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, const float* vc, int64_t n, float* out,
-                                             KeyRows at) {
+                                             Rows at) {
   constexpr int64_t hd = 8 * NV;
   __m256 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
@@ -200,8 +204,9 @@ DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, con
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
+template <typename Rows>
 DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd,
-                                 float scale, float* scores, float* out, KeyRows at) {
+                                 float scale, float* scores, float* out, Rows at) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
@@ -310,9 +315,13 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   int64_t n, lo;
   KeyRows at{0, nullptr};
   int64_t tail[64];
+  const float *kc = s.kc + kvh * g.max_ctx * g.hd, *vc = s.vc + kvh * g.max_ctx * g.hd;
   if (g.parents == nullptr) {
     n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
-    at.m = n - lo;
+    if constexpr (AVX2)
+      attend_row_avx2(q, kc + lo * g.hd, vc + lo * g.hd, n - lo, g.hd, g.scale, scores, o, Contiguous{});
+    else
+      attend_row(q, kc + lo * g.hd, vc + lo * g.hd, n - lo, g.hd, g.scale, scores, o, Contiguous{});
   } else {  // the cache before start, then the ancestors root first (a parent's row is before its child's)
     int64_t path[64], d = 0;
     for (int64_t r = t; r >= 0; r = g.parents[r]) path[d++] = r;
@@ -324,9 +333,11 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
       if (g.start + (d - 1 - i) >= lo) tail[k++] = g.start + path[i] - lo;
     at.tail = tail;
     n = at.m + k + lo;
+    if constexpr (AVX2)
+      attend_row_avx2(q, kc + lo * g.hd, vc + lo * g.hd, n - lo, g.hd, g.scale, scores, o, at);
+    else
+      attend_row(q, kc + lo * g.hd, vc + lo * g.hd, n - lo, g.hd, g.scale, scores, o, at);
   }
-  (AVX2 ? attend_row_avx2 : attend_row)(q, s.kc + (kvh * g.max_ctx + lo) * g.hd, s.vc + (kvh * g.max_ctx + lo) * g.hd,
-                                        n - lo, g.hd, g.scale, scores, o, at);
   T* dst = s.out + t * s.odim() + h * g.hd;
   if (g.gated) {
     for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[g.hd + i])));
