@@ -4,7 +4,8 @@ default model and its shipped draft, serving configuration, in one run.
     python benchmarks/ddtree.py [--budgets 4,8,16,22] [--prompts 3] [--max-tokens 96]
                                 [--threads 2] [--out FILE]
 
-Per prompt set: AR tok/s, the chain (fixed trained block) and each tree budget: tok/s
+Per prompt set: AR tok/s, the chain (fixed trained block, and adaptive), each fixed tree
+budget and the adaptive budget (what ``--ddtree`` serves): tok/s
 (medians), speedup over AR (geometric mean of per-prompt ratios; modes run back to back per
 prompt in rotating order), acceptance length tau, mean tree size, and how many outputs equal
 AR's. Also the cost of one tree verify of each budget relative to a one-row step. Writes JSON
@@ -65,9 +66,12 @@ def main():
     from dflash_server.weights.default_model import default_draft_path
 
     draft = load_draft(args.draft or default_draft_path())
-    engines = {"ar": Engine(pipe), "chain": Engine(pipe, proposer=DFlashProposer(draft, pipe))}
+    engines = {"ar": Engine(pipe), "chain": Engine(pipe, proposer=DFlashProposer(draft, pipe)),
+               "chain_auto": Engine(pipe, proposer=DFlashProposer(draft, pipe, adaptive=True))}
     for b in budgets:
         engines[f"tree{b}"] = Engine(pipe, proposer=DFlashProposer(draft, pipe, tree_budget=b))
+    # what `--ddtree` serves by default: the adaptive budget, up to the largest given
+    engines["tree_auto"] = Engine(pipe, proposer=DFlashProposer(draft, pipe, tree_budget=max(budgets), adaptive=True))
     for e in engines.values():
         e.warm_up()
     modes = [k for k in engines if k != "ar"]

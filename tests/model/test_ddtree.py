@@ -134,6 +134,28 @@ def test_tree_decoding_is_lossless(tiny_dir, family, stages):
         assert spec["tree_steps"] > 0 and spec["mean_tree_nodes"] > 5
 
 
+def test_adaptive_budget_is_lossless(tiny_dir):
+    """--ddtree with the adaptive sizer (the CLI default, --block-size auto): each step's
+    budget (0 = a plain step) is the sizer's choice; output == plain decoding."""
+    from dflash_server.spec.block_sizer import BlockSizer
+    from dflash_server.spec.tree_sizer import TreeSizer
+
+    from .test_kvflash import kv_pipeline
+
+    pipe = pipeline(tiny_dir("qwen3_5"), **SERVING)
+    ids = prompt_ids(pipe, 20)
+    prop = DFlashProposer(random_draft(pipe, block_size=6), pipe, tree_budget=12, adaptive=True)
+    assert isinstance(prop.sizer, TreeSizer) and prop.sizer.candidates == (0, 1, 2, 4, 8, 12)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=2)):
+        res = run(pipe, ids, prop, sampling=sampling, max_tokens=60)
+        assert res.token_ids == run(pipe, ids, sampling=sampling, max_tokens=60).token_ids
+        spec = res.extra["spec"]
+        assert spec["tree_steps"] > 0 and spec["plain_steps"] > 0   # both tried while exploring
+    assert set(prop.sizer.cost) == set(prop.sizer.candidates)
+    kv = kv_pipeline(tiny_dir("llama"), 64)   # no trees there: the chain's block sizer
+    assert isinstance(DFlashProposer(random_draft(kv), kv, tree_budget=12, adaptive=True).sizer, BlockSizer)
+
+
 class OracleTree(DFlashProposer):
     """Draft logits that put the target's own continuation at ``rank`` of each position
     (``rank`` 1 at depth 1: the first branch is wrong, its sibling right)."""

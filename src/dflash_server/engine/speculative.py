@@ -141,39 +141,48 @@ def tree_step(pipe, proposer, seq) -> str | None:
     ``[anchor, nodes]`` in one tree-masked forward, then walk from the root committing the
     target's token at each node (``seq.commit``: greedy, or one seeded draw per token) while
     it is a child of that node. The path's rows stay in the caches (KV moved down, recurrent
-    state of its last row); the token that left the tree is the next anchor."""
+    state of its last row); the token that left the tree is the next anchor. The budget is
+    the proposer's, or the adaptive sizer's choice (0: a plain decode step)."""
+    sizer = proposer.sizer
     spec_begin(proposer, seq)
     anchor, pos = seq.last, seq.pos
     # depth: at most the draft's block, the tokens left, and the room in the context
-    left = seq.req.max_tokens - len(seq.out.tokens)
-    block = min(proposer.block_size, left, pipe.max_ctx - pos)
+    block = min(proposer.block_size, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos)
     if block < 1:
         return "length"
-    budget = min(proposer.tree_budget, pipe.max_ctx - pos - 1)
-    tree = proposer.propose_tree(anchor, pos, block, budget) if block > 1 and budget > 0 else \
-        proposer.propose_tree(anchor, pos, 1, 0)
-    pipe.checkpoint()
-    verify = pipe.forward([anchor] + tree.tokens, pos, logits="all", capture=proposer.taps, tree=tree.parents)
-    children = tree.children()
-    path, done = [0], False
-    while True:
-        done = seq.commit(verify.logits[path[-1]])
-        nxt = None if done else children[path[-1]].get(seq.last)
-        if nxt is None:
-            break
-        path.append(nxt)
-    pipe.rollback_tree(path)
-    rows = torch.tensor(path, device=next(iter(verify.captures.values())).device) if verify.captures else None
-    caps = {k: v.index_select(1, rows.to(v.device)) for k, v in verify.captures.items()} if rows is not None else {}
-    proposer.add_context(caps, pos, len(path))
-    if tree.tokens:
+    chosen = sizer.choose() if sizer is not None else proposer.tree_budget
+    budget = min(chosen, pipe.max_ctx - pos - 1) if block > 1 else 0
+    t0 = time.perf_counter()
+    if budget == 0:   # a plain step: nothing to roll back, its features wait for the next draft
+        out = pipe.forward([anchor], pos, logits="all", capture=proposer.taps)
+        done = seq.commit(out.logits[0])
+        proposer.add_context(out.captures, pos, 1, defer=True)
+        seq.spec.record(0, 0)
+        path, logits = [0], out.logits[0]
+    else:
+        tree = proposer.propose_tree(anchor, pos, block, budget)
+        pipe.checkpoint()
+        verify = pipe.forward([anchor] + tree.tokens, pos, logits="all", capture=proposer.taps, tree=tree.parents)
+        children = tree.children()
+        path = [0]
+        while True:
+            done = seq.commit(verify.logits[path[-1]])
+            nxt = None if done else children[path[-1]].get(seq.last)
+            if nxt is None:
+                break
+            path.append(nxt)
+        pipe.rollback_tree(path)
+        rows = torch.tensor(path)
+        proposer.add_context({k: v.index_select(1, rows.to(v.device)) for k, v in verify.captures.items()},
+                             pos, len(path))
         seq.spec.record(len(tree.tokens), len(path) - 1)
         seq.spec.tree_steps += 1
-    else:
-        seq.spec.record(0, 0)
+        logits = verify.logits[path[-1]]
+    if sizer is not None:
+        sizer.observe(chosen, None if done else len(path), time.perf_counter() - t0)
     if done:
         return seq.out.finish
     seq.pos = pos + len(path)
     if seq.on_commit is not None:
-        seq.on_commit(seq.pos, verify.logits[path[-1]])
+        seq.on_commit(seq.pos, logits)
     return None

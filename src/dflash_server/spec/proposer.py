@@ -10,6 +10,7 @@ import torch
 
 from .block_sizer import BlockSizer
 from .ddtree import DraftTree, build_tree
+from .tree_sizer import TreeSizer
 
 MAX_TREE_BUDGET = 63  # nodes: with the anchor, a verify of at most 64 rows (the native step's limit)
 from .draft import DFlashDraft
@@ -68,7 +69,10 @@ class DFlashProposer:
                              "vocabulary): not with --draft-device remote:")
         self.taps = draft.cfg.target_layer_ids
         self.mask_id = draft.cfg.mask_token_id
-        self.sizer = BlockSizer(self.block_size) if adaptive else None
+        # adaptive: the chain's block size, or with trees the tree budget (up to tree_budget)
+        self.sizer = None
+        if adaptive:
+            self.sizer = TreeSizer(self.tree_budget) if self.uses_tree(pipeline) else BlockSizer(self.block_size)
         self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
         self._pendings = {0: self._pending}                  # per sequence slot
         self.vocab = getattr(draft, "vocab_ids", None)       # None: the whole vocabulary

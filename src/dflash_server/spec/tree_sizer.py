@@ -1,0 +1,106 @@
+"""Adaptive DDTree budget: each step, the tree size (0 = a plain decode step) expected to
+commit the most tokens per second.
+
+The chain's ``BlockSizer`` predicts any block's yield from per-position acceptance rates; a
+tree's yield has no such closed form, so it is measured per budget: the tokens each step
+with that budget committed (the bonus token included), a decayed running mean per request
+kind (greedy / sampled) with this request's own steps shrunk towards it, and the step's wall
+time as a moving average (``BlockSizer``'s cost rules: the first time only holds a place, a
+time under a quarter of the average replaces it). One fact ties the budgets together: the
+best-first tree of N nodes is contained in the tree of N + 1 built from the same draft pass,
+so a larger budget never accepts less; the estimate for N is therefore the largest estimate
+of any budget up to N, and a budget not yet measured inherits its smaller neighbours'.
+A plain step commits exactly one token. Every candidate is tried twice, and every
+``explore_every`` steps the least recently measured one runs again. The output does not
+depend on the choice (every tree is verified against the same target).
+"""
+from __future__ import annotations
+
+TREE_CANDIDATES = (0, 1, 2, 4, 8, 16, 32)
+
+
+class TreeSizer:
+    def __init__(self, max_budget: int, *, explore_every: int = 24, prior: float = 1.5, prior_weight: float = 2.0,
+                 request_weight: float = 6.0, decay: float = 0.995, cost_alpha: float = 0.25):
+        if max_budget < 1:
+            raise ValueError(f"an adaptive tree budget needs a budget >= 1, got {max_budget}")
+        self.max_budget = max_budget
+        self.candidates = tuple(sorted({b for b in TREE_CANDIDATES if b <= max_budget} | {max_budget}))
+        self.explore_every, self.decay, self.cost_alpha = explore_every, decay, cost_alpha
+        self.prior, self.prior_weight, self.request_weight = prior, prior_weight, request_weight
+        self.reset()
+
+    def reset(self) -> None:
+        self.cost: dict[int, float] = {}
+        self.measured: dict[int, int] = {}
+        self.samples: dict[int, int] = {}
+        self.history: dict[str, dict[int, list[float]]] = {}   # kind -> budget -> [tokens, steps]
+        self.requests: dict = {}
+        self.steps = 0
+        self.begin_request()
+
+    def begin_request(self, kind: str = "greedy", key=None) -> None:
+        if kind not in self.history:
+            self.history[kind] = {b: [0.0, 0.0] for b in self.candidates}
+        self.requests[key] = (kind, {b: [0.0, 0.0] for b in self.candidates})
+        self.select(key)
+
+    def select(self, key=None) -> None:
+        self.kind, self.req = self.requests[key]
+
+    def end_request(self, key=None) -> None:
+        if key is not None:
+            self.requests.pop(key, None)
+
+    def expected_tokens(self) -> dict[int, float]:
+        """Budget -> tokens a step commits on average (monotone in the budget)."""
+        hist, out, best = self.history[self.kind], {}, 1.0
+        for b in self.candidates:
+            if b == 0:
+                out[b] = 1.0
+                continue
+            tokens, steps = hist[b]
+            g = (tokens + self.prior_weight * max(self.prior, best)) / (steps + self.prior_weight)
+            rt, rs = self.req[b]
+            est = (rt + self.request_weight * g) / (rs + self.request_weight)
+            best = max(best, est)
+            out[b] = best
+        return out
+
+    def choose(self) -> int:
+        fresh = [b for b in self.candidates if self.samples.get(b, 0) < 2]
+        if fresh:
+            return fresh[-1]
+        if self.steps % self.explore_every == self.explore_every - 1:
+            return min(self.candidates, key=lambda b: self.measured[b])
+        est = self.expected_tokens()
+        return max(self.candidates, key=lambda b: est[b] / self.cost[b])
+
+    def observe(self, budget: int, committed: int | None, seconds: float) -> None:
+        """A step with ``budget`` nodes took ``seconds`` and committed ``committed`` tokens
+        (None when it ended early, e.g. at a stop: its yield is not observed)."""
+        self.steps += 1
+        if budget in self.candidates:
+            old, n = self.cost.get(budget), self.samples.get(budget, 0)
+            if n < 2 or seconds * 4 < old:
+                self.cost[budget] = seconds
+            else:
+                self.cost[budget] = old + self.cost_alpha * (seconds - old)
+            self.measured[budget] = self.steps
+            self.samples[budget] = n + 1
+        if committed is None or budget == 0 or budget not in self.candidates:
+            return
+        hist = self.history[self.kind]
+        for v in hist.values():
+            v[0] *= self.decay
+            v[1] *= self.decay
+        hist[budget][0] += committed
+        hist[budget][1] += 1
+        self.req[budget][0] += committed
+        self.req[budget][1] += 1
+
+    def to_dict(self) -> dict:
+        est = self.expected_tokens()
+        return {"candidates": list(self.candidates), "kind": self.kind, "tree": True,
+                "cost_ms": {b: round(c * 1e3, 3) for b, c in sorted(self.cost.items())},
+                "expected_tokens": {b: round(e, 3) for b, e in est.items()}}
