@@ -266,3 +266,37 @@ def test_trees_in_sequence_slots_and_with_the_prefix_cache(tiny_dir):
     assert [a.token_ids for a in cached] == [b.token_ids for b in fresh]
     assert [a.extra["spec"] for a in cached] == [b.extra["spec"] for b in fresh]
     assert all(r.cached_tokens > 0 for r in cached[1:])
+
+
+class SpreadTree(DFlashProposer):
+    """Draft logits equal over ``spread[d]`` at depth d + 1: trees full of alternatives,
+    some on the target's sampled path, others not."""
+
+    def __init__(self, draft, pipe, spread, **kw):
+        super().__init__(draft, pipe, **kw)
+        self.spread = [list(s) for s in spread]
+
+    def _draft_logits(self, anchor, start, block):
+        out = torch.full((block - 1, self.pipeline.config.vocab_size), -30.0)
+        for d in range(block - 1):
+            out[d, self.spread[min(d, len(self.spread) - 1)]] = 0.0
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_sampled_tree_decoding_matches_the_target_distribution(tiny_dir, family):
+    """Sampled tree steps (the walk keeps a child where it equals the target's own draw):
+    the joint distribution of the 2nd and 3rd tokens, which tree steps decide, is the
+    target's exact one over 600 runs (chi-square at the 99.9th percentile), with tree nodes
+    both kept and not."""
+    from .test_dflash import _chi2_of_runs, _exact_joint_23, chi2_999
+
+    pipe = pipeline(tiny_dir(family))
+    ids = prompt_ids(pipe, 10)
+    params = dict(temperature=1.5, top_k=3)
+    exact, _ = _exact_joint_23(pipe, ids, params)
+    spread = [sorted({a for a, _ in exact}), sorted({b for _, b in exact})]   # 2nd tokens, 3rd tokens
+    prop = SpreadTree(random_draft(pipe, block_size=4), pipe, spread, tree_budget=6)
+    chi2, dof, proposed, accepted, counts = _chi2_of_runs(pipe, ids, prop, params, exact)
+    assert chi2 < chi2_999(dof), (chi2, dof, counts)
+    assert 0 < accepted < proposed
