@@ -300,3 +300,31 @@ def test_sampled_tree_decoding_matches_the_target_distribution(tiny_dir, family)
     chi2, dof, proposed, accepted, counts = _chi2_of_runs(pipe, ids, prop, params, exact)
     assert chi2 < chi2_999(dof), (chi2, dof, counts)
     assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_chain_verify_blocks_equal_plain_steps(tiny_dir, family):
+    """In the serving configuration a chain verify block of 8 rows gives each row's logits
+    bit-equal to one-row steps (Qwen3.5's Gated DeltaNet too, through the native step), a
+    rollback into the block replays to the very state plain decoding reaches, and DFlash
+    with a random draft == plain decoding, greedy and seeded."""
+    pipe = pipeline(tiny_dir(family), **SERVING)
+    ids = prompt_ids(pipe, 30)
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    pipe.checkpoint()
+    block = pipe.forward(ids[20:28], 20, logits="all").logits
+    pipe.rollback(23)                                            # keep 3 of the 8 rows
+    after = pipe.forward([ids[29]], 23, logits="all").logits[0]
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    steps = [pipe.forward([t], 20 + i, logits="all").logits[0] for i, t in enumerate(ids[20:28])]
+    assert all(torch.equal(a, b) for a, b in zip(block, steps))
+    pipe.reset()
+    pipe.forward(ids[:23], 0)
+    assert torch.equal(pipe.forward([ids[29]], 23, logits="all").logits[0], after)
+    draft = random_draft(pipe, block_size=6)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):
+        ref = run(pipe, ids[:20], sampling=sampling, max_tokens=40)
+        assert run(pipe, ids[:20], DFlashProposer(draft, pipe, block_size=6), sampling=sampling,
+                   max_tokens=40).token_ids == ref.token_ids

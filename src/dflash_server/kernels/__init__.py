@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp", "layer.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
 HEADERS = ("ops.h",)
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
@@ -184,6 +184,11 @@ def _register_fakes() -> None:
     def _attention_rows_fake(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable=False,
                              q_norm=None, k_norm=None, norm_eps=1e-6, gated=False, window=0, v_norm=False):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_bank.shape[-1]))
+
+    @torch.library.register_fake("dflash::gdn_step")
+    def _gdn_step_fake(mixed, conv, conv_w, neg_a, dt_bias, norm_w, eps, ssm, hk, hv, dk, dv, portable=False):
+        return (mixed.new_empty((mixed.shape[0], mixed.shape[1], hv * dv)), conv.new_empty(conv.shape),
+                ssm.new_empty(ssm.shape))
 
     @torch.library.register_fake("dflash::decoder_layer")
     def _decoder_layer_fake(x, *args, **kwargs):

@@ -5,6 +5,13 @@ matrix S per value head. Neither can be cropped, so speculative rollback works b
 checkpoint + replay: while ``ctx.record`` is set the layer keeps the block's pre-conv
 inputs and (q, k, v, g, beta); ``rollback_to(n)`` recomputes the state after the first n
 recorded tokens from the checkpoint, which costs a tiny fraction of the verify pass.
+
+On a CPU with the native kernels, blocks of up to 64 rows (decode, verify, tree rows) run
+the whole mixer between the two projections as one C++ op (``dflash::gdn_step``): token by
+token, so a block's rows are bit-identical to one-row steps (a chain verify then agrees
+with plain decoding exactly, as the attention layers' native step does); the replay after a
+rollback re-runs that op on the recorded projection rows, so it lands on the very state
+plain decoding would have. Longer prefill chunks take the chunked form.
 """
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+from .attention import NATIVE_MAX_ROWS
 from .context import ForwardContext
 from .gdn_ops import causal_conv1d, gated_delta_rule, l2norm
 from .linear import Linear
@@ -46,7 +55,7 @@ class RecurrentState:
         self.discard_checkpoint()
 
     def recorded_tokens(self) -> int:
-        return sum(r[0].shape[-1] for r in self.records)
+        return sum(r[1].shape[1] if r[0] == "native" else r[0].shape[-1] for r in self.records)
 
     def rollback_to(self, n: int) -> None:
         """Make the state equal to "checkpoint + first n recorded tokens"."""
@@ -56,7 +65,16 @@ class RecurrentState:
         if not 0 <= n <= total:
             raise ValueError(f"cannot roll back to {n} of {total} recorded tokens")
         conv0, ssm0 = self.saved
-        if n < total:
+        native = [r[0] == "native" for r in self.records]
+        if any(native) and not all(native):
+            raise RuntimeError("a recurrent checkpoint recorded both native and aten rows")
+        if n < total and all(native):   # records (tag, mixed rows, replay fn)
+            mixed = torch.cat([r[1] for r in self.records], dim=1)[:, :n]
+            if n == 0:
+                self.conv, self.ssm = conv0.clone(), ssm0.clone()
+            else:
+                self.conv, self.ssm = self.records[0][2](mixed, conv0, ssm0)
+        elif n < total:
             qkv = torch.cat([r[0] for r in self.records], dim=-1)  # (1, C, total) pre-conv
             window = torch.cat([conv0, qkv], dim=-1)
             kw = conv0.shape[-1]
@@ -85,6 +103,21 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(norm_weight.detach().float(), requires_grad=False)
         self.out_proj = Linear(out_proj)
         self.eps = float(eps)
+        self.native = self.neg_A.device.type == "cpu" and kernels.enabled() and kernels.load()
+
+    def native_ok(self, x: torch.Tensor) -> bool:
+        """Whether these rows take ``dflash::gdn_step``: one sequence, a decode / verify /
+        tree block (<= 64 rows), no gradient, outside torch.compile."""
+        return (self.native and x.shape[0] == 1 and x.shape[1] <= NATIVE_MAX_ROWS and kernels.inference(x)
+                and not torch.compiler.is_compiling())
+
+    def _native(self, mixed: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+        """(out before out_proj, conv window, state) after ``mixed``'s rows from (conv, ssm)."""
+        return torch.ops.dflash.gdn_step(mixed, conv, self.conv_weight, self.neg_A, self.dt_bias, self.norm_weight,
+                                         self.eps, ssm, self.hk, self.hv, self.dk, self.dv)
+
+    def _replay(self, mixed: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+        return self._native(mixed, conv, ssm)[1:]
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> RecurrentState:
         k = self.conv_weight.shape[-1]
@@ -101,6 +134,11 @@ class GatedDeltaNet(nn.Module):
         if ctx.tree is not None:
             return self._tree(x, ctx, state)
         mixed = self.in_proj(x)
+        if self.native_ok(x):
+            if ctx.record:
+                state.records.append(("native", mixed, self._replay))
+            o, state.conv, state.ssm = self._native(mixed, state.conv, state.ssm)
+            return self.out_proj(o)
         qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         qkv_t = qkv.transpose(1, 2)  # (B, C, T)
         y, state.conv = causal_conv1d(qkv_t, state.conv, self.conv_weight)
@@ -111,6 +149,15 @@ class GatedDeltaNet(nn.Module):
         conv window and the recurrent matrix follow the tree), computed as a plain step of
         that row would be; every row's state is kept for ``take_tree_node``."""
         mixed = self.in_proj(x)
+        if self.native_ok(x):
+            nodes, outs = [], []
+            for t, p in enumerate(ctx.tree):
+                conv, ssm = (state.conv, state.ssm) if p < 0 else nodes[p]
+                o, conv, ssm = self._native(mixed[:, t:t + 1], conv, ssm)
+                outs.append(o)
+                nodes.append((conv, ssm))
+            state.tree_nodes = nodes
+            return self.out_proj(torch.cat(outs, dim=1))
         qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         qkv_t = qkv.transpose(1, 2)
         nodes, outs = [], []
