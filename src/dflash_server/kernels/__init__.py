@@ -22,7 +22,9 @@ block in one call),
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
 attention of a decode or verify block in one call). ``attention_rows`` and
 ``decoder_layer_rows`` are their forms for one decode row of each of several sequences,
-each in its own lane of a KV bank (continuous batching).
+each in its own lane of a KV bank (continuous batching). ``attention_step`` / ``decoder_layer``
+also take a DDTree (``tree``: each row's parent row). ``gdn_step`` (``csrc/gdn.cpp``) is a
+Gated DeltaNet mixer of a decode / verify block between its projections, token by token.
 """
 from __future__ import annotations
 
