@@ -17,11 +17,40 @@ from helpers.build import pipeline, prompt_ids
 from .test_dflash import random_draft
 
 
-def kv_pipeline(path, pool, stages=1, chunk=16, policy="lru", max_ctx=512, tau=64):
+def kv_pipeline(path, pool, stages=1, chunk=16, policy="lru", max_ctx=512, tau=64, dtype=torch.float32,
+                quantize="dense"):
     src = open_model(path)
     shards = plan_placement(src.config.num_layers, ["cpu"] * stages, together=src.config.kv_groups())
-    return build_pipeline(src, shards, dtype=torch.float32, max_ctx=max_ctx, progress=False,
+    return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, progress=False, quantize=quantize,
                           kvflash=KvFlashConfig(pool, chunk=chunk, policy=policy, tau=tau))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "laguna"])
+def test_resident_pool_is_bit_exact_in_the_serving_configuration(tiny_dir, family):
+    """With the native attention step reading pool slots in logical order, a pool that holds
+    everything gives plain decoding's logits bit for bit (bf16, int8 weights; prefill in
+    native-sized chunks), whatever the physical layout of its chunks, with DFlash too."""
+    path = tiny_dir(family)
+    ref_pipe = pipeline(path, dtype=torch.bfloat16, quantize="int8")
+    ids = prompt_ids(ref_pipe, 70)
+    ref = gen(ref_pipe, ids)
+    pipe = kv_pipeline(path, 256, dtype=torch.bfloat16, quantize="int8")
+    rnd = random.Random(1)
+    pager = pipe.stages[0].pager
+
+    def shuffled_reset(orig=pager.reset):
+        orig()
+        rnd.shuffle(pager.free)
+    pager.reset = shuffled_reset
+    got = gen(pipe, ids)
+    assert got.token_ids == ref.token_ids and not pager.is_identity()
+    for p in (ref_pipe, pipe):      # one more step's logits, bit for bit
+        p.reset()
+        p.prefill(ids, chunk=64)
+    assert torch.equal(ref_pipe.forward([ids[5]], 70, logits="all").logits,
+                       pipe.forward([ids[5]], 70, logits="all").logits)
+    prop = DFlashProposer(random_draft(pipe, block_size=4), pipe)
+    assert gen(pipe, ids, proposer=prop).token_ids == ref.token_ids
 
 
 def gen(pipe, ids, n=40, proposer=None):

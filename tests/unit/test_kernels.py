@@ -478,3 +478,37 @@ def test_attention_tree_rows_equal_their_paths(window):
         with pytest.raises(RuntimeError, match="tree|parent"):
             torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5,
                                             tree=torch.tensor(bad))
+
+
+def test_attention_over_slots_equals_positions():
+    """Slot-addressed KV (KV Flash pools): rows written to given cache rows and attending to
+    given key rows in logical order give, bit for bit, what position-addressed KV gives for
+    the same keys; hostile slot arguments are refused."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, max_ctx, start, T = 4, 2, 64, 64, 20, 3
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    cos, sin = table.rows(start, T)
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    k1, v1 = kc.clone(), vc.clone()
+    ref = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5)
+    # the same keys scattered: position p lives at slot perm[p]
+    perm = torch.randperm(max_ctx)
+    k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    k2[:, :, perm], v2[:, :, perm] = kc, vc
+    keys = torch.stack([torch.cat([perm[:start + t + 1], perm[:T - 1 - t]]) for t in range(T)])  # padded
+    counts = torch.tensor([start + t + 1 for t in range(T)])
+    out = torch.ops.dflash.attention_step(qkv, cos, sin, k2, v2, start, nh, nkv, hd ** -0.5,
+                                          write_rows=perm[start:start + T], key_rows=keys, key_counts=counts)
+    assert torch.equal(out, ref)
+    assert torch.equal(k2[:, :, perm[:start + T]], k1[:, :, :start + T])
+    bad = [dict(write_rows=torch.tensor([0, 1, max_ctx]), key_rows=keys, key_counts=counts),
+           dict(write_rows=perm[:T], key_rows=keys, key_counts=counts + 100),
+           dict(write_rows=perm[:T], key_rows=keys, key_counts=torch.zeros(T, dtype=torch.long)),
+           dict(write_rows=perm[:T], key_rows=keys.clamp(min=max_ctx), key_counts=counts),
+           dict(write_rows=perm[:T], key_rows=keys),
+           dict(write_rows=perm[:T], key_rows=keys, key_counts=counts, window=4)]
+    for kw in bad:
+        with pytest.raises(RuntimeError, match="attention_step"):
+            torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5, **kw)

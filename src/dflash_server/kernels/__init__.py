@@ -179,7 +179,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dflash::attention_step")
     def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False, q_norm=None,
-                             k_norm=None, norm_eps=1e-6, gated=False, window=0, v_norm=False, tree=None):
+                             k_norm=None, norm_eps=1e-6, gated=False, window=0, v_norm=False, tree=None,
+                             write_rows=None, key_rows=None, key_counts=None):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_cache.shape[-1]))
 
     @torch.library.register_fake("dflash::attention_rows")

@@ -117,9 +117,10 @@ class Attention(nn.Module):
 
     def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
         """Whether this block of rows takes the fused native step (decode and verify blocks
-        of one sequence, plain position-addressed KV, outside torch.compile: its graph fuses
-        this part itself, and the op's int position would make dynamo recompile every step)."""
-        return (self.native and x.shape[0] == 1 and x.shape[1] <= NATIVE_MAX_ROWS and ctx.slots is None
+        of one sequence, position-addressed KV or a KV Flash pool without the score policy,
+        outside torch.compile: its graph fuses this part itself, and the op's int position
+        would make dynamo recompile every step)."""
+        return (self.native and x.shape[0] == 1 and x.shape[1] <= NATIVE_MAX_ROWS
                 and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype == torch.float32
                 and not torch.compiler.is_compiling())
 
@@ -179,9 +180,15 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
+            args = self.native_args
+            if ctx.tree is not None:
+                args = {**args, "tree": ctx.tree_parents}
+            if ctx.slots is not None:  # KV Flash: write to the pool slots, read the visible ones in order
+                rows, counts = ctx.pool_keys(self.window)
+                args = {**{k: v for k, v in args.items() if k != "window"}, "write_rows": ctx.slots.cpu(),
+                        "key_rows": rows, "key_counts": counts}
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
-                                                  self.nkv, self.scale, **self.native_args,
-                                                  **({} if ctx.tree is None else {"tree": ctx.tree_parents}))
+                                                  self.nkv, self.scale, **args)
             return self.o(self._gated(out, x))
         return self.o(self._gated(self._attend(qkv, ctx, state, x.dtype), x))
 

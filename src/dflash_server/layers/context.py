@@ -100,6 +100,29 @@ class ForwardContext:
             m = self._masks[key] = (m.shape[1], m)
         return m
 
+    def pool_keys(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV Flash for the native attention step: (key_rows (T, L), key_counts (T,)), each
+        row's visible pool slots (as ``pool_mask`` defines them) in logical-position order, so
+        the step reads the same keys in the same order as over position-addressed KV."""
+        key = ("pool_keys", window)
+        got = self._masks.get(key)
+        if got is None:
+            pos = self.slot_pos.cpu()
+            P = pos.shape[0]
+            order = torch.argsort(pos, stable=True)
+            sp = pos[order][None, :]
+            q = torch.arange(self.start, self.end)[:, None]
+            ok = (sp >= 0) & (sp <= q)
+            if self.slot_until is not None:
+                ok &= q < self.slot_until.cpu()[order][None, :]
+            if window is not None:
+                ok &= sp > q - window
+            counts = ok.sum(1)
+            L = max(1, int(counts.max()))
+            first = torch.where(ok, torch.arange(P)[None, :], P).sort(dim=1).values[:, :L]
+            got = self._masks[key] = (order[first.clamp(max=P - 1)], counts)
+        return got
+
     def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:
         """Bool (T, end) mask, True = may attend; None when plain full attention over the
         prefix is already correct (a single query, no window)."""

@@ -46,7 +46,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
         if ctx.lanes is not None:
             return self._forward_rows(x, ctx, state)
-        if self._native_layer() and self.mixer.native_step_ok(x, ctx, state) and kernels.inference(x):
+        if ctx.slots is None and self._native_layer() and self.mixer.native_step_ok(x, ctx, state) \
+                and kernels.inference(x):
             # the ops below in one C++ call (bit-identical; ~12 fewer Python-level calls)
             m, f = self.mixer, self.mlp
             cos, sin = ctx.rope_f32(m.local_rope)

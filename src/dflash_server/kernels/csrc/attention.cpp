@@ -66,6 +66,13 @@ struct Geometry {
   // row t sits at position start + depth(t) and sees the cache before ``start`` and its
   // ancestors (itself included). null: a causal block, row t at start + t.
   const int64_t* parents = nullptr;
+  // slot-addressed KV (KV Flash pools): row t's K/V go to cache row write_rows[t], and row t
+  // attends to key_counts[t] cache rows key_rows[t * key_stride ...], in logical order (the
+  // caller's list: causal, window and residency already applied). null: position-addressed.
+  const int64_t* write_rows = nullptr;
+  const int64_t* key_rows = nullptr;
+  const int64_t* key_counts = nullptr;
+  int64_t key_stride = 0;
 };
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
@@ -283,8 +290,9 @@ DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
   const int64_t kvdim = g.nkv * g.hd;
   for (int64_t t = 0; t < g.T; ++t) {
     const T* row = s.qkv + t * s.width();
-    float* kd = s.kc + (h * g.max_ctx + g.start + t) * g.hd;
-    float* vd = s.vc + (h * g.max_ctx + g.start + t) * g.hd;
+    const int64_t at = g.write_rows ? g.write_rows[t] : g.start + t;
+    float* kd = s.kc + (h * g.max_ctx + at) * g.hd;
+    float* vd = s.vc + (h * g.max_ctx + at) * g.hd;
     std::vector<T> tmp(g.k_norm ? g.hd : 0);
     rotate(head_norm(row + s.qdim() + h * g.hd, g.k_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
            s.sin + t * g.rot, g.hd, g.rot, kd);
@@ -316,7 +324,14 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   KeyRows at{0, nullptr};
   int64_t tail[64];
   const float *kc = s.kc + kvh * g.max_ctx * g.hd, *vc = s.vc + kvh * g.max_ctx * g.hd;
-  if (g.parents == nullptr) {
+  if (g.key_rows != nullptr) {  // the caller's key list (logical order)
+    at.tail = g.key_rows + t * g.key_stride;
+    n = g.key_counts[t];
+    if constexpr (AVX2)
+      attend_row_avx2(q, kc, vc, n, g.hd, g.scale, scores, o, at);
+    else
+      attend_row(q, kc, vc, n, g.hd, g.scale, scores, o, at);
+  } else if (g.parents == nullptr) {
     n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
     if constexpr (AVX2)
       attend_row_avx2(q, kc + lo * g.hd, vc + lo * g.hd, n - lo, g.hd, g.scale, scores, o, Contiguous{});
@@ -380,7 +395,9 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
                           double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                           const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated, int64_t window,
-                          bool v_norm, const c10::optional<at::Tensor>& tree) {
+                          bool v_norm, const c10::optional<at::Tensor>& tree,
+                          const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
+                          const c10::optional<at::Tensor>& key_counts) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
@@ -404,7 +421,32 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
               "multiple of 8 and the rotary width even and at most head_dim");
   TORCH_CHECK(qkv_in.size(2) == ((gated ? 2 : 1) * nh + 2 * nkv) * g.hd,
               "dflash::attention_step: qkv width does not match heads");
-  TORCH_CHECK(start >= 0 && g.T <= g.max_ctx && start <= g.max_ctx - g.T, "dflash::attention_step: rows past the cache");
+  at::Tensor wr, kr, kcnt;
+  if (write_rows.has_value() || key_rows.has_value() || key_counts.has_value()) {
+    TORCH_CHECK(write_rows.has_value() && key_rows.has_value() && key_counts.has_value() && !tree.has_value() &&
+                    window == 0 && start >= 0,
+                "dflash::attention_step: slot-addressed KV takes write_rows, key_rows and key_counts together "
+                "(windows applied in the key lists; not with a tree)");
+    wr = write_rows->to(at::kLong).contiguous();
+    kr = key_rows->to(at::kLong).contiguous();
+    kcnt = key_counts->to(at::kLong).contiguous();
+    TORCH_CHECK(wr.dim() == 1 && wr.size(0) == g.T && kr.dim() == 2 && kr.size(0) == g.T && kcnt.dim() == 1 &&
+                    kcnt.size(0) == g.T,
+                "dflash::attention_step: write_rows (T), key_rows (T, L) and key_counts (T)");
+    const int64_t *w = wr.data_ptr<int64_t>(), *k = kr.data_ptr<int64_t>(), *c = kcnt.data_ptr<int64_t>();
+    const int64_t L = kr.size(1);
+    for (int64_t t = 0; t < g.T; ++t) {
+      TORCH_CHECK(w[t] >= 0 && w[t] < g.max_ctx, "dflash::attention_step: a write row past the cache");
+      TORCH_CHECK(c[t] >= 1 && c[t] <= L && c[t] <= start + t + 1,
+                  "dflash::attention_step: a row's key count must be in [1, its keys' width] and at most its position + 1");
+      for (int64_t j = 0; j < c[t]; ++j)
+        TORCH_CHECK(k[t * L + j] >= 0 && k[t * L + j] < g.max_ctx, "dflash::attention_step: a key row past the cache");
+    }
+    g.write_rows = w, g.key_rows = k, g.key_counts = c, g.key_stride = L;
+  } else {
+    TORCH_CHECK(start >= 0 && g.T <= g.max_ctx && start <= g.max_ctx - g.T,
+                "dflash::attention_step: rows past the cache");
+  }
   TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == g.T && sin_in.sizes() == cos_in.sizes(),
               "dflash::attention_step: cos/sin must be (T, rotary_dim)");
   at::Tensor parents;
@@ -526,7 +568,7 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                              double norm_eps, bool gated, const c10::optional<at::Tensor>& tree) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated, 0, false, tree);
+                        gated, 0, false, tree, c10::nullopt, c10::nullopt, c10::nullopt);
 }
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
@@ -540,7 +582,8 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, Tensor? tree=None) -> Tensor");
+        "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, Tensor? tree=None, "
+        "Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False) -> Tensor");
