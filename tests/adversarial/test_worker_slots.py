@@ -1,30 +1,18 @@
 """Hostile sequence-slot arguments to a shard worker (continuous batching): every bad slot
 count, slot id or row list is a clear value error, and the worker serves correctly after."""
-import os
-
 import pytest
 import torch
 
-from dflash_server.runtime import ipc_codec as codec
-from dflash_server.runtime.ipc_channel import proof
-from dflash_server.runtime.shard_worker import ShardWorker
 from dflash_server.weights.loader import open_model
+from helpers.worker import authed_worker
+from helpers.worker import call as _call
 
 SECRET = b"slots-secret-slots-secret"
 
 
-def _call(worker, op, args=None, tensors=None):
-    header, out = codec.decode(worker.handle(b"c", codec.encode({"op": op, "id": 1, "args": args or {}},
-                                                                tensors or {})))
-    return header, out
-
-
 @pytest.fixture(scope="module")
 def worker(tiny_dir):
-    w = ShardWorker(SECRET)
-    nonce = os.urandom(16)
-    h, _ = _call(w, "hello", {"nonce": nonce})
-    assert _call(w, "auth", {"proof": proof(SECRET, b"client", nonce, h["result"]["nonce"])})[0]["ok"]
+    w = authed_worker(SECRET)
     path = tiny_dir("llama")
     n = open_model(path).config.num_layers
     w.load_args = {"model": str(path), "shards": [["cpu", 1, n]], "dtype": "f32", "max_ctx": 64,

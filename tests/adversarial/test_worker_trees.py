@@ -1,31 +1,19 @@
 """Hostile DDTree arguments to a shard worker (``forward`` with ``tree``, ``rollback_tree``):
 every malformed tree or path is a clear value error that leaves the sequence as it was, and
 the worker verifies a real tree correctly after them."""
-import os
-
 import pytest
 import torch
 
-from dflash_server.runtime import ipc_codec as codec
-from dflash_server.runtime.ipc_channel import proof
-from dflash_server.runtime.shard_worker import ShardWorker
 from dflash_server.weights.loader import open_model
+from helpers.worker import authed_worker
+from helpers.worker import call as _call
 
 SECRET = b"trees-secret-trees-secret"
 
 
-def _call(worker, op, args=None, tensors=None):
-    header, out = codec.decode(worker.handle(b"c", codec.encode({"op": op, "id": 1, "args": args or {}},
-                                                                tensors or {})))
-    return header, out
-
-
 @pytest.fixture(scope="module")
 def worker(tiny_dir):
-    w = ShardWorker(SECRET)
-    nonce = os.urandom(16)
-    h, _ = _call(w, "hello", {"nonce": nonce})
-    assert _call(w, "auth", {"proof": proof(SECRET, b"client", nonce, h["result"]["nonce"])})[0]["ok"]
+    w = authed_worker(SECRET)
     path = tiny_dir("qwen3_5")
     cfg = open_model(path).config
     assert _call(w, "load", {"model": str(path), "shards": [["cpu", 1, cfg.num_layers]], "dtype": "f32",

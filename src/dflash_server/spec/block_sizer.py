@@ -29,7 +29,34 @@ from __future__ import annotations
 CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-class BlockSizer:
+class StepCosts:
+    """The measured wall time of steps per candidate (block size, tree budget): a moving
+    average whose first sample only holds a place, and which a time under a quarter of it
+    replaces outright (a one-off such as a compile must not stick). Needs ``candidates``,
+    ``cost_alpha`` and a ``steps`` counter."""
+
+    def reset_costs(self) -> None:
+        self.cost: dict[int, float] = {}          # candidate -> seconds per step (moving average)
+        self.measured: dict[int, int] = {}        # candidate -> step counter when last measured
+        self.samples: dict[int, int] = {}         # candidate -> steps measured
+
+    def fresh(self) -> list[int]:
+        """Candidates not yet measured twice (each is tried twice before it is judged)."""
+        return [b for b in self.candidates if self.samples.get(b, 0) < 2]
+
+    def measure(self, b: int, seconds: float) -> None:
+        if b not in self.candidates:
+            return
+        old, n = self.cost.get(b), self.samples.get(b, 0)
+        if n < 2 or seconds * 4 < old:
+            self.cost[b] = seconds
+        else:
+            self.cost[b] = old + self.cost_alpha * (seconds - old)
+        self.measured[b] = self.steps
+        self.samples[b] = n + 1
+
+
+class BlockSizer(StepCosts):
     def __init__(self, max_block: int, *, explore_every: int = 24, prior: float = 0.5, prior_weight: float = 2.0,
                  request_weight: float = 6.0, decay: float = 0.995, cost_alpha: float = 0.25):
         if max_block < 2:
@@ -42,9 +69,7 @@ class BlockSizer:
 
     def reset(self) -> None:
         """Forget every measurement (e.g. those of a warm-up that compiled graphs)."""
-        self.cost: dict[int, float] = {}          # B -> seconds per step (moving average)
-        self.measured: dict[int, int] = {}        # B -> step counter when last measured
-        self.samples: dict[int, int] = {}         # B -> steps measured
+        self.reset_costs()
         # earlier requests' counts per kind, decayed; index k = draft position
         self.history: dict[str, tuple[list[float], list[float]]] = {}
         self.requests: dict = {}   # key -> (kind, reach, hits) of each running request
@@ -100,7 +125,7 @@ class BlockSizer:
         return e
 
     def choose(self) -> int:
-        fresh = [b for b in self.candidates if self.samples.get(b, 0) < 2]
+        fresh = self.fresh()
         if fresh:
             return fresh[-1]
         if self.steps % self.explore_every == self.explore_every - 1:
@@ -112,16 +137,7 @@ class BlockSizer:
         """A step with ``block`` rows took ``seconds``; ``accepted`` drafts matched (None when
         the step ended early, e.g. at a stop string: acceptance not observed)."""
         self.steps += 1
-        if block in self.candidates:
-            old, n = self.cost.get(block), self.samples.get(block, 0)
-            # the first measurement is only a placeholder, and a far shorter one means the
-            # average holds a one-off (a compile): both are replaced outright
-            if n < 2 or seconds * 4 < old:
-                self.cost[block] = seconds
-            else:
-                self.cost[block] = old + self.cost_alpha * (seconds - old)
-            self.measured[block] = self.steps
-            self.samples[block] = n + 1
+        self.measure(block, seconds)
         if accepted is None or block < 2:
             return
         for k in range(1, self.max_block):

@@ -18,10 +18,12 @@ depend on the choice (every tree is verified against the same target).
 """
 from __future__ import annotations
 
+from .block_sizer import StepCosts
+
 TREE_CANDIDATES = (0, 1, 2, 4, 8, 16, 32)
 
 
-class TreeSizer:
+class TreeSizer(StepCosts):
     def __init__(self, max_budget: int, *, explore_every: int = 24, prior: float = 1.5, prior_weight: float = 2.0,
                  request_weight: float = 6.0, decay: float = 0.995, cost_alpha: float = 0.25):
         if max_budget < 1:
@@ -33,9 +35,7 @@ class TreeSizer:
         self.reset()
 
     def reset(self) -> None:
-        self.cost: dict[int, float] = {}
-        self.measured: dict[int, int] = {}
-        self.samples: dict[int, int] = {}
+        self.reset_costs()
         self.history: dict[str, dict[int, list[float]]] = {}   # kind -> budget -> [tokens, steps]
         self.requests: dict = {}
         self.steps = 0
@@ -70,7 +70,7 @@ class TreeSizer:
         return out
 
     def choose(self) -> int:
-        fresh = [b for b in self.candidates if self.samples.get(b, 0) < 2]
+        fresh = self.fresh()
         if fresh:
             return fresh[-1]
         est = self.expected_tokens()
@@ -87,14 +87,7 @@ class TreeSizer:
         """A step with ``budget`` nodes took ``seconds`` and committed ``committed`` tokens
         (None when it ended early, e.g. at a stop: its yield is not observed)."""
         self.steps += 1
-        if budget in self.candidates:
-            old, n = self.cost.get(budget), self.samples.get(budget, 0)
-            if n < 2 or seconds * 4 < old:
-                self.cost[budget] = seconds
-            else:
-                self.cost[budget] = old + self.cost_alpha * (seconds - old)
-            self.measured[budget] = self.steps
-            self.samples[budget] = n + 1
+        self.measure(budget, seconds)
         if committed is None or budget == 0 or budget not in self.candidates:
             return
         hist = self.history[self.kind]
