@@ -73,3 +73,20 @@ def test_bad_paths_then_a_good_one(worker, path, why):
     assert _call(worker, "forward", {"start": 5}, {"x": x["x"][:, [0, 2]]})[0]["ok"]
     want = _call(worker, "forward", {"start": 7, "logits": "all"}, nxt)[1]["logits"]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_paths_must_follow_the_tree_and_trees_end_their_checkpoint(worker):
+    """Rows in increasing order that are not parent and child, a tree forward away from its
+    checkpoint, a plain rollback into a tree's rows, a commit of a tree: all refused."""
+    assert _call(worker, "reset")[0]["ok"]
+    assert _call(worker, "forward", {"start": 0}, _x(worker, 5))[0]["ok"]
+    assert _call(worker, "checkpoint")[0]["ok"]
+    h, _ = _call(worker, "forward", {"start": 4, "logits": "all", "tree": [-1, 0]}, _x(worker, 2))
+    assert not h["ok"] and "checkpoint" in h["error"]["message"], h
+    assert _call(worker, "forward", {"start": 5, "logits": "all", "tree": [-1, 0, 0]}, _x(worker, 3))[0]["ok"]
+    for op, args in (("rollback_tree", {"path": [0, 1, 2]}), ("rollback", {"length": 7}), ("commit", {})):
+        h, _ = _call(worker, op, args)
+        assert not h["ok"] and h["error"]["kind"] == "value", (op, h)
+    assert _call(worker, "rollback_tree", {"path": [0, 1]})[0]["result"]["length"] == 7
+    h, _ = _call(worker, "rollback_tree", {"path": [0]})      # no tree since: nothing to keep
+    assert not h["ok"], h

@@ -41,6 +41,7 @@ class Lane:
     length: int = 0
     ckpt_length: int | None = None
     pool: KvPool | None = None
+    tree: tuple[int, ...] | None = None   # the parents of the last tree forward since the checkpoint
 
 
 @dataclass
@@ -326,8 +327,11 @@ class LocalStage:
             if len(tree) != T or self._ckpt_length is None or self.pool is not None or self.batch != 1:
                 raise ValueError("a tree forward needs one parent per row, a checkpoint, one sequence "
                                  "and position-addressed KV (no KV Flash pool)")
+            if start != self._ckpt_length:
+                raise ValueError("a tree forward starts at its checkpoint")
             at = torch.tensor(tree_depths(tree)) + start
             cos, sin = self.rope.cos[at], self.rope.sin[at]
+            self.lanes[self.lane].tree = tree
         else:
             cos, sin = self.rope.rows(start, T)
         ctx = ForwardContext(start, T, cos, sin, record=self._ckpt_length is not None)
@@ -469,6 +473,7 @@ class LocalStage:
     def reset(self) -> None:
         self.length = 0
         self._ckpt_length = None
+        self.lanes[self.lane].tree = None
         if self.pool is not None:
             self.pool.reset()
         for s in self.states:
@@ -483,6 +488,7 @@ class LocalStage:
         here and wherever later forwards reach. KV needs nothing (crop); recurrent layers
         save their state and record what replay needs."""
         self._ckpt_length = self.length
+        self.lanes[self.lane].tree = None
         for s in self.states:
             if s.kind == "recurrent":
                 s.checkpoint()
@@ -495,11 +501,14 @@ class LocalStage:
             raise RuntimeError("rollback without checkpoint")
         if not self._ckpt_length <= length <= self.length:
             raise ValueError(f"rollback to {length} outside [{self._ckpt_length}, {self.length}]")
+        if self.lanes[self.lane].tree is not None and length != self._ckpt_length:
+            raise ValueError("after a tree forward, keep a path with rollback_tree (or roll back to the checkpoint)")
         for s in self.states:
             if s.kind == "recurrent":
                 s.rollback_to(length - self._ckpt_length)
         self.length = length
         self._ckpt_length = None
+        self.lanes[self.lane].tree = None
         if self.pool is not None:
             self.pool.truncate(length)
 
@@ -517,9 +526,11 @@ class LocalStage:
         start = self._ckpt_length
         if start is None:
             raise RuntimeError("rollback without checkpoint")
-        n = len(path)
-        if not n or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])) or start + path[-1] >= self.length:
-            raise ValueError(f"tree path {path} is not a path of the last forward's rows")
+        n, parents = len(path), self.lanes[self.lane].tree
+        if parents is None:
+            raise RuntimeError("rollback_tree without a tree forward since the checkpoint")
+        if not n or path[0] != 0 or any(not 0 <= b < len(parents) or parents[b] != a for a, b in zip(path, path[1:])):
+            raise ValueError(f"tree path {path} is not a path of the last tree's rows")
         rows = torch.tensor(path, device=self.device) + start
         for s in self.states:
             if s.kind == "recurrent":
@@ -529,6 +540,7 @@ class LocalStage:
                 s.v[:, :, start:start + n] = s.v[:, :, rows]
         self.length = start + n
         self._ckpt_length = None
+        self.lanes[self.lane].tree = None
 
     def commit(self) -> None:
         """Accept everything since the checkpoint."""
