@@ -83,7 +83,7 @@ def test_rows_are_invariant_and_paths_identical(qname):
     x = torch.randn(64, k) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different scales
     x[5, 7] = 300.0  # an outlier channel
     full = torch.ops.dflash.qmm(x, packed, qtype, n, k)
-    for m in (1, 3, 8, 16, 33):
+    for m in (1, 3, 5, 8, 16, 21, 33, 40):  # AMX: chunks of 16 rows, short ones on the vector path
         part = torch.ops.dflash.qmm(x[:m], packed, qtype, n, k)
         assert torch.equal(part, full[:m]), m
     alone = torch.cat([torch.ops.dflash.qmm(x[i:i + 1], packed, qtype, n, k) for i in range(64)])
@@ -199,6 +199,19 @@ def test_no_compiler_means_the_aten_fallback(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("native kernels unavailable") == 1 and "no C++ compiler" in r.stderr
     assert "'native': False" in r.stdout
+
+
+def test_isa_cap_from_the_environment():
+    """DFLASH_KERNELS_ISA caps the path the ops pick (benchmarks compare paths with it; a user
+    can step around a misbehaving one); a name it does not know leaves the best path."""
+    best = torch.ops.dflash.isa()
+    code = "from dflash_server import kernels\nassert kernels.load()\nprint(kernels.status()['isa'])\n"
+    for want, expect in (("portable", "portable"), ("avx2", "avx2" if best >= 1 else "portable"),
+                         ("nonsense", kernels.ISAS[best])):
+        env = {**os.environ, "DFLASH_KERNELS_ISA": want, "DFLASH_KERNELS": "1"}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[-1] == expect, (want, r.stdout)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -10,8 +10,10 @@ with the machine's C++ compiler and ninja into a per-user cache keyed by the sou
 torch and Python versions (a progress line on stderr, ~1 min on 2 cores), and later runs
 load the cached library at once. Where that cannot work (no compiler, no ninja, a failed
 build) ``load()`` warns once and returns False; callers keep the
-aten path. The ops pick their instruction set at run time (AVX-512 VNNI, AVX-VNNI,
-AVX2+FMA, portable C++), all bit-identical.
+aten path. The ops pick their instruction set at run time (AMX tiles for ``qmm`` of 4+ rows
+on Q4_0/Q4_1/Q4_K/Q8_0 weights, AVX-512 VNNI, AVX-VNNI, AVX2+FMA, portable C++), all
+bit-identical; ``DFLASH_KERNELS_ISA=<name in ISAS>`` caps the choice (benchmarks compare paths
+with it).
 
 Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout
@@ -52,7 +54,7 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 values
 PY_REPACK = ("Q5_0", "Q5_1", *K_QUANTS)  # repacked by kquants.py (bit fields unpacked by vector ops)
 GROUP_BLOCK_BYTES = {2: 160, 3: 160, 6: 192, 7: 192, 8: 272, 12: 176, 13: 208, 14: 224}  # per block of 32, 8 rows
-ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni")
+ISAS = ("portable", "avx2", "avx-vnni", "avx512-vnni", "amx")
 
 _lock = threading.Lock()
 _state: dict = {}

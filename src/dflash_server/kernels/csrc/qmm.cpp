@@ -35,7 +35,11 @@
 #include <cstring>
 #include <immintrin.h>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -381,24 +385,40 @@ DFLASH_TARGET_AVX512 void rows_avx512(const uint8_t* g, int64_t k, const Acts& a
   DFLASH_GROUP_BODY(Dot::AVX512VNNI)
 }
 
-enum class Isa { Portable, AVX2, AVXVNNI, AVX512VNNI };
+enum class Isa { Portable, AVX2, AVXVNNI, AVX512VNNI, AMX };
+
+// Linux hands out the AMX tile state only to a process that asks for it (once, for all threads)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
 
 bool supported(Isa isa) {
   __builtin_cpu_init();
   const bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  const bool avx512 = base && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512bw");
   switch (isa) {
+    case Isa::AMX:
+      return avx512 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
     case Isa::AVX512VNNI:
-      return base && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512bw");
+      return avx512;
     case Isa::AVXVNNI: return base && __builtin_cpu_supports("avxvnni");
     case Isa::AVX2: return base;
     default: return true;
   }
 }
 
+// the best path this CPU runs, or at most DFLASH_KERNELS_ISA's (a name of kernels.ISAS: for
+// benchmarks and for machines where a path misbehaves)
 Isa detect() {
-  for (Isa isa : {Isa::AVX512VNNI, Isa::AVXVNNI, Isa::AVX2})
-    if (supported(isa)) return isa;
+  static const char* names[] = {"portable", "avx2", "avx-vnni", "avx512-vnni", "amx"};
+  int cap = 4;
+  if (const char* want = std::getenv("DFLASH_KERNELS_ISA"))
+    for (int i = 0; i < 5; ++i)
+      if (std::strcmp(want, names[i]) == 0) cap = i;
+  for (Isa isa : {Isa::AMX, Isa::AVX512VNNI, Isa::AVXVNNI, Isa::AVX2})
+    if (static_cast<int>(isa) <= cap && supported(isa)) return isa;
   return Isa::Portable;
 }
 
@@ -409,7 +429,7 @@ template <Kind K>
 void group(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
   if (isa == Isa::Portable) return group_portable<K>(g, k, a, m_rows, out);
   int64_t m = 0;
-  if (isa == Isa::AVX512VNNI) {
+  if (isa == Isa::AVX512VNNI || isa == Isa::AMX) {  // AMX: the groups it does not take (amx_takes)
     for (; m + 4 <= m_rows; m += 4) rows_avx512<K, 4>(g, k, a, m, out);
     for (; m < m_rows; ++m) rows_avx512<K, 1>(g, k, a, m, out);
   } else if (isa == Isa::AVXVNNI) {
@@ -432,6 +452,188 @@ void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, i
   }
 }
 
+// ---- AMX path: rows in chunks of 8 against two groups (16 outputs) per tile product ----------
+// Per block of 32 values, one tile product computes the exact int32 dots of 8 rows of x (tile
+// A: the rows' int8 codes, read in place) with 16 outputs (tile B: the two groups' codes, whose
+// 4-value chunks are already the layout AMX wants: chunk c of a group is row c of B); then
+// every (row, output) is scaled exactly as the vector paths scale it (acc += dot * (dw dx),
+// acc_e += e * (dx sx), block after block), so the results are bit-identical to theirs. Only
+// the integer dots move to the tile unit. What it costs (measured on a Sapphire-Rapids-class
+// VM): a tile load of bytes just written by vector stores waits ~70 cycles (no forwarding), so
+// the pair's blocks are all unpacked first; a C tile stored and read back at once stalls, so
+// block b's product runs while block b - 1's dots are scaled (tiles 0-2 / 3-5 alternate); and
+// the accumulators of a chunk of 8 rows stay in registers. It pays from a few rows on
+// (amx_takes); fewer rows stream the weights as fast on the vector path.
+#define DFLASH_TARGET_AMX \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+constexpr int AMX_MIN_ROWS = 4;
+constexpr int AMX_ROWS = 8;  // rows per tile product (x holds AMX_ROWS spare rows: tile A may read them)
+bool amx_takes(Kind k, int64_t m_rows) {
+  return m_rows >= AMX_MIN_ROWS && (k == Kind::Q4 || k == Kind::Q4K || k == Kind::Q8);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0 / 3: C (8 x ng*8 int32), 1 / 4: A (8 x 32 bytes), 2 / 5: B (8 x ng*32 bytes)
+DFLASH_TARGET_AMX void amx_configure(int ng) {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = AMX_ROWS;
+    cfg.colsb[t] = static_cast<uint16_t>(t % 3 == 1 ? 32 : ng * 32);
+  }
+  // not _tile_loadconfig: GCC 12 drops the stores into cfg before its builtin (it does not see
+  // the builtin read them), which leaves the tiles unconfigured
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+DFLASH_TARGET_AMX void amx_release() { _tile_release(); }
+
+// 8 floats into lanes 8 H .. 8 H + 7 of 16 (AVX-512F only: insertf32x8 would need DQ)
+template <int H>
+DFLASH_TARGET_AMX inline __m512 insert8(__m512 v, __m256 h) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(v), _mm256_castps_pd(h), H));
+}
+
+// every block of NG groups (gbytes apart) -> tile B's bytes (8 rows of NG * 32 per block) and
+// the blocks' 16 lanes of scales, computed as the vector paths compute them
+template <Kind K, int NG>
+DFLASH_TARGET_AMX void amx_unpack(const uint8_t* g, int64_t gbytes, int64_t nb, uint8_t* bt, float* dws,
+                                  float* ews) {
+  constexpr int RB = NG * 32;  // bytes per row of B
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 dw = _mm512_setzero_ps(), ew = _mm512_setzero_ps();
+    uint8_t* tb = bt + b * 8 * RB;
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* blk = g + j * gbytes + b * block_bytes(K);
+      if (K == Kind::Q8) {
+        for (int c = 0; c < 8; ++c)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32)));
+      } else {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32), _mm256_and_si256(q, low4));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tb + (c + 4) * RB + j * 32),
+                             _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+        }
+      }
+      const uint8_t* sp = blk + scales_at(K);
+      const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+      __m256 dwj = dh, ewj = _mm256_setzero_ps();
+      if (K == Kind::Q4) ewj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+      if (K == Kind::Q4K) {
+        dwj = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+        ewj = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
+      }
+      dw = j == 0 ? insert8<0>(dw, dwj) : insert8<1>(dw, dwj);
+      ew = j == 0 ? insert8<0>(ew, ewj) : insert8<1>(ew, ewj);
+    }
+    _mm512_store_ps(dws + b * 16, dw);
+    _mm512_store_ps(ews + b * 16, ew);
+  }
+}
+
+// block b's dots (a C tile stored in ct) into the chunk's accumulators (registers)
+#define DFLASH_AMX_SCALE(ct, b)                                                                         \
+  {                                                                                                     \
+    const __m512 dw = _mm512_load_ps(dws + (b) * 16), ew = _mm512_load_ps(ews + (b) * 16);              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AMX_ROWS; ++r) {                                        \
+      if (r < rows) {                                                                                   \
+        const int64_t mb = r * nb + (b);                                                                \
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_maskz_load_epi32(lanes, (ct) + r * 16));           \
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[mb])), acc[r]);              \
+        if (has_offset(K)) acc_e[r] = _mm512_fmadd_ps(ew, _mm512_set1_ps(a.ds[mb]), acc_e[r]);          \
+      }                                                                                                 \
+    }                                                                                                   \
+  }
+#define DFLASH_AMX_ISSUE(T0, T1, T2, b)                                                                 \
+  _tile_zero(T0);                                                                                       \
+  _tile_loadd(T2, bt + (b) * 8 * NG * 32, NG * 32);                                                     \
+  _tile_loadd(T1, a.q + (b) * QK, k);                                                                   \
+  if (Q8) _tile_dpbssd(T0, T1, T2); else _tile_dpbsud(T0, T1, T2);
+
+// `rows` (<= 8) rows of x against NG groups, their blocks unpacked in bt / dws / ews; out[j]
+// receives group j's (rows, 8) results. Tiles configured by amx_configure(NG).
+template <Kind K, int NG>
+DFLASH_TARGET_AMX void amx_rows(const uint8_t* bt, const float* dws, const float* ews, int64_t k, const Acts& a,
+                                int rows, float* const* out, const uint8_t* pf, int64_t pf_step) {
+  constexpr bool Q8 = K == Kind::Q8;
+  const int64_t nb = k / QK;
+  const __mmask16 lanes = NG == 2 ? 0xFFFF : 0x00FF;
+  alignas(64) int32_t ct[2][AMX_ROWS * 16];  // two blocks' dots, a row of NG * 8 per row of x
+  __m512 acc[AMX_ROWS], acc_e[AMX_ROWS];
+  for (int r = 0; r < AMX_ROWS; ++r) acc[r] = acc_e[r] = _mm512_setzero_ps();
+  DFLASH_AMX_ISSUE(0, 1, 2, 0)
+  for (int64_t b = 1; b < nb; ++b) {
+    if (pf)  // the next groups' weights, a slice a block, so that memory streams while the tiles compute
+      for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + (b - 1) * pf_step + o), _MM_HINT_T1);
+    if (b % 2) {
+      DFLASH_AMX_ISSUE(3, 4, 5, b)
+      _tile_stored(0, ct[0], 64);
+      DFLASH_AMX_SCALE(ct[0], b - 1)
+    } else {
+      DFLASH_AMX_ISSUE(0, 1, 2, b)
+      _tile_stored(3, ct[1], 64);
+      DFLASH_AMX_SCALE(ct[1], b - 1)
+    }
+  }
+  if ((nb - 1) % 2) {
+    _tile_stored(3, ct[1], 64);
+    DFLASH_AMX_SCALE(ct[1], nb - 1)
+  } else {
+    _tile_stored(0, ct[0], 64);
+    DFLASH_AMX_SCALE(ct[0], nb - 1)
+  }
+  alignas(64) float y[AMX_ROWS * 16];
+#pragma GCC unroll 8
+  for (int r = 0; r < AMX_ROWS; ++r)  // constant indices only: the accumulators stay in registers
+    _mm512_store_ps(y + r * 16, _mm512_add_ps(acc[r], acc_e[r]));
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < NG; ++j) std::memcpy(out[j] + r * NR, y + r * 16 + j * 8, NR * sizeof(float));
+}
+#undef DFLASH_AMX_SCALE
+#undef DFLASH_AMX_ISSUE
+
+// mt (<= 64) rows of x against NG groups starting at g (gbytes apart): unpack once, then rows
+// in chunks of 8; out[j] receives group j's (mt, 8) results
+template <Kind K, int NG>
+void amx_groups(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int64_t mt, float* const* out,
+                const uint8_t* next) {
+  const int64_t nb = k / QK;
+  thread_local std::vector<int8_t> raw;
+  raw.resize(nb * (8 * NG * 32 + 2 * 64) + 64);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+  float* dws = reinterpret_cast<float*>(base);
+  float* ews = dws + nb * 16;
+  uint8_t* bt = reinterpret_cast<uint8_t*>(ews + nb * 16);
+  amx_unpack<K, NG>(g, gbytes, nb, bt, dws, ews);
+  for (int64_t m0 = 0; m0 < mt; m0 += AMX_ROWS) {
+    const Acts part{a.q + m0 * k, a.d + m0 * (k / QK), a.ds + m0 * (k / QK), nullptr, nullptr};
+    float* o[2] = {out[0] + m0 * NR, out[1] + m0 * NR};
+    // the first chunk prefetches the next pair's weights (2 gbytes from `next`, over nb - 1 blocks)
+    amx_rows<K, NG>(bt, dws, ews, k, part, static_cast<int>(std::min<int64_t>(AMX_ROWS, mt - m0)), o,
+                    m0 == 0 ? next : nullptr, (2 * gbytes + nb - 2) / std::max<int64_t>(1, nb - 1));
+  }
+}
+
+template <int NG>
+void amx_run(Kind kind, const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int64_t mt, float* const* out,
+             const uint8_t* next) {
+  switch (kind) {
+    case Kind::Q4: return amx_groups<Kind::Q4, NG>(g, gbytes, k, a, mt, out, next);
+    case Kind::Q4K: return amx_groups<Kind::Q4K, NG>(g, gbytes, k, a, mt, out, next);
+    case Kind::Q8: return amx_groups<Kind::Q8, NG>(g, gbytes, k, a, mt, out, next);
+    default: TORCH_CHECK(false, "dflash::qmm: no AMX path for this block type");
+  }
+}
+
 void check_args(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k) {
   TORCH_CHECK(known_type(qtype), "dflash::qmm: unsupported block type ", qtype);
   TORCH_CHECK(k > 0 && k % QK == 0, "dflash::qmm: K must be a positive multiple of 32, got ", k);
@@ -449,7 +651,7 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1 && x_in.size(-1) == k,
               "dflash::qmm: x must be (..., ", k, ") on the CPU");
   // another path may be asked for (tests compare them); never one the CPU lacks
-  TORCH_CHECK(isa_override < 4, "dflash::qmm: unknown isa ", isa_override);
+  TORCH_CHECK(isa_override < 5, "dflash::qmm: unknown isa ", isa_override);
   const Isa isa = isa_override < 0 ? active_isa : static_cast<Isa>(isa_override);
   TORCH_CHECK(supported(isa), "dflash::qmm: this CPU cannot run isa ", isa_override);
   auto x = x_in.reshape({-1, k}).contiguous();
@@ -458,7 +660,7 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, ds;
   thread_local std::vector<int32_t> s, s_lo;
-  q.resize(m_rows * k);
+  q.resize((m_rows + AMX_ROWS) * k);  // spare rows: an AMX tile of 8 rows may read past the last
   s_lo.resize(m_rows * nb);
   d.resize(m_rows * nb);
   ds.resize(m_rows * nb);
@@ -507,8 +709,31 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   const int64_t gbytes = nb * group_block_bytes(qtype);
   const Kind kind = kind_of(qtype);
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, nb * m_rows));
+  const bool amx = isa == Isa::AMX && amx_takes(kind, m_rows);
   at::parallel_for(0, ng, grain, [&](int64_t g0, int64_t g1) {
     float tile[64 * NR];
+    if (amx) {  // groups in pairs (the last one alone), rows in tiles of 64
+      float tile2[64 * NR];
+      float* outs[2] = {tile, tile2};
+      int configured = 0;
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 64) {
+        const int64_t mt = std::min<int64_t>(64, m_rows - m0);
+        const Acts rows{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s + m0 * nb, a.s_lo + m0 * nb};
+        for (int64_t g = g0; g < g1; g += 2) {
+          const int pair = g + 1 < g1 ? 2 : 1;
+          if (configured != pair) amx_configure(pair);
+          configured = pair;
+          // prefetched while this pair computes: the pair 4 ahead (measured: 2-4 pairs hide the
+          // memory latency behind the tiles; the next pair alone does not)
+          const uint8_t* next = g + 9 < ng ? wp + (g + 8) * gbytes : nullptr;
+          if (pair == 2) amx_run<2>(kind, wp + g * gbytes, gbytes, k, rows, mt, outs, next);
+          else amx_run<1>(kind, wp + g * gbytes, gbytes, k, rows, mt, outs, next);
+          for (int j = 0; j < pair; ++j) store(outs[j], m0, mt, (g + j) * NR);
+        }
+      }
+      amx_release();
+      return;
+    }
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += 64) {  // rows in tiles of 64: the tile stays on the stack
         const int64_t mt = std::min<int64_t>(64, m_rows - m0);
@@ -571,7 +796,7 @@ at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k)
 }
 
 int64_t isa_level() { return static_cast<int64_t>(active_isa); }
-bool isa_supported(int64_t isa) { return isa >= 0 && isa < 4 && supported(static_cast<Isa>(isa)); }
+bool isa_supported(int64_t isa) { return isa >= 0 && isa < 5 && supported(static_cast<Isa>(isa)); }
 
 }  // namespace
 
