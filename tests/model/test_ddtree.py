@@ -152,8 +152,9 @@ def test_adaptive_budget_is_lossless(tiny_dir):
         spec = res.extra["spec"]
         assert spec["tree_steps"] > 0 and spec["plain_steps"] > 0   # both tried while exploring
     assert set(prop.sizer.cost) == set(prop.sizer.candidates)
-    kv = kv_pipeline(tiny_dir("llama"), 64)   # no trees there: the chain's block sizer
-    assert isinstance(DFlashProposer(random_draft(kv), kv, tree_budget=12, adaptive=True).sizer, BlockSizer)
+    kv = kv_pipeline(tiny_dir("llama"), 128)   # KV Flash pools verify trees too
+    assert isinstance(DFlashProposer(random_draft(kv), kv, tree_budget=12, adaptive=True).sizer, TreeSizer)
+    assert isinstance(DFlashProposer(random_draft(kv), kv, tree_budget=0, adaptive=True).sizer, BlockSizer)
 
 
 class OracleTree(DFlashProposer):
@@ -196,21 +197,53 @@ def test_oracle_tree_accepts_full_depth_and_finds_a_later_branch(tiny_dir, famil
     assert tree.extra["spec"]["acceptance_length"] == 8 and tree.extra["spec"]["steps"] == 4
 
 
-def test_no_tree_where_the_pipeline_cannot(tiny_dir):
-    """A budget with a pipeline that cannot verify trees (a KV Flash pool) runs chain steps,
-    still lossless; a tree forward there, or a budget past the native step's rows, is refused."""
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_trees_over_kv_flash_pools(tiny_dir, family):
+    """With a KV Flash pool each tree row reads the cache's visible slots and then its
+    ancestors' slots in logical order, and a path commit moves pool slots: rows == plain
+    steps along their paths, a side branch kept == plain decoding of it, and tree decoding
+    with a pool that pages during the run == plain decoding with that pool, bit for bit in
+    the serving configuration. Refused: a tree forward without a checkpoint, a budget past
+    the native step's rows."""
     from .test_kvflash import kv_pipeline
 
-    pipe = kv_pipeline(tiny_dir("llama"), 64)
-    assert not pipe.supports_tree
-    ids = prompt_ids(pipe, 20)
-    prop = DFlashProposer(random_draft(pipe, block_size=4), pipe, tree_budget=8)
-    res = run(pipe, ids, prop, max_tokens=24)
-    assert res.token_ids == run(pipe, ids, max_tokens=24).token_ids
-    assert res.extra["spec"]["tree_steps"] == 0 and res.extra["spec"]["steps"] > 0
+    pipe = kv_pipeline(tiny_dir(family), 128, chunk=16, **SERVING)
+    assert pipe.supports_tree
+    ids = prompt_ids(pipe, 24)
+    toks = [ids[20]] + [(41 * i) % 400 + 3 for i in range(1, len(PARENTS))]
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    pipe.checkpoint()
+    tree = pipe.forward(toks, 20, logits="all", tree=PARENTS).logits
+    path = _path(PARENTS, 8)
+    pipe.rollback_tree(path)
+    after = [pipe.forward([t], pipe.length, logits="all").logits[0] for t in (11, 12)]
+    for t in range(len(PARENTS)):
+        pipe.reset()
+        pipe.forward(ids[:20], 0)
+        for i, r in enumerate(_path(PARENTS, t)):
+            plain = pipe.forward([toks[r]], 20 + i, logits="all").logits[0]
+        assert torch.equal(plain, tree[t]), (family, t)
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    for i, r in enumerate(path):
+        pipe.forward([toks[r]], 20 + i)
+    plain = [pipe.forward([t], pipe.length, logits="all").logits[0] for t in (11, 12)]
+    assert all(torch.equal(a, b) for a, b in zip(after, plain))
+
+    draft = random_draft(pipe, block_size=6)
+    ref = run(pipe, ids, max_tokens=150)
+    res = run(pipe, ids, DFlashProposer(draft, pipe, tree_budget=12), max_tokens=150)
+    assert res.token_ids == ref.token_ids
+    assert res.extra["spec"]["tree_steps"] > 0
+    assert pipe.stages[0].pool.pager.page_outs > 0          # the pool paged while trees ran
+    # a budget past the chunk: trees are capped at one chunk of rows (the anchor + 15 nodes)
+    assert pipe.max_spec_rows == 16
+    wide = run(pipe, ids, DFlashProposer(draft, pipe, tree_budget=40), max_tokens=150)
+    assert wide.token_ids == ref.token_ids and 12 < wide.extra["spec"]["mean_tree_nodes"] <= 15
     with pytest.raises(ValueError, match="tree budget"):
         DFlashProposer(random_draft(pipe), pipe, tree_budget=64)
-    pipe.checkpoint()
+    pipe.commit()
     with pytest.raises(ValueError, match="tree forward"):
         pipe.forward([1, 2], pipe.length, tree=(-1, 0))
 

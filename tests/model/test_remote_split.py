@@ -150,6 +150,14 @@ def test_kvflash_across_the_remote_split(tiny_dir, closing, policy):
     assert a.token_ids == b.token_ids and a.extra["spec"] == b.extra["spec"]
     if policy == "lru":
         assert a.token_ids == long_ref
+    # DDTree on the pools (the worker verifies trees over its pool too)
+    def tree(pipe):
+        prop = DFlashProposer(random_draft(pipe, block_size=6, taps=(1, 4)), pipe, tree_budget=8)
+        return Engine(pipe, proposer=prop).generate(GenerationRequest(tuple(ids), max_tokens=150, ignore_eos=True))
+    a, b = tree(remote), tree(local)
+    assert a.token_ids == b.token_ids and a.extra["spec"] == b.extra["spec"] and a.extra["spec"]["tree_steps"] > 0
+    if policy == "lru":
+        assert a.token_ids == long_ref
     # a paged snapshot (rows, page table, policy state) exported from both sides and imported
     # back continues like the uninterrupted sequence
     remote.snapshot_save(1)

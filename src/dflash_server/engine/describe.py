@@ -15,7 +15,7 @@ def speculative(proposer) -> dict:
     # how sampled requests verify: rejection sampling, exact match, or auto (exact when seeded)
     out["sampled_verify"] = proposer.sampled_verify
     # DDTree: the node budget of each step's draft tree (0: chains); active where the
-    # pipeline can verify trees (local stages, no KV Flash pool)
+    # pipeline can verify trees (one sequence per forward)
     out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
     if proposer.sizer is not None:
         out["block_sizer"] = proposer.sizer.to_dict()

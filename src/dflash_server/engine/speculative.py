@@ -97,7 +97,7 @@ def speculative_step(pipe, proposer, seq) -> str | None:
     spec_begin(proposer, seq)
     want = sizer.choose() if sizer is not None else proposer.block_size
     anchor, pos = seq.last, seq.pos
-    block = min(want, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos)
+    block = min(want, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos, pipe.max_spec_rows)
     if block < 1:
         return "length"
     t0 = time.perf_counter()
@@ -151,7 +151,7 @@ def tree_step(pipe, proposer, seq) -> str | None:
     if block < 1:
         return "length"
     chosen = sizer.choose() if sizer is not None else proposer.tree_budget
-    budget = min(chosen, pipe.max_ctx - pos - 1) if block > 1 else 0
+    budget = min(chosen, pipe.max_ctx - pos - 1, pipe.max_spec_rows - 1) if block > 1 else 0
     t0 = time.perf_counter()
     if budget == 0:   # a plain step: nothing to roll back, its features wait for the next draft
         out = pipe.forward([anchor], pos, logits="all", capture=proposer.taps)

@@ -181,9 +181,10 @@ class Attention(nn.Module):
         if self.native_step_ok(x, ctx, state) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
             args = self.native_args
-            if ctx.tree is not None:
+            if ctx.tree is not None and ctx.slots is None:
                 args = {**args, "tree": ctx.tree_parents}
-            if ctx.slots is not None:  # KV Flash: write to the pool slots, read the visible ones in order
+            if ctx.slots is not None:  # KV Flash: write to the pool slots, read the visible ones in
+                # logical order (a tree row: the prefix, then its ancestors root first)
                 rows, counts = ctx.pool_keys(self.window)
                 args = {**{k: v for k, v in args.items() if k != "window"}, "write_rows": ctx.slots.cpu(),
                         "key_rows": rows, "key_counts": counts}

@@ -75,52 +75,73 @@ class ForwardContext:
     def end(self) -> int:
         return self.start + self.length
 
+    def _pool_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV Flash: (ok (T, P), key_pos (T, P)) on the CPU: whether row t may attend to pool
+        slot p, and the logical position of that key. A slot may be attended when it holds a
+        position before the row's (and inside the window), free / paged-out slots never; a
+        deferred eviction's slots are gone for rows from its position on. A tree row (DDTree)
+        sits at start + its depth and sees the cache before ``start`` and its ancestors' rows
+        (written at start + their row index, logically at start + their depth)."""
+        key = ("pool_view", window)
+        got = self._masks.get(key)
+        if got is not None:
+            return got
+        pos = self.slot_pos.cpu()[None, :]                     # (1, P)
+        T = self.length
+        if self.tree is None:
+            q = torch.arange(self.start, self.end)[:, None]    # (T, 1) the rows' positions
+            key_pos = pos.expand(T, -1)
+            ok = (pos >= 0) & (pos <= q)
+        else:
+            depth = torch.tensor(tree_depths(self.tree))
+            anc = torch.zeros(T, T, dtype=torch.bool)
+            for t, par in enumerate(self.tree):
+                if par >= 0:
+                    anc[t] = anc[par]
+                anc[t, t] = True
+            q = (self.start + depth)[:, None]
+            inside = (pos >= self.start) & (pos < self.end)    # the block's rows
+            row = (pos - self.start).clamp(0, T - 1)[0]        # (P,) block row of each slot
+            key_pos = torch.where(inside, self.start + depth[row][None, :], pos).expand(T, -1)
+            ok = ((pos >= 0) & (pos < self.start)) | (inside & anc[:, row])
+        if self.slot_until is not None:
+            ok = ok & (q < self.slot_until.cpu()[None, :])
+        if window is not None:
+            ok = ok & (key_pos > q - window)
+        got = self._masks[key] = (ok, key_pos)
+        return got
+
     def pool_mask(self, device: torch.device, window: int | None = None) -> tuple[int, torch.Tensor | None]:
-        """(n, mask): attend to pool slots [0, n) under the bool (T, n) mask; a slot may be
-        attended when it holds a position <= the query's (and inside the window), free /
-        paged-out slots never. A single query whose valid slots are exactly [0, n) gets no
-        mask (the fast unmasked path, as without KV Flash)."""
+        """(n, mask): attend to pool slots [0, n) under the bool (T, n) mask (``_pool_view``).
+        A single query whose valid slots are exactly [0, n) gets no mask (the fast unmasked
+        path, as without KV Flash)."""
         key = ("pool", str(device), window)
         m = self._masks.get(key)
-        if m is None and self.length == 1 and window is None:
-            valid = (self.slot_pos >= 0) & (self.slot_pos <= self.start)
-            if self.slot_until is not None:
-                valid &= self.slot_until > self.start
-            n = int(valid.sum())
-            if bool(valid[:n].all()):
-                m = self._masks[key] = (n, None)
         if m is None:
-            q_pos = torch.arange(self.start, self.end, device=device)[:, None]
-            k_pos = self.slot_pos.to(device)[None, :]
-            m = (k_pos >= 0) & (k_pos <= q_pos)
-            if self.slot_until is not None:  # a deferred eviction: gone for queries from its position on
-                m = m & (q_pos < self.slot_until.to(device)[None, :])
-            if window is not None:
-                m = m & (k_pos > q_pos - window)
-            m = self._masks[key] = (m.shape[1], m)
+            ok = self._pool_view(window)[0]
+            n = int(ok[0].sum())
+            if self.length == 1 and window is None and bool(ok[0, :n].all()):
+                m = (n, None)
+            else:
+                m = (ok.shape[1], ok.to(device))
+            self._masks[key] = m
         return m
 
     def pool_keys(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """KV Flash for the native attention step: (key_rows (T, L), key_counts (T,)), each
-        row's visible pool slots (as ``pool_mask`` defines them) in logical-position order, so
-        the step reads the same keys in the same order as over position-addressed KV."""
+        row's visible pool slots (``_pool_view``) in logical-position order, so the step
+        reads the same keys in the same order as over position-addressed KV (a tree row: as
+        the plain step of its path)."""
         key = ("pool_keys", window)
         got = self._masks.get(key)
         if got is None:
-            pos = self.slot_pos.cpu()
-            P = pos.shape[0]
-            order = torch.argsort(pos, stable=True)
-            sp = pos[order][None, :]
-            q = torch.arange(self.start, self.end)[:, None]
-            ok = (sp >= 0) & (sp <= q)
-            if self.slot_until is not None:
-                ok &= q < self.slot_until.cpu()[order][None, :]
-            if window is not None:
-                ok &= sp > q - window
+            ok, key_pos = self._pool_view(window)
+            P = ok.shape[1]
             counts = ok.sum(1)
             L = max(1, int(counts.max()))
-            first = torch.where(ok, torch.arange(P)[None, :], P).sort(dim=1).values[:, :L]
-            got = self._masks[key] = (order[first.clamp(max=P - 1)], counts)
+            # visible slots first, by logical position (unique among a row's visible keys)
+            order = torch.where(ok, key_pos, 1 << 62).argsort(dim=1, stable=True)[:, :L]
+            got = self._masks[key] = (order.clamp(max=P - 1), counts)
         return got
 
     def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:

@@ -98,9 +98,15 @@ class TargetPipeline:
                 st.close()
 
     @property
+    def max_spec_rows(self) -> int:
+        """The most rows a verify block (chain or tree) may write: a KV Flash pool's chunk
+        (its one spare chunk covers one new chunk per speculative forward)."""
+        return min(getattr(st, "max_spec_rows", 1 << 30) for st in self.stages)
+
+    @property
     def supports_tree(self) -> bool:
         """Whether DDTree verify (``forward(tree=...)``, ``rollback_tree``) runs here: one
-        sequence per stage and position-addressed KV everywhere (a shard worker included)."""
+        sequence per stage forward everywhere (a shard worker included)."""
         return all(getattr(st, "can_tree", False) for st in self.stages)
 
     def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),

@@ -96,9 +96,14 @@ class RemoteStage:
         return int(self.link.setup_results[0].get("weight_bytes", 0)) if self.link.setup_results else 0
 
     @property
+    def max_spec_rows(self) -> int:
+        kv = self._load["kvflash"]
+        return int(kv["chunk"]) if kv else 1 << 30
+
+    @property
     def can_tree(self) -> bool:
-        """Tree verify runs on the worker's stages unless they page KV (KV Flash)."""
-        return not self._load["kvflash"]
+        """Tree verify runs on the worker's stages (protocol 2), KV Flash pools included."""
+        return True
 
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
                 capture: tuple[int, ...] = (), carry: dict | None = None,

@@ -324,9 +324,8 @@ class LocalStage:
         x = x.to(self.device)
         if tree is not None:
             tree = tuple(int(p) for p in tree)
-            if len(tree) != T or self._ckpt_length is None or self.pool is not None or self.batch != 1:
-                raise ValueError("a tree forward needs one parent per row, a checkpoint, one sequence "
-                                 "and position-addressed KV (no KV Flash pool)")
+            if len(tree) != T or self._ckpt_length is None or self.batch != 1:
+                raise ValueError("a tree forward needs one parent per row, a checkpoint and one sequence")
             if start != self._ckpt_length:
                 raise ValueError("a tree forward starts at its checkpoint")
             at = torch.tensor(tree_depths(tree)) + start
@@ -513,9 +512,16 @@ class LocalStage:
             self.pool.truncate(length)
 
     @property
+    def max_spec_rows(self) -> int:
+        """Rows a speculative forward may write: with a KV Flash pool, one chunk (a verify
+        block that enters two new chunks would evict before its rows' positions)."""
+        return self.pool.pager.chunk if self.pool is not None else 1 << 30
+
+    @property
     def can_tree(self) -> bool:
-        """Whether ``forward(tree=...)`` runs here: one sequence, position-addressed KV."""
-        return self.pool is None and self.batch == 1
+        """Whether ``forward(tree=...)`` runs here: one sequence per forward (KV Flash pools
+        too: the rows' key lists follow the tree, ``rollback_tree`` moves pool slots)."""
+        return self.batch == 1
 
     @torch.inference_mode()
     def rollback_tree(self, path: list[int]) -> None:
@@ -532,13 +538,20 @@ class LocalStage:
         if not n or path[0] != 0 or any(not 0 <= b < len(parents) or parents[b] != a for a, b in zip(path, path[1:])):
             raise ValueError(f"tree path {path} is not a path of the last tree's rows")
         rows = torch.tensor(path, device=self.device) + start
+        dest = torch.arange(start, start + n, device=self.device)
+        if self.pool is not None:  # the rows live in pool slots: move slot to slot
+            slot = self.pool.pager.slots(start, start + len(parents))
+            rows = torch.tensor([slot[r] for r in path], device=self.device)
+            dest = torch.tensor(slot[:n], device=self.device)
         for s in self.states:
             if s.kind == "recurrent":
                 s.take_tree_node(path[-1])
             elif s.kind == "kv" and path != list(range(n)):
-                s.k[:, :, start:start + n] = s.k[:, :, rows]
-                s.v[:, :, start:start + n] = s.v[:, :, rows]
+                s.k[:, :, dest] = s.k[:, :, rows]
+                s.v[:, :, dest] = s.v[:, :, rows]
         self.length = start + n
+        if self.pool is not None:
+            self.pool.truncate(self.length)
         self._ckpt_length = None
         self.lanes[self.lane].tree = None
 
