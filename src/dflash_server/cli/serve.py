@@ -129,8 +129,8 @@ def _model_info(args, source, pipeline) -> dict:
                     "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
                     "kernels": kernels.status(), "parallel": pipeline.lanes,
                     "step_tokens": getattr(args, "step_tokens", None)},
-        "placement": [{"device": getattr(st, "label", str(st.device)), "layers": [st.begin, st.end],
-                       "remote": hasattr(st, "health")} for st in pipeline.stages],
+        "placement": [{"device": st.label, "layers": [st.begin, st.end], "remote": st.is_remote}
+                      for st in pipeline.stages],
     }
 
 

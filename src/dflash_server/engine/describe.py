@@ -45,7 +45,7 @@ def shards(pipeline) -> list[dict]:
     """Live status of shard workers (remote stages): status, pid, restarts, layers."""
     out = []
     for st in pipeline.stages:
-        if hasattr(st, "health"):  # a remote stage
+        if st.is_remote:
             h = st.health()
             out.append({k: h.get(k) for k in ("status", "error", "restarts", "pid")} | {"layers": [st.begin, st.end]})
     return out

@@ -368,9 +368,8 @@ class Engine:
         room = self.pipeline.max_ctx - len(ids) - 1
         res = self.generate(GenerationRequest(tuple(ids), max_tokens=max(1, min(max_tokens, room)),
                                               ignore_eos=True, cache_scope="off"))
-        sizer = getattr(self.proposer, "sizer", None)
-        if sizer is not None:       # its step times included the compiles
-            sizer.reset()
+        if self.proposer is not None and self.proposer.sizer is not None:
+            self.proposer.sizer.reset()   # its step times included the compiles
         return res
 
     def close(self) -> None:
@@ -379,16 +378,15 @@ class Engine:
             self.prefix_cache.close()
         finally:
             self.pipeline.close()
-            if hasattr(getattr(self.proposer, "draft", None), "close"):
-                self.proposer.draft.close()  # a draft in its own worker
+            if self.proposer is not None:
+                self.proposer.draft.close()  # stops a draft worker
             if self.compressor is not None:
                 self.compressor.close()      # a prefill drafter in its own worker
 
     def health(self) -> dict:
         """{"status": "ok"} or {"status": "degraded", "error": ...} while a shard worker restarts."""
         h = self.pipeline.health()
-        draft = getattr(self.proposer, "draft", None)
-        dh = draft.health() if h["status"] == "ok" and hasattr(draft, "health") else {"status": "ok"}
+        dh = self.proposer.draft.health() if h["status"] == "ok" and self.proposer is not None else {"status": "ok"}
         if dh["status"] != "ok":
             return {"status": "degraded", "error": dh["error"], "stage": "draft"}
         return h

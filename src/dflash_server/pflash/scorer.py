@@ -41,7 +41,7 @@ class PromptScorer:
     def from_stage(cls, stage, n_layers: int, chunk: int = 512) -> "PromptScorer":
         """``self:N``: the first ``n_layers`` layers of the target's first stage (shared
         weights, no second model in memory)."""
-        if not getattr(stage, "is_first", False) or not hasattr(stage, "layers"):
+        if not stage.is_first or stage.is_remote:
             raise ValueError("self:N needs the target's first layers in this process")
         if not 1 <= n_layers <= len(stage.layers):
             raise ValueError(f"self:{n_layers}: the first in-process stage has {len(stage.layers)} layers "

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from ..errors import Cancelled
 from .placement import ShardSpec, split_local_remote
 from .stage import LocalStage
+from .stage_protocol import Stage
 
 
 SCORE_TAIL = 32  # prompt tokens whose queries pick the resident KV chunks (score policy)
@@ -21,7 +22,7 @@ class PipelineOutput:
 
 
 class TargetPipeline:
-    def __init__(self, stages: list, source):
+    def __init__(self, stages: list[Stage], source):
         self.stages = stages
         self.source = source
         self.config = source.config
@@ -66,48 +67,47 @@ class TargetPipeline:
         """Most positions one forward may write (a KV Flash pool bounds it)."""
         out = self.max_ctx
         for st in self.stages:
-            p = getattr(st, "pager", None)
+            p = st.pager
             if p is not None:
                 out = min(out, p.chunk * p.max_new_chunks)
         return out
 
     def kvflash_stats(self) -> list[dict]:
-        return [s for st in self.stages if (s := getattr(st, "kvflash_stats", lambda: None)()) is not None]
+        return [s for st in self.stages if (s := st.kvflash_stats()) is not None]
 
     def kv_bytes(self) -> int:
-        return sum(st.kv_bytes() for st in self.stages if hasattr(st, "kv_bytes"))
+        return sum(st.kv_bytes() for st in self.stages)
 
     @property
     def epoch(self) -> int:
         """Changes whenever a stage lost its state (a shard worker restarted): snapshots
         taken before are gone."""
-        return sum(getattr(st, "epoch", 0) for st in self.stages)
+        return sum(st.epoch for st in self.stages)
 
     def health(self) -> dict:
         """{"status": "ok"} or "degraded" with the failing stage's error."""
         for st in self.stages:
-            h = st.health() if hasattr(st, "health") else {"status": "ok"}
+            h = st.health()
             if h["status"] != "ok":
-                return {"status": "degraded", "error": h.get("error"), "stage": getattr(st, "label", "")}
+                return {"status": "degraded", "error": h.get("error"), "stage": st.label}
         return {"status": "ok"}
 
     def close(self) -> None:
         """Stop shard workers (idempotent)."""
         for st in self.stages:
-            if hasattr(st, "close"):
-                st.close()
+            st.close()
 
     @property
     def max_spec_rows(self) -> int:
         """The most rows a verify block (chain or tree) may write: a KV Flash pool's chunk
         (its one spare chunk covers one new chunk per speculative forward)."""
-        return min(getattr(st, "max_spec_rows", 1 << 30) for st in self.stages)
+        return min(st.max_spec_rows for st in self.stages)
 
     @property
     def supports_tree(self) -> bool:
         """Whether DDTree verify (``forward(tree=...)``, ``rollback_tree``) runs here: one
         sequence per stage forward everywhere (a shard worker included)."""
-        return all(getattr(st, "can_tree", False) for st in self.stages)
+        return all(st.can_tree for st in self.stages)
 
     def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
                 tree: tuple[int, ...] | None = None) -> PipelineOutput:
@@ -161,7 +161,7 @@ class TargetPipeline:
             pos = start + len(body)
             self.checkpoint()
             out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
-            if any([st.reselect() for st in self.stages if hasattr(st, "reselect")]):
+            if any([st.reselect() for st in self.stages]):
                 self.rollback(pos)
                 out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
             else:
@@ -173,13 +173,13 @@ class TargetPipeline:
     def _piece(self, pos: int, n: int) -> int:
         """Length of the prefill forward at ``pos`` (at most ``n``; see KvPager.piece)."""
         for st in self.stages:
-            p = getattr(st, "pager", None)
+            p = st.pager
             if p is not None:
                 n = p.piece(pos, n)
         return n
 
     def _scoring(self) -> bool:
-        return any(getattr(getattr(st, "pool", None), "scoring", False) for st in self.stages)
+        return any(st.scoring for st in self.stages)
 
     def compile_decode(self) -> None:
         for st in self.stages:

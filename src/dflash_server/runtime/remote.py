@@ -19,7 +19,8 @@ from .worker_link import SECRET_ENV, RemoteOptions, WorkerLink  # noqa: F401 - r
 
 
 class RemoteStage:
-    is_first, is_last, batch = False, True, 1
+    is_first, is_last, batch, is_remote = False, True, 1, True
+    pager = None   # the worker pages its own pools (KvFlashConfig in the load message)
 
     def __init__(self, model: str, shards: list[tuple[str, int, int]], *, dtype: torch.dtype, max_ctx: int,
                  quantize: tuple[str, str], home: str, options: RemoteOptions, fingerprint: str | None = None,
@@ -94,6 +95,14 @@ class RemoteStage:
 
     def weight_bytes(self) -> int:
         return int(self.link.setup_results[0].get("weight_bytes", 0)) if self.link.setup_results else 0
+
+    @property
+    def scoring(self) -> bool:
+        kv = self._load["kvflash"]
+        return bool(kv) and kv.get("policy") == "score"
+
+    def kv_bytes(self) -> int:
+        return 0   # the KV lives in the worker's process
 
     @property
     def max_spec_rows(self) -> int:

@@ -129,6 +129,7 @@ class LocalStage:
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
         self.is_first, self.is_last = is_first, is_last
+        self.label, self.is_remote = str(self.device), False
         fam, w = source.family, _Weights(source, self.device, dtype)
         self.embed = fam.build_embedding(cfg, w) if is_first else None
         self.layers = []
@@ -443,6 +444,20 @@ class LocalStage:
     @property
     def pager(self):
         return self.pool.pager if self.pool is not None else None
+
+    @property
+    def scoring(self) -> bool:
+        return self.pool is not None and self.pool.scoring
+
+    @property
+    def epoch(self) -> int:
+        return 0   # an in-process stage never loses its state
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    def close(self) -> None:
+        pass
 
     def kv_bytes(self) -> int:
         """Bytes of attention KV held on the device (the pools, or the full preallocation), all slots."""

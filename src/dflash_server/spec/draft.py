@@ -346,6 +346,13 @@ class DFlashDraft(nn.Module):
     def reset(self) -> None:
         self.context.length = 0
 
+    def health(self) -> dict:
+        """An in-process draft is always up (``RemoteDraft`` reports its worker)."""
+        return {"status": "ok"}
+
+    def close(self) -> None:
+        """Nothing to stop in process (``RemoteDraft`` stops its worker)."""
+
     def select(self, lane: int) -> None:
         """Make ``lane``'s context the one the other methods act on (continuous batching:
         one context per sequence slot, allocated at its first use)."""
