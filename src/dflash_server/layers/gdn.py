@@ -88,6 +88,11 @@ class RecurrentState:
 
 
 class GatedDeltaNet(nn.Module):
+    # the mixer members a stage reads of every layer (Attention sets its own): a recurrent
+    # layer has no sliding window and shares no KV
+    window: int | None = None
+    kv_role: str = ""
+
     def __init__(self, *, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv_weight, A_log, dt_bias,
                  norm_weight, out_proj, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, eps: float):

@@ -151,7 +151,7 @@ class LocalStage:
         # KV Flash: a pool (and page table) per slot, each of the pool size; the most recent
         # chunks stay resident, at least a sliding layer's window of them, so sliding layers
         # attend exactly as with full KV while full layers page
-        windows = [w for layer in self.layers if (w := getattr(layer.mixer, "window", None))]
+        windows = [w for layer in self.layers if (w := layer.mixer.window)]
         if kvflash is not None and windows:
             kvflash = dataclasses.replace(kvflash, tail_chunks=max(kvflash.tail_chunks,
                                                                    -(-max(windows) // kvflash.chunk) + 1))
@@ -274,7 +274,7 @@ class LocalStage:
             if src is not None and src < self.begin and m.share_key not in mirrored:
                 m.kv_role = "mirror"
                 mirrored.add(m.share_key)
-            if getattr(m, "kv_role", "") == "store" and any(
+            if m.kv_role == "store" and any(
                     cfg.kv_source(j) == layer.index for j in range(self.end, cfg.num_layers)):
                 self._exports[m.share_key] = k
 
@@ -581,7 +581,7 @@ class LocalStage:
         """The first KV row a snapshot of ``length`` positions keeps for this layer: a
         sliding-window layer only needs its last window (every later query sees keys past
         ``position - window``; a restored sequence always continues at ``length``)."""
-        window = getattr(layer.mixer, "window", None)
+        window = layer.mixer.window
         return max(0, length - window) if window else 0
 
     def _state_tensors(self, length: int) -> dict[str, torch.Tensor]:
