@@ -63,7 +63,7 @@ class DFlashProposer:
             raise ValueError(f"tree budget must be in [0, {MAX_TREE_BUDGET}], got {tree_budget}")
         self.tree_budget = int(tree_budget)
         self.draft, self.pipeline = draft, pipeline
-        self.selector = getattr(draft, "selector", None)   # DFlash 2's candidate selector
+        self.selector = draft.selector                       # DFlash 2's candidate selector
         if draft.cfg.dflash2 and self.selector is None:
             raise ValueError("a DFlash 2 draft runs in this process only (its selector walks the target's "
                              "vocabulary): not with --draft-device remote:")
@@ -75,7 +75,7 @@ class DFlashProposer:
             self.sizer = TreeSizer(self.tree_budget) if self.uses_tree(pipeline) else BlockSizer(self.block_size)
         self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
         self._pendings = {0: self._pending}                  # per sequence slot
-        self.vocab = getattr(draft, "vocab_ids", None)       # None: the whole vocabulary
+        self.vocab = draft.vocab_ids                         # None: the whole vocabulary
         if fast_head is None:
             fast_head = pipeline.device.type == "cpu" and pipeline.stages[-1].dtype == torch.bfloat16
         # the token of each row of the draft's own head (None: row i is token i)

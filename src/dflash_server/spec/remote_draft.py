@@ -83,6 +83,8 @@ class _Context:
 
 
 class RemoteDraft:
+    selector = None   # DFlash 2's selector walks the target's vocabulary: in-process drafts only
+
     def __init__(self, path, *, device: str, home: str, dtype: torch.dtype, max_ctx: int, options: RemoteOptions,
                  quantize: str = "dense"):
         """``device``: the worker's device for the draft; ``home``: where results land."""
