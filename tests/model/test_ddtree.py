@@ -61,6 +61,23 @@ def _path(parents, t):
     return out[::-1]
 
 
+def _tree_verify(pipe, ids, toks):
+    """The tree PARENTS of ``toks`` verified after 20 prompt tokens: its (T, V) logits."""
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    pipe.checkpoint()
+    return pipe.forward(toks, 20, logits="all", tree=PARENTS).logits
+
+
+def _plain_along(pipe, ids, toks, t):
+    """The logits of plain decoding's last step along tree row ``t``'s path."""
+    pipe.reset()
+    pipe.forward(ids[:20], 0)
+    for i, r in enumerate(_path(PARENTS, t)):
+        plain = pipe.forward([toks[r]], 20 + i, logits="all").logits[0]
+    return plain
+
+
 SERVING = dict(dtype=torch.bfloat16, quantize="int8")   # native kernels: bf16, int8 weights
 
 
@@ -74,16 +91,10 @@ def test_tree_rows_equal_plain_steps(tiny_dir, family, config):
     pipe = pipeline(tiny_dir(family), **(SERVING if config == "serving" else {}))
     ids = prompt_ids(pipe, 24)
     toks = [ids[20]] + [(37 * i) % 400 + 3 for i in range(1, len(PARENTS))]
-    pipe.reset()
-    pipe.forward(ids[:20], 0)
-    pipe.checkpoint()
-    tree = pipe.forward(toks, 20, logits="all", tree=PARENTS).logits
+    tree = _tree_verify(pipe, ids, toks)
     pipe.rollback_tree([0])
     for t in range(len(PARENTS)):
-        pipe.reset()
-        pipe.forward(ids[:20], 0)
-        for i, r in enumerate(_path(PARENTS, t)):
-            plain = pipe.forward([toks[r]], 20 + i, logits="all").logits[0]
+        plain = _plain_along(pipe, ids, toks, t)
         if config == "serving":
             assert torch.equal(plain, tree[t]), (family, t)
         else:
@@ -211,19 +222,12 @@ def test_trees_over_kv_flash_pools(tiny_dir, family):
     assert pipe.supports_tree
     ids = prompt_ids(pipe, 24)
     toks = [ids[20]] + [(41 * i) % 400 + 3 for i in range(1, len(PARENTS))]
-    pipe.reset()
-    pipe.forward(ids[:20], 0)
-    pipe.checkpoint()
-    tree = pipe.forward(toks, 20, logits="all", tree=PARENTS).logits
+    tree = _tree_verify(pipe, ids, toks)
     path = _path(PARENTS, 8)
     pipe.rollback_tree(path)
     after = [pipe.forward([t], pipe.length, logits="all").logits[0] for t in (11, 12)]
     for t in range(len(PARENTS)):
-        pipe.reset()
-        pipe.forward(ids[:20], 0)
-        for i, r in enumerate(_path(PARENTS, t)):
-            plain = pipe.forward([toks[r]], 20 + i, logits="all").logits[0]
-        assert torch.equal(plain, tree[t]), (family, t)
+        assert torch.equal(_plain_along(pipe, ids, toks, t), tree[t]), (family, t)
     pipe.reset()
     pipe.forward(ids[:20], 0)
     for i, r in enumerate(path):
