@@ -6,9 +6,9 @@ a GPU (it also runs on ``--device cpu``, which is how it is tried where there is
 
 Checks (each one `dflash-server generate --json` in a fresh process, the built-in model,
 greedy): decode dense (`--quantize none`) and quantized (`auto`: on CUDA the GGUF's 4-bit
-layers through aten's int4 kernel), DFlash with the shipped draft == plain, an in-process
+layers through aten's int4 kernel), DFlash and DDTree with the shipped draft == plain, an in-process
 split device + cpu == unsplit, the disk prefix cache (a second process restores what the
-first wrote: == the first's text, and less prefill), KV Flash (`--kvflash auto`) == plain.
+first wrote: == the first's text, and less prefill), KV Flash (`--kvflash auto`) == plain, and the prefill speed of a ~3k-token document.
 A failing check is recorded (return code, the end of stderr) and the rest still run.
 Writes JSON (default ``$OUT/gpu_check.json``, else ``benchmarks/results/gpu_check.json``).
 """
@@ -30,8 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Name the capital of France, then list three facts about it."
 
 
-def run(device: str, max_tokens: int, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "dflash_server", "generate", "--json", "--device", device, "--chat", PROMPT,
+LONG_TEXT = ("The quarterly survey covered forty sites along the northern coast. Water temperature rose "
+             "at most sites, salinity stayed level, and the count of nesting birds fell by a fifth where "
+             "new housing reached the shore. The team recommends two more years of monthly samples. ")
+
+
+def run(device: str, max_tokens: int, *extra: str, prompt: str | None = PROMPT) -> dict:
+    cmd = [sys.executable, "-m", "dflash_server", "generate", "--json", "--device", device,
+           *(["--chat", prompt] if prompt is not None else []),
            "--max-tokens", str(max_tokens), "--ignore-eos", *extra]
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -55,7 +61,7 @@ def same(a: dict, b: dict) -> bool | None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     default_out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else \
         ROOT / "benchmarks" / "results" / "gpu_check.json"
     ap.add_argument("--out", default=str(default_out))
@@ -65,16 +71,22 @@ def main():
     checks["decode_quantized"] = run(dev, n)
     checks["decode_dense"] = run(dev, n, "--quantize", "none")
     checks["dflash"] = run(dev, n, "--draft", "default")
+    checks["ddtree"] = run(dev, n, "--draft", "default", "--ddtree")
     checks["split"] = run(dev, n, "--target-devices", f"{dev},cpu") if dev != "cpu" else \
         run(dev, n, "--target-devices", "cpu,cpu")
     with tempfile.TemporaryDirectory() as cache:
         checks["prefix_cache_write"] = run(dev, n, "--kv-cache-dir", cache)
         checks["prefix_cache_restore"] = run(dev, n, "--kv-cache-dir", cache)
     checks["kvflash"] = run(dev, n, "--kvflash", "auto")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as doc:   # prefill speed: a ~3k-token document
+        doc.write("Summarise this report in one line.\n\n" + LONG_TEXT * 24)
+        doc.flush()
+        checks["prefill_long"] = run(dev, 16, "--chat-file", doc.name, prompt=None)
     base = checks["decode_quantized"]
     equal = {"dflash == plain": same(checks["dflash"], base),
              "split == unsplit": same(checks["split"], base),
              "restart from disk == first run": same(checks["prefix_cache_restore"], checks["prefix_cache_write"]),
+             "ddtree == plain": same(checks["ddtree"], base),
              "kvflash == plain": same(checks["kvflash"], base)}
     summary = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
                "gpu": torch.cuda.get_device_name(0) if dev.startswith("cuda") and torch.cuda.is_available() else None,

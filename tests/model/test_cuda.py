@@ -1,0 +1,131 @@
+"""The CUDA path: the equivalences of the CPU suite, on a GPU (skipped where there is none;
+run by benchmarks/gpu_check.sh on a machine lent one). A GPU's kernels are not row-invariant
+(cuBLAS picks a kernel by shape), so logits are compared with a tolerance and token streams
+exactly (float32, seeded tiny models: no near-ties in 40 greedy steps)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_server.cache.disk import DiskCache
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.layers.linear import Linear
+from dflash_server.runtime.kv_pager import KvFlashConfig
+from dflash_server.runtime.pipeline import build_pipeline
+from dflash_server.runtime.placement import plan_placement
+from dflash_server.spec.draft import DFlashDraft
+from dflash_server.spec.proposer import DFlashProposer
+from dflash_server.weights.loader import open_model
+from helpers.build import pipeline, prompt_ids
+
+from .test_dflash import random_draft
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+GPU = "cuda:0"
+
+
+def gpu_draft(pipe, block_size=4, seed=1):
+    d = random_draft(pipe, block_size=block_size, seed=seed)
+    return DFlashDraft(d.cfg, DFlashDraft.random_tensors(d.cfg, seed, 0.05), GPU, torch.float32, pipe.max_ctx)
+
+
+def gen(pipe, ids, n=40, proposer=None, **kw):
+    return Engine(pipe, proposer=proposer, chunk=64, **kw).generate(
+        GenerationRequest(tuple(ids), max_tokens=n, ignore_eos=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "gemma3", "laguna"])
+def test_forward_and_greedy_match_cpu(tiny_dir, family):
+    cpu, gpu = pipeline(tiny_dir(family)), pipeline(tiny_dir(family), devices=[GPU])
+    ids = prompt_ids(cpu, 50)
+    for p in (cpu, gpu):
+        p.reset()
+    la = cpu.forward(ids, 0, logits="all").logits.float().cpu()
+    lb = gpu.forward(ids, 0, logits="all").logits.float().cpu()
+    assert (la - lb).abs().max() <= 1e-3 * la.abs().max()
+    assert gen(gpu, ids).token_ids == gen(cpu, ids).token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_dflash_and_ddtree_lossless(tiny_dir, family):
+    pipe = pipeline(tiny_dir(family), devices=[GPU])
+    ids = prompt_ids(pipe, 30)
+    ref = gen(pipe, ids).token_ids
+    for block in (2, 4, 8):
+        res = gen(pipe, ids, proposer=DFlashProposer(gpu_draft(pipe, 8), pipe, block_size=block))
+        assert res.token_ids == ref and res.extra["spec"]["steps"] > 0, block
+    tree = gen(pipe, ids, proposer=DFlashProposer(gpu_draft(pipe, 6), pipe, tree_budget=12))
+    assert tree.token_ids == ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_split_gpu_cpu_equals_unsplit(tiny_dir, family):
+    whole = pipeline(tiny_dir(family), devices=[GPU])
+    split = pipeline(tiny_dir(family), devices=[GPU, "cpu"])
+    ids = prompt_ids(whole, 30)
+    assert gen(split, ids).token_ids == gen(whole, ids).token_ids
+    prop = DFlashProposer(gpu_draft(split), split)
+    assert gen(split, ids, proposer=prop).token_ids == gen(whole, ids).token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_prefix_hit_and_disk_restore_equal_miss(tiny_dir, family, tmp_path):
+    tok = pipeline(tiny_dir(family)).tokenizer
+    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "Tell me about the sea."}]
+    ids = tok.encode_chat(turns)
+    more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
+                                    {"role": "user", "content": "Why is it salty?"}])
+
+    def engine(slots, disk=None):
+        return Engine(pipeline(tiny_dir(family), devices=[GPU]), chunk=64, prefix_slots=slots, disk_cache=disk)
+
+    def ask(eng, x):
+        return eng.generate(GenerationRequest(tuple(x), max_tokens=12, ignore_eos=True))
+
+    fresh = ask(engine(0), more)
+    warm = engine(4, DiskCache(tmp_path, "fp", 1 << 30, 0))
+    ask(warm, ids)
+    hit = ask(warm, more)
+    assert hit.token_ids == fresh.token_ids and hit.cached_tokens > 0
+    restarted = engine(4, DiskCache(tmp_path, "fp", 1 << 30, 0))   # a new process's view of the folder
+    again = ask(restarted, more)
+    assert again.token_ids == fresh.token_ids and again.cached_tokens > 0
+
+
+@pytest.mark.parametrize("pool", [512, 48])
+def test_kvflash_pool_on_gpu(tiny_dir, pool):
+    """A pool that holds everything equals plain decoding; a small one (paging) keeps the
+    device KV at the pool's size and still decodes."""
+    path = tiny_dir("llama")
+    plain = pipeline(path, devices=[GPU])
+    ids = prompt_ids(plain, 70)
+    src = open_model(path)
+    shards = plan_placement(src.config.num_layers, [GPU], together=src.config.kv_groups())
+    kv = build_pipeline(src, shards, dtype=torch.float32, max_ctx=512, progress=False,
+                        kvflash=KvFlashConfig(pool, chunk=16, policy="lru", tau=64))
+    got = gen(kv, ids, n=60)
+    if pool >= 512:
+        assert got.token_ids == gen(plain, ids, n=60).token_ids
+        assert gen(kv, ids, n=40, proposer=DFlashProposer(gpu_draft(kv), kv)).token_ids == \
+            gen(plain, ids, n=40).token_ids
+    else:
+        assert len(got.token_ids) == 60
+        assert kv.stages[0].pager is not None and kv.stages[0].kv_bytes() <= plain.stages[0].kv_bytes()
+
+
+def test_int4_gguf_layers_on_gpu(tmp_path):
+    """The GGUF's 4-bit layers through aten's int4 kernel (bf16) agree with the same layers
+    dequantized (bf16 dense) on the first greedy tokens and closely in logits."""
+    from helpers.tiny import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    dense = pipeline(path, devices=[GPU], dtype=torch.bfloat16, quantize="dense")
+    q4 = pipeline(path, devices=[GPU], dtype=torch.bfloat16, quantize="int4")
+    modes = {m.mode for layer in q4.stages[0].layers for m in layer.modules() if isinstance(m, Linear)}
+    assert "int4-cuda" in modes, modes
+    ids = prompt_ids(dense, 40)
+    for p in (dense, q4):
+        p.reset()
+    a, b = (p.forward(ids, 0, logits="all").logits.float() for p in (dense, q4))
+    assert int(a.argmax(-1)[-1]) == int(b.argmax(-1)[-1])
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
