@@ -53,6 +53,6 @@ export PYTHONPATH=$SITE:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 DFLASH_KERNELS_CA
 { nvidia-smi -L; lscpu | grep -E "Model name|Flags" | cut -c1-400
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_cuda.py \
+timeout ${CHECK_S:-300} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
+timeout ${TESTS_S:-200} python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_cuda.py \
   "tests/model/test_gdn_ops.py::test_cuda_matches_cpu" 2>&1 | tee "$OUT/tests.txt" | tail -40
-timeout 420 python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
