@@ -129,3 +129,23 @@ def test_int4_gguf_layers_on_gpu(tmp_path):
     a, b = (p.forward(ids, 0, logits="all").logits.float() for p in (dense, q4))
     assert int(a.argmax(-1)[-1]) == int(b.argmax(-1)[-1])
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
+
+
+def test_attention_backend_choice_matches_math():
+    """layers.sdpa on CUDA (cuDNN left out, see its docstring) against the math backend:
+    one query over growing caches, grouped heads, bf16 and fp32, with and without a mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dflash_server.layers.sdpa import sdpa
+
+    g = torch.Generator(GPU).manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for T, L in ((1, 100), (1, 101), (5, 140)):
+            q = torch.randn(1, 9, T, 64, device=GPU, dtype=dtype, generator=g)
+            k, v = (torch.randn(1, 3, L, 64, device=GPU, dtype=dtype, generator=g) for _ in range(2))
+            mask = torch.ones(T, L, dtype=torch.bool, device=GPU).tril(L - T) if T > 1 else None
+            with sdpa_kernel([SDPBackend.MATH]):
+                ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                       attn_mask=mask, enable_gqa=True)
+            got = sdpa(q, k, v, mask, gqa=True)
+            assert got.dtype == dtype and (got.float() - ref).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -18,6 +18,7 @@ from .context import ForwardContext
 from .linear import Linear
 from .norms import RMSNorm
 from .rope import apply_rope
+from .sdpa import sdpa
 
 
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
@@ -280,8 +281,7 @@ class Attention(nn.Module):
                 state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
             keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
             mask = ctx.causal_mask(qkv.device, self.window)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
-                                             scale=self.scale, enable_gqa=self.nh != self.nkv)
+        out = sdpa(q.transpose(1, 2).to(keys.dtype), keys, values, mask, self.scale, self.nh != self.nkv)
         if ctx.last_q is not None and k is not None:  # KV Flash re-selection scores chunks against these
             ctx.last_q.append(q[:, -SCORE_QUERY_ROWS:].detach())
         if ctx.attn_mass is not None and k is not None:  # KV Flash score policy: how much each slot was attended

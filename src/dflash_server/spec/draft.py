@@ -23,6 +23,7 @@ from ..layers.linear import Linear
 from ..layers.mlp import SwiGLU
 from ..layers.norms import RMSNorm
 from ..layers.rope import RotaryTable, apply_rope
+from ..layers.sdpa import sdpa
 from .config import DraftConfig
 
 
@@ -120,8 +121,7 @@ class DraftLayer(nn.Module):
         k, v = self.project_kv(h, cos, sin)
         keys = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
         values = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=mask,
-                                             enable_gqa=self.nh != self.nkv)
+        out = sdpa(q.transpose(1, 2).to(keys.dtype), keys, values, mask, gqa=self.nh != self.nkv)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype))
         if self.attention_conv is not None:
             out = self.attention_conv.finish(out, dyn)
