@@ -253,10 +253,11 @@ def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nh, nkv, hd, rot", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 1, 16, 16), (2, 1, 128, 64)])
-def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot):
+@pytest.mark.parametrize("start, T", [(37, 8), (301, 21)])   # (keys in several of the grouped path's blocks)
+def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot, start, T):
     from dflash_server.layers.rope import RotaryTable
 
-    max_ctx, start, T = 96, 37, 8
+    max_ctx = start + T + 51
     table = RotaryTable(hd, rot, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
     cos, sin = table.rows(start, T)
     qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(dtype)

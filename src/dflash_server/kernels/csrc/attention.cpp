@@ -211,11 +211,43 @@ DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, con
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
+// sum8 of eight accumulators at once, lane j holding key j's: the same additions in the same
+// tree (hadd adds neighbours: (x0 + x1), then ((x0 + x1) + (x2 + x3)) per 128-bit half, then the
+// halves), so each score rounds exactly as sum8_avx2 gives it, in ~9 instructions instead of
+// eight stores and 56 scalar adds
+DFLASH_AVX2 inline __m256 sum8x8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                      __m256 a7) {
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // keys 0-3: low | high halves
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));  // keys 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// scores of keys [j0, j1): eight at a time, then four, then one (a key's arithmetic is the
+// same in any of them: 8 lanes over the head dimension, sum8's tree, times scale)
 template <typename Rows>
-DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd,
-                                 float scale, float* scores, float* out, Rows at) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+DFLASH_AVX2 inline void scores_avx2(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t hd, float scale,
+                                    float* scores, Rows at) {
+  int64_t j = j0;
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (; j + 8 <= j1; j += 8) {  // eight keys: eight accumulation chains, one reduction
+    const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
+                *k3 = kc + at(j + 3) * hd, *k4 = kc + at(j + 4) * hd, *k5 = kc + at(j + 5) * hd,
+                *k6 = kc + at(j + 6) * hd, *k7 = kc + at(j + 7) * hd;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < hd; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+      a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
+      a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
+      a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
+      a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
+    }
+    _mm256_storeu_ps(scores + j, _mm256_mul_ps(sum8x8_avx2(a0, a1, a2, a3, a4, a5, a6, a7), sv));
+  }
+  for (; j + 4 <= j1; j += 4) {
     const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
                 *k3 = kc + at(j + 3) * hd;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -231,12 +263,17 @@ DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* v
     scores[j + 2] = sum8_avx2(a2) * scale;
     scores[j + 3] = sum8_avx2(a3) * scale;
   }
-  for (; j < n; ++j) {
+  for (; j < j1; ++j) {
     const float* k = kc + at(j) * hd;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
     scores[j] = sum8_avx2(acc) * scale;
   }
+}
+
+// scores[0, n) -> exp(score - max) in place; returns 1 / their sum (key j in lane j % 8)
+DFLASH_AVX2 inline float softmax_avx2(float* scores, int64_t n) {
+  int64_t j = 0;
   __m256 mv = _mm256_set1_ps(-INFINITY);
   for (j = 0; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + j));
   float mx = -INFINITY, lanes[8];
@@ -256,16 +293,39 @@ DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* v
     scores[j] = exp_neg(scores[j] - mx);
     part[j % 8] += scores[j];
   }
-  const float inv = 1.f / sum8(part);
+  return 1.f / sum8(part);
+}
+
+template <typename Rows>
+DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd,
+                                 float scale, float* scores, float* out, Rows at) {
+  scores_avx2(q, kc, 0, n, hd, scale, scores, at);
+  const float inv = softmax_avx2(scores, n);
   if (hd == 64) return weighted_values_avx2<8>(scores, inv, vc, n, out, at);
   if (hd == 128) return weighted_values_avx2<16>(scores, inv, vc, n, out, at);
   for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
-  for (j = 0; j < n; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
     const float* v = vc + at(j) * hd;
     for (int64_t i = 0; i < hd; i += 8)
       _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
   }
+}
+
+// acc (8 NV) += sum over keys [j0, j1) of (scores[j] * inv) v_j, in key order: blocks of keys
+// in order continue one row's accumulation exactly as weighted_values_avx2 runs it whole
+template <int NV>
+DFLASH_AVX2 inline void values_block_avx2(const float* scores, float inv, const float* vc, int64_t j0, int64_t j1,
+                                          float* acc) {
+  constexpr int64_t hd = 8 * NV;
+  __m256 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 p = _mm256_set1_ps(scores[j] * inv);
+    const float* v = vc + j * hd;
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, o[i]);
 }
 
 template <typename T>
@@ -361,6 +421,57 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   }
 }
 
+// The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
+// without a window, the keys streamed in blocks that every query of the group uses while they
+// are in L1: a kv head's keys and values are read from L2 once per group instead of once per
+// (row, head) (at a few hundred keys that re-reading was the step's cost). Each query's
+// arithmetic is attend_row_avx2's (scores per key, its softmax, values accumulated in key
+// order), so the output bits are the per-row path's.
+template <typename T, int NV>
+DFLASH_AVX2 void group_avx2(const Step<T>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
+  const Geometry& g = s.g;
+  constexpr int64_t hd = 8 * NV, KB = 32;
+  const int64_t G = g.nh / g.nkv, Q = u1 - u0, width = g.start + g.T, stride = 2 * hd + width;
+  buf.resize(static_cast<size_t>(Q * stride));
+  float* base = buf.data();  // per query: q (hd), the output accumulator (hd), scores (width)
+  const float *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
+  std::vector<T> tmp(g.q_norm ? hd : 0);
+  float inv[128];
+  int64_t n[128];
+  for (int64_t u = 0; u < Q; ++u) {
+    const int64_t h = kvh * G + (u0 + u) / g.T, t = (u0 + u) % g.T;
+    const T* src = s.qkv + t * s.width() + h * s.qhead();
+    rotate(head_norm(src, g.q_norm, g.norm_eps, hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, hd, g.rot,
+           base + u * stride);
+    n[u] = g.start + t + 1;
+  }
+  for (int64_t kb = 0; kb < width; kb += KB)
+    for (int64_t u = 0; u < Q; ++u)
+      if (kb < n[u])
+        scores_avx2(base + u * stride, kc, kb, std::min(kb + KB, n[u]), hd, g.scale, base + u * stride + 2 * hd,
+                    Contiguous{});
+  for (int64_t u = 0; u < Q; ++u) {
+    inv[u] = softmax_avx2(base + u * stride + 2 * hd, n[u]);
+    std::memset(base + u * stride + hd, 0, hd * sizeof(float));
+  }
+  for (int64_t kb = 0; kb < width; kb += KB)
+    for (int64_t u = 0; u < Q; ++u)
+      if (kb < n[u])
+        values_block_avx2<NV>(base + u * stride + 2 * hd, inv[u], vc, kb, std::min(kb + KB, n[u]),
+                              base + u * stride + hd);
+  for (int64_t u = 0; u < Q; ++u) {
+    const int64_t h = kvh * G + (u0 + u) / g.T, t = (u0 + u) % g.T;
+    const T* src = s.qkv + t * s.width() + h * s.qhead();
+    const float* o = base + u * stride + hd;
+    T* dst = s.out + t * s.odim() + h * hd;
+    if (g.gated) {
+      for (int64_t i = 0; i < hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[hd + i])));
+    } else {
+      for (int64_t i = 0; i < hd; ++i) dst[i] = static_cast<T>(o[i]);
+    }
+  }
+}
+
 // the same code compiled twice: with AVX2+FMA (vectorized lanes) and for any x86-64
 template <typename T>
 __attribute__((target("avx2,fma"))) void write_kv_avx2(const Step<T>& s, int64_t h) { write_kv(s, h); }
@@ -379,6 +490,23 @@ void run_step(const Step<T>& s, bool fast) {
   // the KV write is a few hundred values per row: no threads for it; query rows split over
   // threads only when each chunk has ~32K multiply-adds to do (waking threads costs more)
   for (int64_t h = 0; h < g.nkv; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
+  const int64_t G = g.nh / g.nkv, per = G * g.T;
+  if (fast && g.parents == nullptr && g.key_rows == nullptr && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
+      per > 1 && g.start + g.T <= 16384) {
+    // each kv head's queries in a few chunks, so the threads have about two each
+    // (at most 128 queries a chunk: group_avx2's per-query arrays)
+    const int64_t chunks = std::min<int64_t>(per, std::max<int64_t>(1, (2 * at::get_num_threads() + g.nkv - 1) / g.nkv));
+    const int64_t size = std::min<int64_t>(128, (per + chunks - 1) / chunks);
+    const int64_t pieces = (per + size - 1) / size;
+    at::parallel_for(0, g.nkv * pieces, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<float> buf;
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
+        g.hd == 64 ? group_avx2<T, 8>(s, kvh, u0, u1, buf) : group_avx2<T, 16>(s, kvh, u0, u1, buf);
+      }
+    });
+    return;
+  }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, (g.start + g.T) * g.hd));
   at::parallel_for(0, g.nh * g.T, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(g.start + g.T + 2 * g.hd);
