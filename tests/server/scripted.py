@@ -33,6 +33,18 @@ class ScriptedEngine:
         self.requests: list = []
         self.scheduler = SimpleNamespace(lanes=lanes, waiting=[], running=[])
         self.spec: dict | None = None  # speculative-decoding stats to report in results' extra
+        # the rest of engine.serving.ServingEngine: no draft, no PFlash, no grammars (a grammar
+        # request gets the server's 400), nothing for /props or /metrics to report
+        self.proposer = self.compressor = self.compress_policy = self.grammars = None
+
+    def stats(self):
+        return None
+
+    def health(self):
+        return {"status": "ok"}
+
+    def close(self):
+        pass
 
     # the engine's step-loop interface (what server.scheduler drives): each step advances
     # every admitted sequence by one token; ``lanes`` of them at a time

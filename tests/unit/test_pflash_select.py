@@ -193,7 +193,8 @@ def test_service_feeds_acceptance_to_the_session_bandit():
     svc.observe(GenOptions(session_id="t"), GenerationResult([1], "x", "stop", 50, extra={"spec": {
         "accepted": 0, "proposed": 10}}))                        # not compressed: nothing learnt
     assert len(svc.bandit) == 1
-    no_drafter = Service(ServerConfig(), None, SimpleNamespace(engine=SimpleNamespace()), None, None, 4096)
+    no_drafter = Service(ServerConfig(), None, SimpleNamespace(engine=SimpleNamespace(compressor=None, compress_policy=None)),
+                         None, None, 4096)
     assert no_drafter.keep_ratio(prompt, opts) is None
     with pytest.raises(Exception, match="no prefill drafter"):
         no_drafter.keep_ratio(prompt, GenOptions(compression=Override("always")))

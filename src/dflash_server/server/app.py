@@ -187,7 +187,7 @@ def create_app(state, on_shutdown=None):
         body = {"status": "ok" if code == 200 else state.status}
         if state.error:
             body["error"] = redact_paths(state.error)
-        if code == 200 and hasattr(state.engine, "health"):
+        if code == 200 and state.engine is not None:
             h = state.engine.health()
             if h.get("status") != "ok":  # a shard worker is restarting: requests fail meanwhile
                 code, body = 503, {"status": "degraded", "error": redact_paths(h.get("error"))}

@@ -205,8 +205,8 @@ class Service:
         self.config, self.tokenizer, self.scheduler = config, tokenizer, scheduler
         self.prompts, self.think_tokens, self.max_ctx = prompts, think_tokens, max_ctx
         engine = scheduler.engine
-        self.compress_policy = getattr(engine, "compress_policy", None) or PFlashPolicy()
-        self.can_compress = getattr(engine, "compressor", None) is not None
+        self.compress_policy = engine.compress_policy or PFlashPolicy()
+        self.can_compress = engine.compressor is not None
         self.bandit = KeepRatioBandit()
 
     def keep_ratio(self, prompt: Prompt, opts: GenOptions) -> float | None:
@@ -247,7 +247,7 @@ class Service:
             max_tokens = opts.max_tokens
         grammar = opts.grammar
         if opts.tools is not None:  # a forced call's shape; a format with tools: the answer or calls
-            compiler = getattr(self.scheduler.engine, "grammars", None)
+            compiler = self.scheduler.engine.grammars
             try:
                 grammar = grammar if compiler is None else tool_grammar(opts.tools, self.prompts.tool_format,
                                                                           compiler.lark_text, grammar)

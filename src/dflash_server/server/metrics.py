@@ -28,12 +28,13 @@ class _EngineCollector:
         return []
 
     def collect(self):
-        stats = getattr(self.engine, "stats", None)
-        if stats is None:
+        if self.engine is None:
             return
         try:
-            st = stats()
+            st = self.engine.stats()
         except Exception:  # noqa: BLE001 - a scrape must never fail on a racing step
+            return
+        if st is None:
             return
         for key, doc in (("slots_total", "sequence slots"), ("slots_busy", "sequence slots holding a request"),
                          ("waiting", "requests waiting for a slot"), ("running", "sequences decoding"),
@@ -80,9 +81,9 @@ class _CacheCollector:
         return []
 
     def collect(self):
-        stats = getattr(self.engine, "stats", None)
         try:
-            cache = stats()["cache"] if stats is not None else None
+            st = self.engine.stats() if self.engine is not None else None
+            cache = st["cache"] if st is not None else None
         except Exception:  # noqa: BLE001 - a scrape never fails on introspection
             cache = None
         if not cache:

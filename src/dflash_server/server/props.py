@@ -12,9 +12,8 @@ PROPS_SCHEMA = 1
 def _engine_stats(engine) -> dict | None:
     """``Engine.stats()``: all these endpoints read of the engine (None when it has none,
     or when it fails: introspection must never fail the endpoint)."""
-    stats = getattr(engine, "stats", None)
     try:
-        return stats() if stats is not None else None
+        return engine.stats() if engine is not None else None
     except Exception:  # noqa: BLE001
         return None
 

@@ -46,7 +46,7 @@ class ServerState:
         tok = engine.tokenizer
         self.tokenizer = tok
         max_ctx = int(info.get("max_ctx") or engine.pipeline.max_ctx)
-        compressor = getattr(engine, "compressor", None)
+        compressor = engine.compressor
         # with a prefill drafter, prompts up to what it reads are admitted (PFlash compresses them)
         self.prompts = PromptBuilder(tok, self.config.chat_template,
                                      max(max_ctx, compressor.max_tokens) if compressor is not None else max_ctx)
@@ -67,7 +67,7 @@ class ServerState:
         event loop: a schema may take milliseconds); a 400 naming ``param`` otherwise."""
         if grammar is None:
             return None
-        compiler = getattr(self.engine, "grammars", None)
+        compiler = self.engine.grammars if self.engine is not None else None
         if compiler is None:
             raise APIError(400, "this engine cannot constrain its output", param=param)
         try:
@@ -93,7 +93,7 @@ class ServerState:
             if self.scheduler.worker_alive:
                 log.warning("the engine did not stop in time; skipping its shutdown work")
                 return
-        if self.engine is not None and hasattr(self.engine, "close"):
+        if self.engine is not None:
             self.engine.close()  # after the worker stopped: persist prefix snapshots to disk
 
     # --- helpers for the routes ------------------------------------------------------------
