@@ -21,6 +21,9 @@ VERSION = "0.3.36"  # llama-cpp-python release whose vendored llama.cpp is built
 TOOLS = ("llama-bench", "llama-perplexity")  # llama-simple on demand (benchmarks/greedy_agreement.py)
 
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # (-march=native would enable them)
+
+
 def ensure_built(jobs: int = 2, targets: tuple[str, ...] = TOOLS) -> Path:
     bin_dir = OUT / "build" / "bin"
     if all((bin_dir / t).is_file() for t in targets):
@@ -38,7 +41,11 @@ def ensure_built(jobs: int = 2, targets: tuple[str, ...] = TOOLS) -> Path:
         shutil.move(next((OUT / "extract").glob("*/vendor/llama.cpp")), src)
         shutil.rmtree(OUT / "extract")
     build = OUT / "build"
+    # ggml's AMX code, built natively on an AMX machine (the 2026-11-26 Xeon VM, GCC 12),
+    # died with SIGILL at 4+ rows (llama-bench -p 4; -p 1 and tg ran): off, so the peer runs
+    # its AVX-512 VNNI path there
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release"],
                    check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build), "--target", *targets, f"-j{jobs}"], check=True)
