@@ -58,6 +58,20 @@ def test_dflash_and_ddtree_lossless(tiny_dir, family):
     assert tree.token_ids == ref
 
 
+def test_ddtree_with_a_draft_vocabulary(tiny_dir):
+    """A draft with its own vocabulary (the shipped draft's kind) under DDTree: its token map
+    stays on the CPU while the tree's ids come from the GPU (this crashed in the first GPU check)."""
+    pipe = pipeline(tiny_dir("llama"), devices=[GPU])
+    ids = prompt_ids(pipe, 30)
+    ref = gen(pipe, ids).token_ids
+    d = gpu_draft(pipe, 6)
+    vocab = torch.unique(torch.cat([torch.arange(0, pipe.config.vocab_size, 3), torch.tensor(ref[:10])]))
+    draft = DFlashDraft(d.cfg, {**d.zlab_state_dict(), "vocab_ids": vocab}, GPU, torch.float32, pipe.max_ctx)
+    for kw in ({"tree_budget": 12}, {"block_size": 4}):
+        res = gen(pipe, ids, proposer=DFlashProposer(draft, pipe, **kw))
+        assert res.token_ids == ref and res.extra["spec"]["steps"] > 0, kw
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_split_gpu_cpu_equals_unsplit(tiny_dir, family):
     whole = pipeline(tiny_dir(family), devices=[GPU])
