@@ -29,10 +29,12 @@ def tiny_cfg(pipe, block=8, layers=1):
                        num_target_layers=c.num_layers)
 
 
-def batched(path, batch=4):
+def batched(path, batch=4, slots=False):
+    """B sequences sampled together: a lockstep batch, or (``slots``) B sequence slots with one
+    decode row each per forward (what train-draft uses on a CPU)."""
     src = open_model(path)
     return build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.float32, max_ctx=256,
-                          progress=False, batch=batch)
+                          progress=False, **({"lanes": batch} if slots else {"batch": batch}))
 
 
 def test_prompts_shipped_and_mask_token(tiny_dir):
@@ -50,9 +52,10 @@ def test_prompts_shipped_and_mask_token(tiny_dir):
     assert pick_mask_token(pipe.tokenizer, pipe.config.vocab_size + 64) == pipe.tokenizer.vocab_size
 
 
-def test_features_captured_while_sampling_equal_teacher_forced_prefill(tiny_dir, tmp_path):
+@pytest.mark.parametrize("slots", [False, True])
+def test_features_captured_while_sampling_equal_teacher_forced_prefill(tiny_dir, tmp_path, slots):
     path = tiny_dir("llama")
-    pipe = batched(path)
+    pipe = batched(path, slots=slots)
     ids = render(pipe.tokenizer, load_prompts(split="train")[0])
     samples = sample_prompt(pipe, ids, TAPS, 24, temperature=1.0, gen=torch.Generator().manual_seed(0))
     assert len(samples) == 4 and all(s.prompt_len == len(ids) for s in samples)
@@ -69,17 +72,20 @@ def test_features_captured_while_sampling_equal_teacher_forced_prefill(tiny_dir,
     assert man["samples"] >= 6 and man["prompts_done"] == 2
     man = generate_dataset(pipe, load_prompts(split="train")[:3], tmp_path, TAPS, 10, max_new=16, progress=False)
     assert man["prompts_done"] == 3 and len(list(tmp_path.glob("*.safetensors"))) == 2
+    run = man["last_run"]   # this run's throughput, kept in the manifest
+    assert run["response_tokens"] > 0 and run["seconds"] > 0 and run["tokens_per_s"] > 0
     _, loaded = load_dataset(tmp_path)
     assert len(loaded) == man["samples"] and all(len(s.features) == len(s.ids) - 1 for s in loaded)
     with pytest.raises(ValueError, match="another target"):
         generate_dataset(pipe, load_prompts()[:1], tmp_path, (0, 1), 20, progress=False)
 
 
-def test_argmax_targets_and_greedy_switch(tiny_dir, tmp_path):
+@pytest.mark.parametrize("slots", [False, True])
+def test_argmax_targets_and_greedy_switch(tiny_dir, tmp_path, slots):
     """Every position stores the target's argmax (== a teacher-forced forward's); sampled rows
     turn greedy after at most ``greedy_after`` tokens; targets survive the shards."""
     path = tiny_dir("llama")
-    pipe = batched(path)
+    pipe = batched(path, slots=slots)
     ids = render(pipe.tokenizer, load_prompts(split="train")[2])
     samples = sample_prompt(pipe, ids, TAPS, 40, temperature=1.5, greedy_after=6,
                             gen=torch.Generator().manual_seed(4))
@@ -270,6 +276,7 @@ def test_train_draft_command_end_to_end(tiny_dir, tmp_path, capsys):
     assert main(args) == 0
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["samples"] == 32 and summary["steps"] == 60 and "heldout_tau" in summary
+    assert summary["sampling_tok_s"] > 0     # sampled in sequence slots (a CPU), throughput reported
     assert (out / "checkpoint" / "state.json").is_file() and (out / "train_log.jsonl").is_file()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert sum(h["loss"] for h in log[-10:]) < sum(h["loss"] for h in log[:10])

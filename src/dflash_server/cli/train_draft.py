@@ -102,13 +102,16 @@ def layer_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _pipeline(source, device, dtype, quantize, max_ctx, batch):
+def _pipeline(source, device, dtype, quantize, max_ctx, batch, slots: bool = False):
+    """``slots``: the B sequences in B sequence slots, one decode row each per forward (on a
+    CPU the native kernels batch those rows); else a lockstep batch of B."""
     from ..runtime.pipeline import build_pipeline
     from ..runtime.placement import plan_placement
 
     plan = quantize_plan(source, quantize, device == "cpu" and dtype == torch.bfloat16)
     return build_pipeline(source, plan_placement(source.config.num_layers, [device]), dtype=dtype,
-                          max_ctx=max_ctx, quantize=plan, progress=False, batch=batch)
+                          max_ctx=max_ctx, quantize=plan, progress=False,
+                          **({"lanes": batch} if slots else {"batch": batch}))
 
 
 def draft_config(args, mc, tokenizer):
@@ -237,9 +240,9 @@ def run(args: argparse.Namespace) -> int:
     man = read_manifest(data_dir)
     t0 = time.time()
     if args.samples and (man is None or man["samples"] < args.samples):
-        pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
+        pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch, slots=device == "cpu")
         try:
-            generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
+            man = generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
                              max_new=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              greedy_after=args.greedy_after, seed=args.seed, fingerprint=source.fingerprint())
         except ValueError as e:
@@ -264,8 +267,10 @@ def run(args: argparse.Namespace) -> int:
     samples = load_checked(data_dir, args.samples, "--data") if args.samples else []
     for extra in args.more_data:
         samples += load_checked(extra, None, "--more-data")
+    run = (man or {}).get("last_run") or {}
+    sampled_tok_s = run.get("tokens_per_s") if t_data > 0 and run else None
     print(f"dataset: {len(samples)} sequences, {sum(len(s.ids) for s in samples)} tokens "
-          f"({t_data:.0f} s sampling)")
+          f"({t_data:.0f} s sampling" + (f", {sampled_tok_s} response tokens/s" if sampled_tok_s else "") + ")")
     n_sampled = len(samples)
     if args.text:
         t0 = time.time()
@@ -327,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     trainer.export(out)
     summary = {"draft": str(out), "samples": n_sampled, "text_windows": len(samples) - n_sampled,
                "tokens": sum(len(s.ids) for s in samples),
-               "sampling_s": round(t_data), "training_s": round(time.time() - t1), "steps": trainer.step,
+               "sampling_s": round(t_data), "sampling_tok_s": sampled_tok_s, "training_s": round(time.time() - t1), "steps": trainer.step,
                "draft_vocab": None if trainer.draft.vocab_ids is None else len(trainer.draft.vocab_ids),
                "heldout_prompts": len(held_ids), **{f"heldout_{k}": round(v, 3) for k, v in ev.items()}}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

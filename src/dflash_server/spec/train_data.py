@@ -1,9 +1,11 @@
 """Self-distillation data for a DFlash draft: the target's own responses and features.
 
 The target is sampled on a prompt set (``assets/train_prompts.jsonl``, written for this
-project and disjoint from the evaluation sets), rendered with its chat template. A batched
-lockstep pipeline (``build_pipeline(..., batch=B)``) draws B continuations of the same
-prompt at once (the rows share positions, so no padding); the tapped layers' outputs are
+project and disjoint from the evaluation sets), rendered with its chat template. B
+continuations of the same prompt are drawn at once: in B sequence slots
+(``build_pipeline(..., lanes=B)``, one row each per forward: what ``train-draft`` uses on a
+CPU, where the native kernels batch rows) or a lockstep batch (``batch=B``; the rows share
+positions, so no padding); the tapped layers' outputs are
 captured during generation, so no second teacher-forced pass is needed (a position's
 feature is the layer output when that token went through the target, as in a prefill).
 Each continuation is cut after its first EOS. Samples go to safetensors shards (never
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,17 +94,23 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torc
 def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
                   top_p: float = 0.95, greedy_rows: int = 1, greedy_after: int = 0,
                   gen: torch.Generator | None = None) -> list[Sample]:
-    """B (the pipeline's batch) continuations of one prompt with their features and the
-    target's argmax at every position. The first ``greedy_rows`` rows decode greedily (what
+    """B continuations of one prompt with their features and the target's argmax at every
+    position: B = the pipeline's sequence slots (each decodes one row of a batched forward:
+    on a CPU the native kernels' rows, each row's result as alone), or its lockstep batch. The first ``greedy_rows`` rows decode greedily (what
     greedy serving sees); the rest sample, and with ``greedy_after`` > 0 each of them turns
     greedy after a random number of tokens in [1, greedy_after]."""
     vocab, eos = pipe.config.vocab_size, set(pipe.tokenizer.eos_token_ids)
     max_new = min(max_new, pipe.max_ctx - len(ids))
+    lanes = pipe.lanes if pipe.stages[0].batch == 1 else 1   # B sequence slots: one decode row each
     with torch.inference_mode():
-        pipe.reset()
-        out = pipe.prefill(ids, capture=taps)
+        for lane in range(lanes):   # (slots: the prompt prefilled into each; a lockstep batch: once)
+            pipe.select(lane)
+            pipe.reset()
+            out = pipe.prefill(ids, capture=taps)
         prompt_feats = torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu()    # rows are identical
         logits = _last_logits(out.logits, vocab)
+        if lanes > 1:
+            logits = logits.expand(lanes, -1)
         B = logits.shape[0]
         switch = torch.full((B,), max_new + 1)
         if greedy_after > 0:
@@ -117,9 +126,14 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
                     length[b] = j + 1
             if all(length) or j == max_new - 1:
                 break
-            step = pipe.forward(tok[:, None], len(ids) + j, logits="last", capture=taps)
-            feats.append(torch.cat([step.captures[t][:, -1] for t in taps], dim=-1).cpu())
-            logits = _last_logits(step.logits, vocab)
+            if lanes > 1:   # one row per slot, in one forward (the native kernels' batched rows)
+                step = pipe.forward_rows(tok.tolist(), list(range(lanes)), [len(ids) + j] * lanes, capture=taps)
+                feats.append(torch.cat([step.captures[t][0] for t in taps], dim=-1).cpu())
+                logits = step.logits[:, :vocab].float()
+            else:
+                step = pipe.forward(tok[:, None], len(ids) + j, logits="last", capture=taps)
+                feats.append(torch.cat([step.captures[t][:, -1] for t in taps], dim=-1).cpu())
+                logits = _last_logits(step.logits, vocab)
         toks_t = torch.stack(toks, dim=1)                                       # (B, n)
         tops_t = torch.stack(tops, dim=1)
         feats_t = torch.stack(feats, dim=1) if feats else prompt_feats.new_zeros(B, 0, prompt_feats.shape[-1])
@@ -176,6 +190,9 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
                disable=None if progress else True)
     pending: list[Sample] = []
     pending_prompts = 0
+    # this run's throughput (response tokens kept / seconds), written with the manifest
+    run = man["last_run"] = {"response_tokens": 0, "seconds": 0.0, "tokens_per_s": None}
+    t_run = time.perf_counter()
 
     def flush():
         nonlocal pending, pending_prompts
@@ -201,6 +218,9 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
                                 greedy_after=greedy_after, gen=gen)
             pending += got
             pending_prompts += 1
+            run["response_tokens"] += sum(len(x.ids) - x.prompt_len for x in got)
+            run["seconds"] = round(time.perf_counter() - t_run, 2)
+            run["tokens_per_s"] = round(run["response_tokens"] / max(run["seconds"], 1e-9), 1)
             k += 1
             bar.update(len(got))
             bar.set_postfix(tokens=man["tokens"] + sum(len(s.ids) for s in pending))
