@@ -472,7 +472,8 @@ void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, i
 constexpr int AMX_MIN_ROWS = 7;  // measured: 5-6 rows about even, 4 rows 20-30% slower than VNNI
 constexpr int AMX_ROWS = 8;  // rows per tile product (x holds AMX_ROWS spare rows: tile A may read them)
 bool amx_takes(Kind k, int64_t m_rows) {
-  return m_rows >= AMX_MIN_ROWS && (k == Kind::Q4 || k == Kind::Q4K || k == Kind::Q8);
+  return m_rows >= AMX_MIN_ROWS &&
+         (k == Kind::Q4 || k == Kind::Q5 || k == Kind::Q4K || k == Kind::Q5K || k == Kind::Q8);
 }
 
 struct alignas(64) TileConfig {
@@ -517,19 +518,25 @@ DFLASH_TARGET_AMX void amx_unpack(const uint8_t* g, int64_t gbytes, int64_t nb, 
         for (int c = 0; c < 8; ++c)
           _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32),
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32)));
-      } else {
+      } else {  // the vector paths' codes: nibbles, with the bit-4 plane OR-ed in (Q5_x)
+        __m256i wv[8];
         for (int c = 0; c < 4; ++c) {
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32), _mm256_and_si256(q, low4));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tb + (c + 4) * RB + j * 32),
-                             _mm256_and_si256(_mm256_srli_epi16(q, 4), low4));
+          wv[c] = _mm256_and_si256(q, low4);
+          wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
         }
+        if (has_plane4(K)) {
+          const __m256i h4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16));
+          for (int c = 0; c < 8; ++c) wv[c] = _mm256_or_si256(wv[c], DFLASH_PLANE_BIT(h4, c, 4));
+        }
+        for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32), wv[c]);
       }
       const uint8_t* sp = blk + scales_at(K);
       const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
       __m256 dwj = dh, ewj = _mm256_setzero_ps();
-      if (K == Kind::Q4) ewj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-      if (K == Kind::Q4K) {
+      if (K == Kind::Q4 || K == Kind::Q5)
+        ewj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+      if (K == Kind::Q4K || K == Kind::Q5K) {
         dwj = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
         ewj = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
@@ -631,6 +638,8 @@ void amx_run(Kind kind, const uint8_t* g, int64_t gbytes, int64_t k, const Acts&
   switch (kind) {
     case Kind::Q4: return amx_groups<Kind::Q4, NG>(g, gbytes, k, a, mt, out, next);
     case Kind::Q4K: return amx_groups<Kind::Q4K, NG>(g, gbytes, k, a, mt, out, next);
+    case Kind::Q5: return amx_groups<Kind::Q5, NG>(g, gbytes, k, a, mt, out, next);
+    case Kind::Q5K: return amx_groups<Kind::Q5K, NG>(g, gbytes, k, a, mt, out, next);
     case Kind::Q8: return amx_groups<Kind::Q8, NG>(g, gbytes, k, a, mt, out, next);
     default: TORCH_CHECK(false, "dflash::qmm: no AMX path for this block type");
   }
