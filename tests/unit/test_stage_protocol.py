@@ -32,3 +32,24 @@ def test_local_and_remote_stages_implement_the_protocol(tiny_dir):
         assert out.logits.shape[0] == 3
     finally:
         pipe.close()
+
+
+def test_the_proposer_implements_the_protocol(tiny_dir):
+    """DFlashProposer implements spec/proposer_protocol.py's Proposer (the engine's view of it)."""
+    from dflash_server.spec.proposer import DFlashProposer
+    from dflash_server.spec.proposer_protocol import Proposer
+    from model.test_dflash import random_draft
+
+    pipe = pipeline(tiny_dir("llama"))
+    prop = DFlashProposer(random_draft(pipe, block_size=4), pipe, tree_budget=6, adaptive=True)
+    assert isinstance(prop, Proposer)
+    names = set(Proposer.__annotations__) | {n for n, v in vars(Proposer).items()
+                                             if not n.startswith("_") and callable(v)}
+    assert not [n for n in names if not hasattr(prop, n)]
+    assert prop.uses_tree(pipe) and prop.sizer is not None and prop.vocab is None
+    ids = pipe.tokenizer.encode("The quick brown fox")
+    pipe.reset()
+    prop.reset()
+    prop.add_context(pipe.prefill(ids, capture=prop.taps).captures, 0)
+    assert len(prop.propose(ids[-1], len(ids), 4)) == 3
+    assert len(prop.propose_tree(ids[-1], len(ids), 4, 5).tokens) == 5

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import CompressionError
 from ..runtime.kv_pool import merge_stats
@@ -23,6 +23,9 @@ from .output import TokenEvent
 from .sampling import SamplingParams
 from .sequence import Sequence
 from .speculative import SpecStats, spec_begin, spec_end, speculative_step
+
+if TYPE_CHECKING:
+    from ..spec.proposer_protocol import Proposer
 
 MAX_TOP_LOGPROBS = 20
 
@@ -97,7 +100,7 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, pipeline, *, chunk: int = 512, proposer=None, prefix_slots: int = 0,
+    def __init__(self, pipeline, *, chunk: int = 512, proposer: Proposer | None = None, prefix_slots: int = 0,
                  prefix_bytes: int | None = None, disk_cache=None, checkpoint_interval: int = 0,
                  step_tokens: int = 256, compressor=None, compress_policy=None):
         """``proposer``: a DFlashProposer for speculative decoding (None: plain decoding).

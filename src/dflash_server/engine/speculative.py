@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..spec.proposer_protocol import Proposer
 
 
 @dataclass
@@ -69,7 +73,7 @@ class SpecStats:
                 "position_acceptance": [round(x, 4) for x in self.position_acceptance()]}
 
 
-def spec_begin(proposer, seq) -> None:
+def spec_begin(proposer: Proposer, seq) -> None:
     """Start ``seq``'s speculation statistics (its first step), or point the adaptive block
     size at its request (sequences take turns in the step loop)."""
     sizer = proposer.sizer
@@ -81,12 +85,12 @@ def spec_begin(proposer, seq) -> None:
         sizer.select(seq.id)
 
 
-def spec_end(proposer, seq) -> None:
+def spec_end(proposer: Proposer, seq) -> None:
     if proposer.sizer is not None:
         proposer.sizer.end_request(seq.id)
 
 
-def speculative_step(pipe, proposer, seq) -> str | None:
+def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     """One draft + verify step of ``seq`` (anchor ``seq.last`` at ``seq.pos``, already
     emitted, not yet in the target cache; its slot selected). Returns the finish reason when
     the sequence ends here, None to go on. ``seq.on_commit(length, logits)`` is called with
@@ -136,7 +140,7 @@ def speculative_step(pipe, proposer, seq) -> str | None:
     return None
 
 
-def tree_step(pipe, proposer, seq) -> str | None:
+def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     """One DDTree step (spec.ddtree): draft once, build the best-first tree, verify
     ``[anchor, nodes]`` in one tree-masked forward, then walk from the root committing the
     target's token at each node (``seq.commit``: greedy, or one seeded draw per token) while

@@ -1,0 +1,34 @@
+"""What the engine uses of a speculative proposer (``DFlashProposer``, spec/proposer.py):
+the step functions (engine/speculative.py), the batch loop (engine/generate.py), the prefix
+cache (engine/prefix.py) and the stats (engine/describe.py) use only these members.
+``tests/unit/test_stage_protocol.py`` checks DFlashProposer against it."""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    pipeline: Any           # the target it drafts for
+    draft: Any              # the draft model (in process or a RemoteDraft): health(), close(), cfg
+    taps: tuple[int, ...]   # target layers whose outputs feed the draft
+    block_size: int         # the draft's block (proposed tokens + 1)
+    sizer: Any              # the adaptive block size / tree budget (BlockSizer, TreeSizer), or None
+    tree_budget: int        # DDTree nodes per step (0: chains)
+    sampled_verify: str     # "auto" | "exact" | "rejection"
+    vocab: torch.Tensor | None  # the draft's own vocabulary (token ids), None: the target's
+
+    def select(self, lane: int) -> None: ...                    # act on this sequence slot's context
+    def reset(self) -> None: ...                                # forget the selected slot's context
+    def add_context(self, captures: dict[int, torch.Tensor], start: int, n: int | None = None,
+                    defer: bool = False) -> None: ...           # tapped outputs of committed positions
+    def snapshot(self) -> dict[str, torch.Tensor]: ...          # the slot's context (prefix cache)
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None: ...
+    def uses_tree(self, pipeline) -> bool: ...                  # steps verify a DDTree
+    def rejection_sampling(self, sampling) -> bool: ...         # a sampled request verifies by p/q
+    def propose(self, anchor: int, start: int, block: int) -> list[int]: ...
+    def propose_tree(self, anchor: int, start: int, block: int, budget: int): ...
+    def propose_sampled(self, anchor: int, start: int, block: int, sampling,
+                        generator: torch.Generator) -> tuple[list[int], torch.Tensor]: ...
