@@ -382,12 +382,13 @@ def test_fused_decoder_layer_equals_the_per_op_layers(tiny_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_step_with_qk_norms(dtype):
+@pytest.mark.parametrize("hd", [32, 64])   # 64: the grouped (shared key blocks) path
+def test_attention_step_with_qk_norms(dtype, hd):
     """Qwen3's per-head q/k RMSNorm before RoPE, inside the fused step: equal to normalizing
     q and k first, row-invariant, and refused half-given or of the wrong width."""
     from dflash_server.layers.rope import RotaryTable
 
-    nh, nkv, hd, max_ctx, start, T, eps = 4, 2, 32, 64, 11, 6, 1e-6
+    nh, nkv, max_ctx, start, T, eps = 4, 2, 64, 11, 6, 1e-6
     table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
     cos, sin = table.rows(start, T)
     qkv = (torch.randn(1, T, (nh + 2 * nkv) * hd) * 3).to(dtype)
@@ -408,6 +409,8 @@ def test_attention_step_with_qk_norms(dtype):
     rows = [torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k2, v2, start + t, nh, nkv,
                                             hd ** -0.5, q_norm=qn, k_norm=kn, norm_eps=eps) for t in range(T)]
     assert torch.equal(torch.cat(rows, dim=1), out) and torch.equal(k2, k1)
+    assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv,
+                                                       hd ** -0.5, True, q_norm=qn, k_norm=kn, norm_eps=eps), out)
     for bad in ({"q_norm": qn}, {"q_norm": qn, "k_norm": kn[:16]}):
         with pytest.raises(RuntimeError):
             torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5, **bad)
@@ -415,13 +418,14 @@ def test_attention_step_with_qk_norms(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_step_with_output_gate(dtype):
+@pytest.mark.parametrize("hd", [32, 64])   # 64: the grouped (shared key blocks) path
+def test_attention_step_with_output_gate(dtype, hd):
     """Qwen3.5's gated attention inside the fused step: each query head is [q | gate], the
     output is attention * sigmoid(gate); with q/k norms and partial rotary, as Qwen3.5 has.
     Equal to the fp64 reference and row-invariant."""
     from dflash_server.layers.rope import RotaryTable
 
-    nh, nkv, hd, rot, max_ctx, start, T, eps = 4, 2, 32, 8, 64, 9, 5, 1e-6
+    nh, nkv, rot, max_ctx, start, T, eps = 4, 2, 8, 64, 9, 5, 1e-6
     table = RotaryTable(hd, rot, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
     cos, sin = table.rows(start, T)
     qkv = (torch.randn(1, T, (2 * nh + 2 * nkv) * hd) * 2).to(dtype)
