@@ -85,7 +85,8 @@ def test_split_gpu_cpu_equals_unsplit(tiny_dir, family):
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_prefix_hit_and_disk_restore_equal_miss(tiny_dir, family, tmp_path):
     tok = pipeline(tiny_dir(family)).tokenizer
-    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "Tell me about the sea."}]
+    turns = [{"role": "system", "content": "You are terse. " * 6},
+             {"role": "user", "content": "Tell me about the sea."}]
     ids = tok.encode_chat(turns)
     more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
                                     {"role": "user", "content": "Why is it salty?"}])

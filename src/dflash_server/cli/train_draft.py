@@ -239,15 +239,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--samples 0 needs --text (no training data otherwise)")
     man = read_manifest(data_dir)
     t0 = time.time()
+    sampled_tok_s = None   # this run's sampling rate (None: nothing sampled now)
     if args.samples and (man is None or man["samples"] < args.samples):
         pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch, slots=device == "cpu")
         try:
             man = generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
-                             max_new=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                             greedy_after=args.greedy_after, seed=args.seed, fingerprint=source.fingerprint())
+                                   max_new=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                   greedy_after=args.greedy_after, seed=args.seed,
+                                   fingerprint=source.fingerprint())
         except ValueError as e:
             raise UserError(str(e)) from None
         del pipe
+        sampled_tok_s = (man.get("last_run") or {}).get("tokens_per_s")
     t_data = time.time() - t0
 
     def load_checked(data, limit, flag):
@@ -267,8 +270,6 @@ def run(args: argparse.Namespace) -> int:
     samples = load_checked(data_dir, args.samples, "--data") if args.samples else []
     for extra in args.more_data:
         samples += load_checked(extra, None, "--more-data")
-    run = (man or {}).get("last_run") or {}
-    sampled_tok_s = run.get("tokens_per_s") if t_data > 0 and run else None
     print(f"dataset: {len(samples)} sequences, {sum(len(s.ids) for s in samples)} tokens "
           f"({t_data:.0f} s sampling" + (f", {sampled_tok_s} response tokens/s" if sampled_tok_s else "") + ")")
     n_sampled = len(samples)
@@ -332,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     trainer.export(out)
     summary = {"draft": str(out), "samples": n_sampled, "text_windows": len(samples) - n_sampled,
                "tokens": sum(len(s.ids) for s in samples),
-               "sampling_s": round(t_data), "sampling_tok_s": sampled_tok_s, "training_s": round(time.time() - t1), "steps": trainer.step,
+               "sampling_s": round(t_data), "sampling_tok_s": sampled_tok_s,
+               "training_s": round(time.time() - t1), "steps": trainer.step,
                "draft_vocab": None if trainer.draft.vocab_ids is None else len(trainer.draft.vocab_ids),
                "heldout_prompts": len(held_ids), **{f"heldout_{k}": round(v, 3) for k, v in ev.items()}}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -96,9 +96,10 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
                   gen: torch.Generator | None = None) -> list[Sample]:
     """B continuations of one prompt with their features and the target's argmax at every
     position: B = the pipeline's sequence slots (each decodes one row of a batched forward:
-    on a CPU the native kernels' rows, each row's result as alone), or its lockstep batch. The first ``greedy_rows`` rows decode greedily (what
-    greedy serving sees); the rest sample, and with ``greedy_after`` > 0 each of them turns
-    greedy after a random number of tokens in [1, greedy_after]."""
+    on a CPU the native kernels' rows, each row's result as alone), or its lockstep batch.
+    The first ``greedy_rows`` rows decode greedily (what greedy serving sees); the rest
+    sample, and with ``greedy_after`` > 0 each of them turns greedy after a random number of
+    tokens in [1, greedy_after]."""
     vocab, eos = pipe.config.vocab_size, set(pipe.tokenizer.eos_token_ids)
     max_new = min(max_new, pipe.max_ctx - len(ids))
     lanes = pipe.lanes if pipe.stages[0].batch == 1 else 1   # B sequence slots: one decode row each
