@@ -55,8 +55,10 @@ export PYTHONPATH=$SITE:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 DFLASH_KERNELS_CA
 { nvidia-smi -L; lscpu | grep -E "Model name|Flags" | cut -c1-400
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout ${PROFILE_S:-60} python3 benchmarks/gpu_profile.py --device cuda --out "$OUT/gpu_profile.json" 2>&1 \
-  | tee "$OUT/gpu_profile.txt" | head -3
+# (whole log to the file: a `| head` after tee would cut the file short when head exits)
+timeout ${PROFILE_S:-60} python3 benchmarks/gpu_profile.py --device cuda --out "$OUT/gpu_profile.json" \
+  > "$OUT/gpu_profile.txt" 2>&1
+grep -m1 '"step_ms"' "$OUT/gpu_profile.txt"
 timeout ${CHECK_S:-380} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
 timeout ${TESTS_S:-120} python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_cuda.py \
   "tests/model/test_gdn_ops.py::test_cuda_matches_cpu" 2>&1 | tee "$OUT/tests.txt" | tail -40
