@@ -80,6 +80,24 @@ def test_long_prompt_prefills_between_running_steps(tiny_dir):
         assert k in steps[0] and k in steps[1]
 
 
+def test_a_burst_of_short_prompts_gets_first_tokens_in_one_step(tiny_dir):
+    """Short prompts that arrive together are prefilled in the same step while its token
+    budget lasts: every first token comes before anyone's next decode step (time to first
+    token), a prompt past the budget continues in the next step, and outputs are as alone."""
+    path = tiny_dir("llama")
+    alone = Engine(_pipe(path, 1))
+    eng = Engine(_pipe(path, 4), step_tokens=64)
+    reqs = [_req(prompt_ids(alone.pipeline, 20, seed=s), 6) for s in (1, 2)] + \
+        [_req(prompt_ids(alone.pipeline, 40, seed=3), 6), _req(prompt_ids(alone.pipeline, 10, seed=4), 6)]
+    want = [alone.generate(r).token_ids for r in reqs]
+    seqs, steps = _run_together(eng, reqs)
+    assert [s.result.token_ids for s in seqs] == want
+    # step 0: 20 + 20 tokens, then 24 of the third (the budget of 64); its rest and the fourth
+    # prompt in step 1, next to the first two's decode rows
+    assert steps[0][0] == steps[1][0] == 0 and steps[2][0] == steps[3][0] == 1
+    assert steps[0][:2] == [0, 1] and eng.counters["prefill_tokens"] == 20 + 20 + 40 + 10
+
+
 def test_cancel_and_stop_string_next_to_others(tiny_dir):
     path = tiny_dir("llama")
     alone = Engine(_pipe(path, 1))

@@ -179,7 +179,7 @@ class Engine:
                 self._end(seq, "cancelled", ended)
         plan = sched.schedule()
         if plan.prefill is not None:
-            self._prefill(plan.prefill, plan.prefill_tokens, ended)
+            self._prefill_step(plan, ended)
         rows = [s for s in plan.decode if not s.done]
         if rows:
             # with a draft, a sequence decoding alone speculates (draft + verify); several
@@ -202,9 +202,29 @@ class Engine:
         if self.proposer is not None:
             self.proposer.select(seq.lane)
 
-    def _prefill(self, seq: Sequence, budget: int | None, ended: list) -> None:
+    def _prefill_step(self, plan, ended: list) -> None:
+        """This step's prefill work: a forward of the oldest prefilling sequence, then, while
+        the step's prefill budget lasts, more forwards of it or of the sequences after it. So
+        a burst of short prompts gets every first token before the next decode step, instead
+        of each later prompt waiting a decode step per prompt ahead of it (time to first
+        token); a long prompt still costs running streams one bounded forward per step."""
+        sched = self.scheduler
+        cap = sched.step_tokens if plan.prefill_tokens is None else plan.prefill_tokens
+        seq, budget, spent = plan.prefill, plan.prefill_tokens, 0
+        while True:
+            n = self._prefill(seq, budget, ended)
+            spent += n
+            if spent >= cap or not sched.prefilling or (n == 0 and sched.prefilling[0] is seq):
+                return
+            seq, budget = sched.prefilling[0], cap - spent
+
+    def _prefill(self, seq: Sequence, budget: int | None, ended: list) -> int:
+        """One prefill forward of ``seq`` (at most ``budget`` tokens; None: a chunk); at the
+        prompt's end the sequence starts decoding with its first token. Returns the tokens
+        forwarded."""
         pipe = self.pipeline
         self._select(seq)
+        before = None
         try:
             if seq.prefill is None:
                 seq.t_start = time.monotonic()
@@ -214,17 +234,21 @@ class Engine:
                 next(seq.prefill)          # up to the first forward: reset, cache lookup, restore
             before = pipe.length
             seq.prefill.send(budget)
-            self.counters["prefill_tokens"] += max(0, pipe.length - before)
-            return
+            n = max(0, pipe.length - before)
+            self.counters["prefill_tokens"] += n
+            return n
         except StopIteration as done:
             seq.pre, seq.prefill = done.value, None
         except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
             self._fail(seq, e, ended)
-            return
+            return 0
+        n = max(0, pipe.length - before) if before is not None else 0   # the prompt's last forward
+        self.counters["prefill_tokens"] += n
         seq.t_decode = time.monotonic()
         self.scheduler.started(seq)
         seq.on_commit = self._checkpointer(seq)
         self._commit(seq, seq.pre.logits, ended)
+        return n
 
     def _compress(self, seq: Sequence) -> None:
         """PFlash: replace the prompt by its compressed form before any prefill."""
