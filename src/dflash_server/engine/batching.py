@@ -3,9 +3,10 @@ prefills how much this step, which ones decode. Bookkeeping only (no tensors), s
 tested on its own.
 
 Each step: waiting sequences take free slots in arrival order; the oldest admitted
-sequence that is still prefilling runs one prefill forward of at most the step's token
-budget left after the decode rows (its whole chunk when nothing else decodes); every
-sequence past prefill decodes one step. So a long prompt costs running streams one
+sequence that is still prefilling runs a prefill forward of at most the step's token
+budget left after the decode rows (its whole chunk when nothing else decodes), and the
+engine goes on with it or the next prefilling ones while that budget lasts
+(``Engine._prefill_step``); every sequence past prefill decodes one step. So a long prompt costs running streams one
 bounded forward per step instead of a stall, and a new sequence starts as soon as a slot
 is free.
 """
