@@ -222,8 +222,8 @@ DFLASH_AVX2 inline __m256 sum8x8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3
   return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
 }
 
-// scores of keys [j0, j1): eight at a time, then four, then one (a key's arithmetic is the
-// same in any of them: 8 lanes over the head dimension, sum8's tree, times scale)
+// scores of keys [j0, j1): eight at a time, then the last few one by one (a key's arithmetic
+// is the same either way: 8 lanes over the head dimension, sum8's tree, times scale)
 template <typename Rows>
 DFLASH_AVX2 inline void scores_avx2(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t hd, float scale,
                                     float* scores, Rows at) {
@@ -246,22 +246,6 @@ DFLASH_AVX2 inline void scores_avx2(const float* q, const float* kc, int64_t j0,
       a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(sum8x8_avx2(a0, a1, a2, a3, a4, a5, a6, a7), sv));
-  }
-  for (; j + 4 <= j1; j += 4) {
-    const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
-                *k3 = kc + at(j + 3) * hd;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < hd; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-    }
-    scores[j] = sum8_avx2(a0) * scale;
-    scores[j + 1] = sum8_avx2(a1) * scale;
-    scores[j + 2] = sum8_avx2(a2) * scale;
-    scores[j + 3] = sum8_avx2(a3) * scale;
   }
   for (; j < j1; ++j) {
     const float* k = kc + at(j) * hd;
@@ -368,6 +352,20 @@ DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
   }
 }
 
+// head h of row t's attention output o (hd floats) into the step's output, times
+// sigmoid(gate) where the heads are gated
+template <typename T>
+DFLASH_INLINE void write_head(const Step<T>& s, int64_t h, int64_t t, const float* o) {
+  const Geometry& g = s.g;
+  const T* gate = s.qkv + t * s.width() + h * s.qhead() + g.hd;
+  T* dst = s.out + t * s.odim() + h * g.hd;
+  if (g.gated) {
+    for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(gate[i])));
+  } else {
+    for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i]);
+  }
+}
+
 // query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim
 template <typename T, bool AVX2>
 DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
@@ -413,12 +411,7 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
     else
       attend_row(q, kc + lo * g.hd, vc + lo * g.hd, n - lo, g.hd, g.scale, scores, o, at);
   }
-  T* dst = s.out + t * s.odim() + h * g.hd;
-  if (g.gated) {
-    for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[g.hd + i])));
-  } else {
-    for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(o[i]);
-  }
+  write_head(s, h, t, o);
 }
 
 // The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
@@ -459,17 +452,8 @@ DFLASH_AVX2 void group_avx2(const Step<T>& s, int64_t kvh, int64_t u0, int64_t u
       if (kb < n[u])
         values_block_avx2<NV>(base + u * stride + 2 * hd, inv[u], vc, kb, std::min(kb + KB, n[u]),
                               base + u * stride + hd);
-  for (int64_t u = 0; u < Q; ++u) {
-    const int64_t h = kvh * G + (u0 + u) / g.T, t = (u0 + u) % g.T;
-    const T* src = s.qkv + t * s.width() + h * s.qhead();
-    const float* o = base + u * stride + hd;
-    T* dst = s.out + t * s.odim() + h * hd;
-    if (g.gated) {
-      for (int64_t i = 0; i < hd; ++i) dst[i] = static_cast<T>(o[i] * sigmoid(static_cast<float>(src[hd + i])));
-    } else {
-      for (int64_t i = 0; i < hd; ++i) dst[i] = static_cast<T>(o[i]);
-    }
-  }
+  for (int64_t u = 0; u < Q; ++u)
+    write_head(s, kvh * G + (u0 + u) / g.T, (u0 + u) % g.T, base + u * stride + hd);
 }
 
 // the same code compiled twice: with AVX2+FMA (vectorized lanes) and for any x86-64
