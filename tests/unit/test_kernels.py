@@ -231,6 +231,56 @@ def test_rms_norm_matches_and_is_row_invariant(dtype):
         torch.ops.dflash.rms_norm(x, w[:10], 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h", [576, 64, 100, 7, 2048 + 13])
+def test_rms_norm_paths_give_the_same_bits(dtype, h):
+    """The vector path's 16 lanes and their reduction tree are the portable path's: same bits
+    for every width (a tail shorter than a vector, a row narrower than the lanes), and the
+    one-row calls equal a many-row call."""
+    g = torch.Generator().manual_seed(h)
+    w = torch.rand(h, generator=g) + 0.5
+    x = (torch.randn(9, h, generator=g) * torch.logspace(-3, 3, 9)[:, None]).to(dtype)
+    x[3, h // 2] = float("nan")
+    y = torch.ops.dflash.rms_norm(x, w, 1e-6)
+    assert torch.equal(y.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       torch.ops.dflash.rms_norm(x, w, 1e-6, portable=True).view(
+                           torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.isnan(y[3]).all() and not torch.isnan(y[[0, 1, 2, 4, 5, 6, 7, 8]]).any()
+    assert torch.equal(torch.cat([torch.ops.dflash.rms_norm(x[i:i + 1], w, 1e-6) for i in range(9)])[[0, 8]],
+                       y[[0, 8]])
+    ref = torch.nn.functional.rms_norm(x[[0, 8]].double(), (h,), w.double(), 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((y[[0, 8]].double() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [1536, 64, 13])
+def test_silu_mul_matches_and_paths_give_the_same_bits(dtype, inter):
+    """SwiGLU's activation over [g | u]: against fp64 (its exp ~1 ulp; one rounding to the
+    dtype), the vector and portable paths bit-equal, rows as alone, the extremes of exp's
+    range (+-100, +-inf) and NaN as a float computation gives them."""
+    g = torch.Generator().manual_seed(inter)
+    h = (torch.randn(5, 2 * inter, generator=g) * torch.tensor([0.1, 1.0, 4.0, 20.0, 90.0])[:, None]).to(dtype)
+    h[0, :6] = torch.tensor([100.0, -100.0, float("inf"), 0.0, -0.0, float("nan")]).to(dtype)
+    y = torch.ops.dflash.silu_mul(h, inter)
+    assert y.shape == (5, inter) and y.dtype == dtype and y.is_contiguous()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(y.view(bits), torch.ops.dflash.silu_mul(h, inter, portable=True).view(bits))
+    assert torch.equal(torch.cat([torch.ops.dflash.silu_mul(h[i:i + 1], inter) for i in range(5)]).view(bits),
+                       y.view(bits))
+    gd, ud = h[:, :inter].double(), h[:, inter:].double()
+    ref = torch.nn.functional.silu(gd) * ud
+    ok = torch.isfinite(ref)
+    err = ((y.double() - ref).abs() / ref.abs().clamp(min=1e-6 if dtype == torch.float32 else 1e-3))[ok]
+    assert err.max().item() < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.isnan(y[0, 5]) and abs(y[0, 1].item()) < 1e-30 and y[0, 3] == 0
+    y3 = torch.ops.dflash.silu_mul(h.reshape(1, 5, 2 * inter), inter)
+    assert y3.shape == (1, 5, inter)
+    torch.library.opcheck(torch.ops.dflash.silu_mul.default, (h[1:], inter))  # (NaN != NaN in its comparison)
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.silu_mul(h, inter + 1)
+
+
 def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
     """fp64: rotate, write, causal grouped-query attention."""
     from dflash_server.layers.rope import apply_rope

@@ -20,7 +20,8 @@ Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks 
 ``qmm`` reads; Q5_0/Q5_1 and the K-quants repack in ``kquants.py``), ``decoder_layer``
 (``csrc/layer.cpp``: a Llama/Qwen3/Qwen3.5-style attention layer of a decode or verify
 block in one call),
-``rms_norm(x, w, eps)`` (``csrc/norms.cpp``) and ``attention_step(qkv, cos, sin, k_cache,
+``rms_norm(x, w, eps)`` (``csrc/norms.cpp``), ``silu_mul(h, inter)`` (``csrc/act.cpp``: SwiGLU's
+activation over the gate/up output) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
 attention of a decode or verify block in one call). ``attention_rows`` and
 ``decoder_layer_rows`` are their forms for one decode row of each of several sequences,
@@ -44,7 +45,7 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
 HEADERS = ("ops.h",)
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
@@ -176,8 +177,12 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("dflash::rms_norm")
-    def _rms_norm_fake(x, w, eps):
+    def _rms_norm_fake(x, w, eps, portable=False):
         return x.new_empty(x.shape)  # contiguous, as the op returns
+
+    @torch.library.register_fake("dflash::silu_mul")
+    def _silu_mul_fake(h, inter, portable=False):
+        return h.new_empty((*h.shape[:-1], inter))
 
     @torch.library.register_fake("dflash::attention_step")
     def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False, q_norm=None,

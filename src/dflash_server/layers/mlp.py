@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .linear import Linear
 
 
@@ -21,6 +22,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
+        if self.act == "silu" and self.gate_up.mode == "native" and kernels.inference(h):
+            # the fused native layer's activation (csrc/act.cpp), so that this path and
+            # dflash::decoder_layer give the same bits
+            return self.down(torch.ops.dflash.silu_mul(h, self.inter))
         g = h[..., :self.inter]
         g = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
         return self.down(g * h[..., self.inter:])

@@ -6,6 +6,7 @@
 namespace dflash {
 at::Tensor qmm_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa);
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul_op(const at::Tensor& h, int64_t inter);
 at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable,
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
