@@ -22,7 +22,6 @@ from .sdpa import sdpa
 
 
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
-NATIVE_MAX_ROWS = 64   # decode and verify blocks take the fused native step; prefill chunks aten's
 
 
 @dataclass
@@ -117,11 +116,16 @@ class Attention(nn.Module):
                        torch.zeros(shape, device=device, dtype=dtype))
 
     def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
-        """Whether this block of rows takes the fused native step (decode and verify blocks
-        of one sequence, position-addressed KV or a KV Flash pool without the score policy,
-        outside torch.compile: its graph fuses this part itself, and the op's int position
-        would make dynamo recompile every step)."""
-        return (self.native and x.shape[0] == 1 and x.shape[1] <= NATIVE_MAX_ROWS
+        """Whether this block of rows takes the fused native step (decode, verify and prefill
+        blocks of one sequence, position-addressed KV or a KV Flash pool without the score
+        policy, outside torch.compile: its graph fuses this part itself, and the op's int
+        position would make dynamo recompile every step). Prefill chunks of any length take
+        it too: a row's keys, values and output are then the bits a decode step of that row
+        gives, so a prefix-cache hit (KV written by earlier decode steps and shorter chunks)
+        equals a miss (one long chunk); aten's attention differs in the last bits. Measured
+        (default model, 2 threads): 512 rows at position 0 1273 vs 1070-1112 tok/s with
+        aten's, at position 512 868-877 vs 911-959."""
+        return (self.native and x.shape[0] == 1
                 and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype == torch.float32
                 and not torch.compiler.is_compiling())
 

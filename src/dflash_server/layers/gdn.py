@@ -22,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .attention import NATIVE_MAX_ROWS
 from .context import ForwardContext
 from .gdn_ops import causal_conv1d, gated_delta_rule, l2norm
 from .linear import Linear
+
+NATIVE_MAX_ROWS = 64  # blocks up to this many rows step token by token natively; longer prefill chunks run chunked
 
 
 @dataclass
