@@ -110,8 +110,8 @@ def test_hit_equals_miss_bit_for_bit_past_64_rows_with_native_kernels(tiny_dir, 
     """The serving configuration (bf16, quantized layers on the native kernels): turns whose
     prompts outgrow 64 tokens, so the fresh run prefills them in one long chunk while the
     cached run restores KV written by decode steps and short chunks. Every op is then
-    row-count invariant (attention included: prefill chunks of any length take the native
-    step, whose rows are a decode step's bits), so the caches themselves end bit-equal,
+    row-count invariant (attention included: prefill chunks within NATIVE_PREFILL_CTX take
+    the native step, whose rows are a decode step's bits), so the caches themselves end bit-equal,
     not only the tokens. (Not yet for hybrid models: a Gated DeltaNet prefill chunk of over
     64 rows runs aten's chunked form, whose elementwise ops round a few rows differently
     from the native token-by-token step; their hit == miss tests compare tokens.)"""

@@ -22,6 +22,11 @@ from .sdpa import sdpa
 
 
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
+# Prefill chunks (over 64 rows) ending at most here take the native attention step (exact
+# prefix-cache hits); longer contexts take aten's SDPA, faster there. Measured, default model,
+# 2 threads, 512-row chunks, native vs aten: tokens 0-512 1273 vs 1070-1112 tok/s, 0-1024
+# 972-1030 vs 1001-1005, 0-2048 744-764 vs 778-797, 0-4096 542-544 vs 650-681.
+NATIVE_PREFILL_CTX = 2048
 
 
 @dataclass
@@ -116,16 +121,16 @@ class Attention(nn.Module):
                        torch.zeros(shape, device=device, dtype=dtype))
 
     def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
-        """Whether this block of rows takes the fused native step (decode, verify and prefill
-        blocks of one sequence, position-addressed KV or a KV Flash pool without the score
-        policy, outside torch.compile: its graph fuses this part itself, and the op's int
-        position would make dynamo recompile every step). Prefill chunks of any length take
-        it too: a row's keys, values and output are then the bits a decode step of that row
-        gives, so a prefix-cache hit (KV written by earlier decode steps and shorter chunks)
-        equals a miss (one long chunk); aten's attention differs in the last bits. Measured
-        (default model, 2 threads): 512 rows at position 0 1273 vs 1070-1112 tok/s with
-        aten's, at position 512 868-877 vs 911-959."""
+        """Whether this block of rows takes the fused native step (decode and verify blocks
+        of one sequence, and prefill chunks ending within NATIVE_PREFILL_CTX; position-
+        addressed KV or a KV Flash pool without the score policy; outside torch.compile: its
+        graph fuses this part itself, and the op's int position would make dynamo recompile
+        every step). A prefill chunk on the native step writes the keys, values and outputs
+        a decode step of each row would, so there a prefix-cache hit (KV from earlier decode
+        steps and shorter chunks) equals a miss (one long chunk) bit for bit; aten's attention
+        differs in the last bits, so past NATIVE_PREFILL_CTX a hit can flip a near tie."""
         return (self.native and x.shape[0] == 1
+                and (x.shape[1] <= 64 or ctx.start + x.shape[1] <= NATIVE_PREFILL_CTX)
                 and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype == torch.float32
                 and not torch.compiler.is_compiling())
 
