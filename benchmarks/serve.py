@@ -47,12 +47,12 @@ def median(xs):
 class InProcess:
     def __init__(self, flags: list[str], tokens: int):
         from dflash_server.cli import build_parser
-        from dflash_server.cli.common import load_engine
+        from dflash_server.cli.common import engine_config, load_engine
         from dflash_server.engine.generate import GenerationRequest
         from dflash_server.engine.sampling import SamplingParams
 
         args = build_parser().parse_args(["serve", *flags])
-        _, _, self.engine = load_engine(args, progress=False)
+        _, _, self.engine = load_engine(engine_config(args), progress=False)
         ids = self.engine.tokenizer.encode_chat(MESSAGES)
         self.prompt_tokens = len(ids)
         self.req = GenerationRequest(tuple(ids), SamplingParams(temperature=0.0), tokens, ignore_eos=True)

@@ -228,3 +228,14 @@ def test_generate_compresses_a_chat_file(tiny_dir, tmp_path):
     assert out["pflash"]["raw_tokens"] == out["prompt_tokens"] > out["pflash"]["compressed_tokens"] > 0
     assert_clean_error(run_cli("generate", "--model", str(tiny_dir("llama")), "--chat-file",
                                str(tmp_path / "missing.txt")), "missing.txt")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--kvflash", "lots"], "--kvflash"), (["--disk-prefix-cache", "sometimes"], "--disk-prefix-cache"),
+    (["--prefix-cache-slots", "-1"], "--prefix-cache-slots"), (["--ddtree"], "--draft"),
+    (["--kv-cache-interval", "-2"], "--kv-cache-interval"),
+])
+def test_flag_errors_come_before_reading_the_model(tmp_path, extra, needle):
+    """EngineConfig checks every flag it can before a weight is read: a bad flag with a
+    missing model names the flag, not the model."""
+    assert_clean_error(gen(tmp_path / "nope", *extra), needle)

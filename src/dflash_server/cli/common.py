@@ -6,6 +6,7 @@ import argparse
 import torch
 
 from ..cache.fingerprint import fingerprint, text_hash
+from ..engine.config import EngineConfig
 from ..errors import ShardError, UserError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -155,125 +156,130 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def load_engine(args, progress: bool = True):
-    """Build (source, pipeline, engine) from parsed args; raises UserError on bad input."""
+def engine_config(args) -> EngineConfig:
+    """The EngineConfig of a command's parsed flags (UserError naming the flag when one is bad)."""
+    try:
+        return EngineConfig.from_args(args)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def load_engine(cfg: EngineConfig, progress: bool = True):
+    """Build (source, pipeline, engine) from an EngineConfig; raises UserError on bad input."""
     from ..engine.generate import Engine
     from ..runtime.pipeline import build_pipeline
     from ..runtime.placement import parse_devices, parse_split, plan_placement
     from ..weights.default_model import default_model_path
     from ..weights.loader import open_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if getattr(args, "kernels", None):
+    policy = pflash_policy(cfg)  # (its flags checked before any weight is read)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.kernels:
         import os
 
         # read by Linear.quantize_, here and in spawned shard workers
-        os.environ["DFLASH_KERNELS"] = "1" if args.kernels == "native" else "0"
-    source = open_model(args.model or default_model_path())
-    cfg = source.config
+        os.environ["DFLASH_KERNELS"] = "1" if cfg.kernels == "native" else "0"
+    source = open_model(cfg.model or default_model_path())
+    mcfg = source.config
     try:
-        device = resolve_device(args.device)
-        devices = parse_devices(args.target_devices) if args.target_devices else parse_devices(device)
-        split = parse_split(args.target_layer_split) if args.target_layer_split else None
+        device = resolve_device(cfg.device)
+        devices = parse_devices(cfg.target_devices) if cfg.target_devices else parse_devices(device)
+        split = parse_split(cfg.target_layer_split) if cfg.target_layer_split else None
         # an automatic split keeps KV-shared layers with their sources (no KV rows between
         # stages); a split given by hand is taken as given
-        shards = plan_placement(cfg.num_layers, devices, split, together=cfg.kv_groups() if split is None else ())
+        shards = plan_placement(mcfg.num_layers, devices, split, together=mcfg.kv_groups() if split is None else ())
     except ValueError as e:
         raise UserError(str(e)) from None
     for d in {s.device for s in shards}:
         if d.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"device {d} requested but CUDA is not available")
-    dtype = torch.bfloat16 if args.dtype == "auto" else DTYPES[args.dtype]
-    max_ctx = args.max_ctx or min(cfg.max_position_embeddings, 8192)
-    draft_path = resolve_draft_path(args)
+    dtype = torch.bfloat16 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    max_ctx = cfg.max_ctx or min(mcfg.max_position_embeddings, 8192)
+    draft_path = resolve_draft_path(cfg)
     # Verify blocks run B rows at once; the weight-only int4 kernel's cost grows linearly
     # with rows while bf16 GEMM's grows slowly, but measured on the 2-core dev CPU int4 still
     # wins up to ~8-16 rows (gate_up at 8 rows: int4 174 us vs bf16 219 us; LM head 2.7 ms
     # vs 4.5 ms), so `auto` quantizes with a draft too.
     kinds = {s.device.removeprefix("remote:").split(":")[0] for s in shards}
-    quantize = quantize_plan(source, args.quantize, kinds == {"cpu"} and dtype == torch.bfloat16,
+    quantize = quantize_plan(source, cfg.quantize, kinds == {"cpu"} and dtype == torch.bfloat16,
                              cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
-    kvflash = kvflash_config(args)
-    lanes = choose_lanes(getattr(args, "parallel", "1"), source, shards, dtype, max_ctx, quantize,
+    kvflash = kvflash_config(cfg)
+    lanes = choose_lanes(cfg.lanes_flag, source, shards, dtype, max_ctx, quantize,
                          kv_tokens=kv_pool_tokens(kvflash, max_ctx))
     check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress, lanes)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
-                                  progress=progress, remote=remote_options(args, shards), threads=args.threads,
+                                  progress=progress, remote=remote_options(cfg, shards), threads=cfg.threads,
                                   kvflash=kvflash, lanes=lanes)
     except (ShardError, ValueError) as e:
         raise UserError(str(e)) from None
-    if args.compile:
+    if cfg.compile:
         pipeline.compile_decode()
-    proposer = load_proposer(args, pipeline, dtype, draft_path, quantize[0]) if draft_path else None
-    if args.prefix_cache_slots < 0 or args.prefix_cache_bytes < 0:
-        raise UserError("--prefix-cache-slots and --prefix-cache-bytes must be >= 0")
+    proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0]) if draft_path else None
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
-                "family": cfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
+                "family": mcfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
                 "draft": draft_identity(draft_path) + [proposer.draft.quantize] if proposer else None,
                 "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
-    disk = open_disk_cache(args, fingerprint(fp_parts))
-    if args.kv_cache_interval < 0:
-        raise UserError("--kv-cache-interval must be >= 0")
-    compressor = load_compressor(args, pipeline, dtype, quantize[0])
-    engine = Engine(pipeline, chunk=args.chunk, proposer=proposer, prefix_slots=args.prefix_cache_slots,
-                    prefix_bytes=args.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=args.kv_cache_interval,
-                    step_tokens=getattr(args, "step_tokens", 256), compressor=compressor,
-                    compress_policy=pflash_policy(args))
+    disk = open_disk_cache(cfg, fingerprint(fp_parts))
+    compressor = load_compressor(cfg, pipeline, dtype, quantize[0])
+    engine = Engine(pipeline, chunk=cfg.chunk, proposer=proposer, prefix_slots=cfg.prefix_cache_slots,
+                    prefix_bytes=cfg.prefix_cache_bytes, disk_cache=disk, checkpoint_interval=cfg.kv_cache_interval,
+                    step_tokens=cfg.step_tokens, compressor=compressor,
+                    compress_policy=policy)
     engine.fingerprint = fingerprint(fp_parts)
     return source, pipeline, engine
 
 
-def pflash_policy(args):
+def pflash_policy(cfg: EngineConfig):
     """The PFlashPolicy of the --prefill-* flags (UserError when they do not add up)."""
     from ..pflash.policy import PFlashPolicy, parse_curve
 
     try:
-        policy = PFlashPolicy(args.prefill_compression, args.prefill_threshold, args.prefill_keep_ratio,
-                              parse_curve(args.prefill_curve))
+        policy = PFlashPolicy(cfg.prefill_compression, cfg.prefill_threshold, cfg.prefill_keep_ratio,
+                              parse_curve(cfg.prefill_curve))
     except ValueError as e:
         raise UserError(f"--prefill-*: {e}") from None
-    if policy.mode != "off" and not args.prefill_drafter:
+    if policy.mode != "off" and not cfg.prefill_drafter:
         raise UserError(f"--prefill-compression {policy.mode} needs --prefill-drafter (a model directory or "
                         ".gguf, or self:N for the target's own first N layers)")
     return policy
 
 
-def load_compressor(args, pipeline, dtype, layer_mode: str = "dense"):
+def load_compressor(cfg: EngineConfig, pipeline, dtype, layer_mode: str = "dense"):
     """The PFlash Compressor of --prefill-drafter, or None."""
     from ..pflash.compressor import Compressor
     from ..pflash.scorer import PromptScorer
 
-    spec = getattr(args, "prefill_drafter", None)
+    spec = cfg.prefill_drafter
     if not spec:
-        if getattr(args, "prefill_drafter_layers", None) or getattr(args, "prefill_drafter_device", None):
+        if cfg.prefill_drafter_layers or cfg.prefill_drafter_device:
             raise UserError("--prefill-drafter-layers / --prefill-drafter-device need --prefill-drafter")
         return None
     try:
         if spec.startswith("self:"):
-            if args.prefill_drafter_layers or args.prefill_drafter_device:
+            if cfg.prefill_drafter_layers or cfg.prefill_drafter_device:
                 raise UserError("--prefill-drafter self:N uses the target's layers where they are: "
                                 "--prefill-drafter-layers / --prefill-drafter-device do not apply")
             try:
                 n = int(spec.removeprefix("self:"))
             except ValueError:
                 raise UserError(f"--prefill-drafter {spec}: expected self:N with N a number of layers") from None
-            scorer = PromptScorer.from_stage(pipeline.stages[0], n, chunk=args.chunk)
+            scorer = PromptScorer.from_stage(pipeline.stages[0], n, chunk=cfg.chunk)
         elif spec.startswith("remote:"):
             raise UserError("--prefill-drafter takes a model path or self:N; put a drafter file in a worker with "
                             "--prefill-drafter-device remote:<device>")
         else:
-            device = resolve_device(args.prefill_drafter_device) if args.prefill_drafter_device \
+            device = resolve_device(cfg.prefill_drafter_device) if cfg.prefill_drafter_device \
                 else str(pipeline.stages[0].device)
             if device.startswith("remote:"):
-                return Compressor(remote_scorer(args, spec, device.removeprefix("remote:"), pipeline, dtype),
+                return Compressor(remote_scorer(cfg, spec, device.removeprefix("remote:"), pipeline, dtype),
                                   pipeline.tokenizer)
             scorer = PromptScorer.load(spec, device=device, dtype=dtype, max_ctx=pipeline.max_ctx,
-                                       n_layers=args.prefill_drafter_layers,
+                                       n_layers=cfg.prefill_drafter_layers,
                                        quantize=layer_mode if device.startswith("cpu") else "dense",
-                                       chunk=args.chunk)
+                                       chunk=cfg.chunk)
     except (ValueError, OSError) as e:
         raise UserError(f"--prefill-drafter {spec}: {e}") from None
     return Compressor(scorer, pipeline.tokenizer)
@@ -282,20 +288,14 @@ def load_compressor(args, pipeline, dtype, layer_mode: str = "dense"):
 AUTO_LANES = 4  # --parallel auto: at most this many sequence slots
 
 
-def choose_lanes(flag: str, source, shards, dtype, max_ctx: int, quantize, kv_tokens: int | None = None) -> int:
-    """Sequence slots for ``--parallel``: a number, or ``auto``: up to AUTO_LANES, fewer when
-    their KV would take more than a quarter of the host's available memory (CPU shards, a
-    shard worker on this host included) or not fit a GPU."""
+def choose_lanes(flag: int | str, source, shards, dtype, max_ctx: int, quantize, kv_tokens: int | None = None) -> int:
+    """Sequence slots for ``--parallel`` (EngineConfig.lanes_flag): a number, or ``auto``: up
+    to AUTO_LANES, fewer when their KV would take more than a quarter of the host's available
+    memory (CPU shards, a shard worker on this host included) or not fit a GPU."""
     from ..runtime.memory import check_fits, estimate, gpu_free, host_available
 
     if flag != "auto":
-        try:
-            n = int(flag)
-        except ValueError:
-            raise UserError(f"--parallel must be a number of sequence slots or 'auto', got {flag!r}") from None
-        if n < 1:
-            raise UserError(f"--parallel must be >= 1, got {n}")
-        return n
+        return int(flag)
     for n in range(AUTO_LANES, 1, -1):
         needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes=n)
         host_kv = sum(d.kv for d in needs if d.device.removeprefix("remote:").startswith("cpu"))
@@ -334,54 +334,44 @@ def kv_pool_tokens(kvflash, max_ctx: int) -> int | None:
     return kvflash.pool_tokens(max_ctx, 0 if kvflash.pool == "auto" else None) if kvflash else None
 
 
-def kvflash_config(args):
+def kvflash_config(cfg: EngineConfig):
     from ..runtime.kv_pager import KvFlashConfig
 
-    if not args.kvflash:
+    pool = cfg.kvflash_pool
+    if pool is None:
         return None
-    pool = args.kvflash
-    if pool != "auto":
-        try:
-            pool = int(pool)
-        except ValueError:
-            raise UserError(f"--kvflash must be a token count or 'auto', got {pool!r}") from None
     try:
-        return KvFlashConfig(pool, chunk=args.kvflash_chunk, policy=args.kvflash_policy, tau=args.kvflash_tau)
+        return KvFlashConfig(pool, chunk=cfg.kvflash_chunk, policy=cfg.kvflash_policy, tau=cfg.kvflash_tau)
     except ValueError as e:
         raise UserError(str(e)) from None
 
 
-def remote_options(args, shards):
+def remote_options(cfg: EngineConfig, shards):
     """RemoteOptions for ``remote:`` shards (None when every shard is local)."""
     from ..runtime.placement import is_remote
 
     if not any(is_remote(s.device) for s in shards):
-        if args.target_shard_connect or args.target_shard_python:
+        if cfg.target_shard_connect or cfg.target_shard_python:
             raise UserError("--target-shard-connect / --target-shard-python need remote: devices in "
                             "--target-devices (e.g. cpu,remote:cpu)")
         return None
     secret = None
-    if args.target_shard_connect:
-        if args.target_shard_python:
-            raise UserError("--target-shard-connect attaches to a running worker: --target-shard-python "
-                            "does not apply")
+    if cfg.target_shard_connect:
         from .shard_worker import read_secret
 
-        secret = read_secret(args.shard_secret_file)
-    return worker_options(args, connect=args.target_shard_connect, secret=secret)
+        secret = read_secret(cfg.shard_secret_file)
+    return worker_options(cfg, connect=cfg.target_shard_connect, secret=secret)
 
 
-def worker_options(args, **kw):
+def worker_options(cfg: EngineConfig, **kw):
     """RemoteOptions from the --target-shard-python / --shard-* flags (target or draft worker)."""
     from ..runtime.worker_link import RemoteOptions
 
-    if args.shard_timeout <= 0:
-        raise UserError("--shard-timeout must be > 0")
-    return RemoteOptions(python=args.target_shard_python, timeout_s=args.shard_timeout,
-                         transport=args.shard_transport, **kw)
+    return RemoteOptions(python=cfg.target_shard_python, timeout_s=cfg.shard_timeout,
+                         transport=cfg.shard_transport, **kw)
 
 
-def remote_draft(args, path, device: str, pipeline, dtype, quantize: str = "dense"):
+def remote_draft(cfg: EngineConfig, path, device: str, pipeline, dtype, quantize: str = "dense"):
     """The draft in its own spawned shard worker (``--draft-device remote:<device>``)."""
     from ..runtime.placement import parse_devices
     from ..spec.remote_draft import RemoteDraft
@@ -390,7 +380,7 @@ def remote_draft(args, path, device: str, pipeline, dtype, quantize: str = "dens
         parse_devices(device)
     except ValueError:
         raise UserError(f"--draft-device remote:{device}: unknown device") from None
-    opts = worker_options(args)
+    opts = worker_options(cfg)
     try:
         return RemoteDraft(path, device=device, home=str(pipeline.device), dtype=dtype, max_ctx=pipeline.max_ctx,
                            options=opts, quantize=quantize)
@@ -398,7 +388,7 @@ def remote_draft(args, path, device: str, pipeline, dtype, quantize: str = "dens
         raise UserError(str(e)) from None
 
 
-def remote_scorer(args, path: str, device: str, pipeline, dtype):
+def remote_scorer(cfg: EngineConfig, path: str, device: str, pipeline, dtype):
     """The prefill drafter in its own spawned shard worker (``--prefill-drafter-device remote:<device>``)."""
     from ..pflash.remote import RemoteScorer
     from ..runtime.placement import parse_devices
@@ -408,8 +398,8 @@ def remote_scorer(args, path: str, device: str, pipeline, dtype):
     except ValueError:
         raise UserError(f"--prefill-drafter-device remote:{device}: unknown device") from None
     try:
-        return RemoteScorer(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx, options=worker_options(args),
-                            n_layers=args.prefill_drafter_layers, chunk=args.chunk,
+        return RemoteScorer(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx, options=worker_options(cfg),
+                            n_layers=cfg.prefill_drafter_layers, chunk=cfg.chunk,
                             quantize="dense")
     except ShardError as e:
         raise UserError(str(e)) from None
@@ -423,39 +413,19 @@ def draft_identity(path) -> list:
     return [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files if f.is_file()]
 
 
-def disk_min_tokens(args) -> int | None:
-    """None = disk cache off; else the minimum prefix length written to disk."""
-    mode = str(args.disk_prefix_cache)
-    if args.kv_cache_dir is None or mode == "off":
-        return None
-    if mode == "full":
-        return 0
-    if mode == "auto":
-        return max(0, args.kv_cache_min_tokens)
-    try:
-        n = int(mode)
-    except ValueError:
-        raise UserError(f"--disk-prefix-cache must be off, full, auto or a token count, got {mode!r}") from None
-    if n < 0:
-        raise UserError("--disk-prefix-cache N needs N >= 0")
-    return n
-
-
-def open_disk_cache(args, fp: str):
+def open_disk_cache(cfg: EngineConfig, fp: str):
     from ..cache.disk import DiskCache
 
-    min_tokens = disk_min_tokens(args)
+    min_tokens = cfg.disk_min_tokens
     if min_tokens is None:
         return None
-    if args.kv_cache_budget < 0:
-        raise UserError("--kv-cache-budget must be >= 0")
     try:
-        return DiskCache(args.kv_cache_dir, fp, args.kv_cache_budget << 20, min_tokens)
+        return DiskCache(cfg.kv_cache_dir, fp, cfg.kv_cache_budget << 20, min_tokens)
     except OSError as e:
-        raise UserError(f"--kv-cache-dir {args.kv_cache_dir}: {e}") from None
+        raise UserError(f"--kv-cache-dir {cfg.kv_cache_dir}: {e}") from None
 
 
-def resolve_draft_path(args):
+def resolve_draft_path(cfg: EngineConfig):
     """--draft PATH, or ``--draft default`` for the draft shipped with the built-in model;
     None with --no-draft. The shipped draft is not switched on by itself: measured on the
     reference CPU (benchmarks/spec.py) its acceptance length is 1.38-1.82 and DFlash with the
@@ -464,16 +434,14 @@ def resolve_draft_path(args):
     until a better draft ships."""
     from ..weights.default_model import default_draft_path
 
-    if (args.ddtree or args.ddtree_budget) and (args.no_draft or args.draft is None):
-        raise UserError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
-    if args.no_draft or args.draft is None:
+    if cfg.no_draft or cfg.draft is None:
         return None
-    if args.draft == "default":
+    if cfg.draft == "default":
         path = default_draft_path()
         if path is None:
             raise UserError("--draft default: no draft ships with this installation")
         return path
-    return args.draft
+    return cfg.draft
 
 
 def block_size_arg(text: str):
@@ -500,23 +468,23 @@ def draft_quantize(layer_mode: str, device: str) -> str:
     return "int8" if layer_mode != "dense" and device.removeprefix("remote:").split(":")[0] == "cpu" else "dense"
 
 
-def load_proposer(args, pipeline, dtype, path, layer_mode: str = "dense"):
+def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "dense"):
     """Load the DFlash draft at ``path`` and wrap it for the pipeline (UserError if unfit)."""
     from ..spec.draft import DFlashDraft
     from ..spec.proposer import DFlashProposer
 
-    device = resolve_device(args.draft_device) if args.draft_device else str(pipeline.device)
+    device = resolve_device(cfg.draft_device) if cfg.draft_device else str(pipeline.device)
     quantize = draft_quantize(layer_mode, device)
     try:
         if device.startswith("remote:"):
-            draft = remote_draft(args, path, device.removeprefix("remote:"), pipeline, dtype, quantize)
+            draft = remote_draft(cfg, path, device.removeprefix("remote:"), pipeline, dtype, quantize)
         else:
             draft = DFlashDraft.load(path, device=device, dtype=dtype, max_ctx=pipeline.max_ctx, quantize=quantize)
-        auto = args.block_size == "auto"
-        if not auto and args.block_size < 2:
+        auto = cfg.block_size == "auto"
+        if not auto and cfg.block_size < 2:
             raise ValueError("--block-size must be >= 2 or auto")
-        budget = args.ddtree_budget or (DEFAULT_TREE_BUDGET if args.ddtree else 0)
-        return DFlashProposer(draft, pipeline, block_size=None if auto else args.block_size, adaptive=auto,
+        budget = cfg.ddtree_budget or (DEFAULT_TREE_BUDGET if cfg.ddtree else 0)
+        return DFlashProposer(draft, pipeline, block_size=None if auto else cfg.block_size, adaptive=auto,
                               tree_budget=budget)
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

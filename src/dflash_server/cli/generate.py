@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..errors import UserError
-from .common import add_model_args, load_engine, positive_int
+from .common import add_model_args, engine_config, load_engine, positive_int
 
 
 def add_parser(sub) -> None:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
                                   min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     except ValueError as e:
         raise UserError(str(e)) from None
-    source, pipeline, engine = load_engine(args, progress=not args.json)
+    source, pipeline, engine = load_engine(engine_config(args), progress=not args.json)
     if args.compile:  # compile in a throwaway generation, so the timings below are decode, not compiling
         import time
 

@@ -140,9 +140,10 @@ def run(args: argparse.Namespace) -> int:
     from ..server.app import create_app
     from ..server.hosts import is_loopback
     from ..server.state import ServerState
-    from .common import load_engine
+    from .common import engine_config, load_engine
 
     config = _config(args)
+    engine_cfg = engine_config(args)  # every flag checked before the port is bound
     if args.model and not Path(args.model).exists():
         raise UserError(f"{args.model}: no such file or directory")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     def load():
         t0 = time.monotonic()
         try:
-            source, pipeline, engine = load_engine(args, progress=False)
+            source, pipeline, engine = load_engine(engine_cfg, progress=False)
             if args.compile:  # compile now (minutes on a cold cache), not in the first request
                 t1 = time.monotonic()
                 engine.warm_up()

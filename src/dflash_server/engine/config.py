@@ -1,0 +1,166 @@
+"""EngineConfig: everything an engine is built from (model, placement, kernels, caches,
+speculation, PFlash, shard workers), frozen and validated as a whole when it is made.
+
+The CLI makes one from its flags (``EngineConfig.from_args``); a program may make one by
+hand. The loaders (``cli.common.load_engine`` and its helpers) only read it. What can be
+checked without the model is checked here, so a bad value stops start-up before any weight
+is read; what needs the model or the placement (a layer split, a remote device, a draft that
+fits the target) is checked where that is known. A ValueError names the CLI flag.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+DTYPE_NAMES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+QUANTIZE = ("auto", "none", "int8", "int4")
+
+
+def _choice(flag: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{flag} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def _at_least(flag: str, value, low, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+        raise ValueError(f"{flag} must be >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # model and placement
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "auto"
+    target_devices: str | None = None
+    target_layer_split: str | None = None
+    max_ctx: int | None = None
+    chunk: int = 512
+    compile: bool = False
+    threads: int | None = None
+    kernels: str | None = None  # "native" | "aten" | None (the environment's choice)
+    # shard workers
+    target_shard_python: str | None = None
+    target_shard_connect: str | None = None
+    shard_secret_file: str | None = None
+    shard_timeout: float = 60.0
+    shard_transport: str = "auto"
+    # KV Flash
+    kvflash: str | None = None  # a token count or "auto"
+    kvflash_policy: str = "lru"
+    kvflash_chunk: int = 64
+    kvflash_tau: int = 64
+    # batching
+    parallel: str = "1"  # sequence slots: a number or "auto"
+    step_tokens: int = 256
+    # prefix cache
+    prefix_cache_slots: int = 32
+    prefix_cache_bytes: int = 4 << 30
+    kv_cache_dir: str | None = None
+    kv_cache_budget: int = 4096  # MB
+    kv_cache_min_tokens: int = 256
+    kv_cache_interval: int = 0
+    disk_prefix_cache: str = "auto"
+    # speculative decoding
+    draft: str | None = None
+    draft_device: str | None = None
+    block_size: int | str = "auto"
+    ddtree: bool = False
+    ddtree_budget: int | None = None
+    no_draft: bool = False
+    # prefill compression (PFlash)
+    prefill_compression: str = "off"
+    prefill_threshold: int = 4096
+    prefill_keep_ratio: float = 0.1
+    prefill_curve: tuple[str, ...] | None = None
+    prefill_drafter: str | None = None
+    prefill_drafter_layers: int | None = None
+    prefill_drafter_device: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The fields a command's parsed flags carry (the others keep their defaults)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if values.get("prefill_curve") is not None:
+            values["prefill_curve"] = tuple(values["prefill_curve"])
+        if values.get("parallel") is not None:
+            values["parallel"] = str(values["parallel"])
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        _choice("--dtype", self.dtype, DTYPE_NAMES)
+        _choice("--quantize", self.quantize, QUANTIZE)
+        _choice("--kernels", self.kernels, ("native", "aten", None))
+        _choice("--shard-transport", self.shard_transport, ("auto", "shm", "inline"))
+        _choice("--kvflash-policy", self.kvflash_policy, ("lru", "score"))
+        _choice("--prefill-compression", self.prefill_compression, ("off", "auto", "always"))
+        for flag, value in (("--chunk", self.chunk), ("--kvflash-chunk", self.kvflash_chunk),
+                            ("--kvflash-tau", self.kvflash_tau), ("--step-tokens", self.step_tokens),
+                            ("--prefill-threshold", self.prefill_threshold)):
+            _at_least(flag, value, 1)
+        for flag, value in (("--max-ctx", self.max_ctx), ("--threads", self.threads),
+                            ("--prefill-drafter-layers", self.prefill_drafter_layers)):
+            _at_least(flag, value, 1, optional=True)
+        if self.prefix_cache_slots < 0 or self.prefix_cache_bytes < 0:
+            raise ValueError("--prefix-cache-slots and --prefix-cache-bytes must be >= 0")
+        if self.kv_cache_interval < 0:
+            raise ValueError("--kv-cache-interval must be >= 0")
+        if self.kv_cache_budget < 0:
+            raise ValueError("--kv-cache-budget must be >= 0")
+        if not self.shard_timeout > 0:
+            raise ValueError("--shard-timeout must be > 0")
+        if self.target_shard_connect and self.target_shard_python:
+            raise ValueError("--target-shard-connect attaches to a running worker: --target-shard-python "
+                             "does not apply")
+        self.kvflash_pool  # noqa: B018  (parses --kvflash)
+        self.lanes_flag  # noqa: B018  (parses --parallel)
+        self.disk_min_tokens  # noqa: B018  (parses --disk-prefix-cache)
+        if self.block_size != "auto" and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)):
+            raise ValueError(f"--block-size must be an integer >= 2 or auto, got {self.block_size!r}")
+        if (self.ddtree or self.ddtree_budget) and (self.no_draft or self.draft is None):
+            raise ValueError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
+
+    @property
+    def kvflash_pool(self) -> int | str | None:
+        """--kvflash as a token count, "auto", or None (off)."""
+        if not self.kvflash:
+            return None
+        if self.kvflash == "auto":
+            return "auto"
+        try:
+            return int(self.kvflash)
+        except (TypeError, ValueError):
+            raise ValueError(f"--kvflash must be a token count or 'auto', got {self.kvflash!r}") from None
+
+    @property
+    def lanes_flag(self) -> int | str:
+        """--parallel as a number of sequence slots (>= 1) or "auto"."""
+        if self.parallel == "auto":
+            return "auto"
+        try:
+            n = int(self.parallel)
+        except ValueError:
+            raise ValueError(f"--parallel must be a number of sequence slots or 'auto', got {self.parallel!r}") \
+                from None
+        if n < 1:
+            raise ValueError(f"--parallel must be >= 1, got {n}")
+        return n
+
+    @property
+    def disk_min_tokens(self) -> int | None:
+        """None = disk cache off; else the minimum prefix length written to disk."""
+        mode = str(self.disk_prefix_cache)
+        if mode in ("off", "full", "auto"):
+            n = {"off": None, "full": 0, "auto": max(0, self.kv_cache_min_tokens)}[mode]
+        else:
+            try:
+                n = int(mode)
+            except ValueError:
+                raise ValueError(f"--disk-prefix-cache must be off, full, auto or a token count, got {mode!r}") \
+                    from None
+            if n < 0:
+                raise ValueError("--disk-prefix-cache N needs N >= 0")
+        return None if self.kv_cache_dir is None else n

@@ -1,0 +1,73 @@
+"""EngineConfig: the frozen, validated configuration every engine is built from (the CLI's
+flags become one; a program can write one by hand)."""
+import dataclasses
+
+import pytest
+
+from dflash_server.cli import build_parser
+from dflash_server.engine.config import EngineConfig
+
+
+def parsed(*flags, command="serve"):
+    return build_parser().parse_args([command, *flags])
+
+
+def test_the_cli_defaults_are_the_config_defaults():
+    """A flag-less serve / generate gives the hand-made default config (the parser and the
+    dataclass agree on every default), except the serve default of --parallel."""
+    serve = EngineConfig.from_args(parsed())
+    assert dataclasses.replace(serve, parallel="1") == EngineConfig()
+    assert serve.parallel == "auto"
+    gen = EngineConfig.from_args(parsed("--prompt", "x", command="generate"))
+    assert gen == EngineConfig()
+
+
+def test_flags_reach_the_config_and_it_is_frozen():
+    cfg = EngineConfig.from_args(parsed("--kvflash", "1024", "--parallel", "3", "--prefill-curve", "2000:0.5",
+                                        "8000:0.2", "--kv-cache-dir", "/tmp/x", "--disk-prefix-cache", "full",
+                                        "--draft", "default", "--ddtree-budget", "9", "--block-size", "4"))
+    assert (cfg.kvflash_pool, cfg.lanes_flag, cfg.disk_min_tokens) == (1024, 3, 0)
+    assert cfg.prefill_curve == ("2000:0.5", "8000:0.2") and cfg.block_size == 4 and cfg.ddtree_budget == 9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.chunk = 7
+    assert hash(cfg) == hash(dataclasses.replace(cfg))  # frozen and hashable: one value, compared as such
+    assert EngineConfig(kv_cache_dir=None, disk_prefix_cache="full").disk_min_tokens is None
+    assert EngineConfig(kv_cache_dir="/d").disk_min_tokens == 256
+    assert EngineConfig(kvflash="auto").kvflash_pool == "auto" and EngineConfig().kvflash_pool is None
+
+
+@pytest.mark.parametrize("kw,flag", [
+    ({"dtype": "fp8"}, "--dtype"), ({"quantize": "int2"}, "--quantize"), ({"kernels": "cuda"}, "--kernels"),
+    ({"shard_transport": "udp"}, "--shard-transport"), ({"kvflash_policy": "fifo"}, "--kvflash-policy"),
+    ({"prefill_compression": "sometimes"}, "--prefill-compression"), ({"chunk": 0}, "--chunk"),
+    ({"chunk": True}, "--chunk"), ({"chunk": "512"}, "--chunk"), ({"max_ctx": 0}, "--max-ctx"),
+    ({"threads": -1}, "--threads"), ({"kvflash_chunk": 0}, "--kvflash-chunk"), ({"step_tokens": 0}, "--step-tokens"),
+    ({"prefix_cache_slots": -1}, "--prefix-cache-slots"), ({"prefix_cache_bytes": -5}, "--prefix-cache-bytes"),
+    ({"kv_cache_interval": -1}, "--kv-cache-interval"), ({"kv_cache_budget": -1}, "--kv-cache-budget"),
+    ({"shard_timeout": 0}, "--shard-timeout"), ({"shard_timeout": float("nan")}, "--shard-timeout"),
+    ({"target_shard_connect": "tcp://127.0.0.1:1", "target_shard_python": "python3"}, "--target-shard-python"),
+    ({"kvflash": "lots"}, "--kvflash"), ({"parallel": "many"}, "--parallel"), ({"parallel": "0"}, "--parallel"),
+    ({"disk_prefix_cache": "sometimes"}, "--disk-prefix-cache"), ({"disk_prefix_cache": "-4"}, "--disk-prefix-cache"),
+    ({"block_size": "big"}, "--block-size"), ({"ddtree": True}, "--ddtree"),
+    ({"ddtree_budget": 8, "draft": "default", "no_draft": True}, "--ddtree"),
+])
+def test_bad_values_are_refused_naming_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        EngineConfig(**kw)
+
+
+def test_a_hand_made_config_builds_an_engine(tiny_dir):
+    """Without argparse: the loaders read only the config."""
+    from dflash_server.cli.common import load_engine
+    from dflash_server.engine.generate import GenerationRequest
+
+    cfg = EngineConfig(model=str(tiny_dir("llama")), device="cpu", dtype="fp32", max_ctx=128, prefix_cache_slots=2,
+                       parallel="2")
+    source, pipeline, engine = load_engine(cfg, progress=False)
+    try:
+        assert pipeline.max_ctx == 128 and pipeline.lanes == 2 and engine.prefix_cache is not None
+        ids = source.tokenizer.encode("hello there")
+        r = engine.generate(GenerationRequest(tuple(ids), max_tokens=3, ignore_eos=True))
+        assert len(r.token_ids) == 3
+    finally:
+        engine.close()
