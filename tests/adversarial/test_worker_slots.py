@@ -106,3 +106,19 @@ def test_serves_after_bad_input(worker):
     h, out = _call(worker, "forward_rows", {"lanes": [0, 1], "positions": [2, 4], "capture": [1, n - 1, n + 5]},
                    _x(worker, 2))
     assert h["ok"] and out[f"cap.{n - 1}"].shape == (1, 2, worker.hidden) and "cap.1" in out
+
+
+def test_bad_layer_ranges_are_refused_and_the_worker_loads_after(worker):
+    """A worker builds its stages as a server builds a pipeline (over hidden states): layer
+    ranges out of the model, with gaps, overlapping or on a remote: device (a worker does not
+    spawn workers) are value errors; a good load afterwards serves forwards again."""
+    n = int(worker.load_args["shards"][0][2])
+    for shards in ([["cpu", 1, n + 1]], [["cpu", 0, 0]], [["cpu", 1, 2], ["cpu", 3, n]], [["cpu", 1, 3], ["cpu", 2, n]],
+                   [["remote:cpu", 1, n]]):
+        h, _ = _call(worker, "load", {**worker.load_args, "shards": shards})
+        assert not h["ok"] and h["error"]["kind"] == "value", (shards, h)
+    h, _ = _call(worker, "forward", {"start": 0}, _x(worker, 1))
+    assert not h["ok"] and "load first" in h["error"]["message"]
+    assert _call(worker, "load", worker.load_args)[0]["ok"]
+    h, out = _call(worker, "forward", {"start": 0, "logits": "last"}, _x(worker, 2))
+    assert h["ok"] and out["logits"].shape[-1] > 0

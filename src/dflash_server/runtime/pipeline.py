@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from ..errors import Cancelled
 from .placement import ShardSpec, split_local_remote
-from .stage import LocalStage
+from .stage import LocalStage, StageOutput
 from .stage_protocol import Stage
 
 
@@ -49,14 +49,20 @@ class TargetPipeline:
         """One decode token per sequence, each in its own slot: ``tokens[b]`` at
         ``positions[b]`` of slot ``lanes[b]``. Returns the rows' logits (B, V) fp32 and the
         outputs (1, B, H) of the ``capture`` layers."""
-        x = torch.tensor([list(tokens)], dtype=torch.long)
+        out = self.run_rows(torch.tensor([list(tokens)], dtype=torch.long), lanes, positions, capture)
+        return PipelineOutput(out.logits, out.captures)
+
+    def run_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int], capture: tuple[int, ...] = (),
+                 carry: dict | None = None) -> StageOutput:
+        """``forward_rows`` on any input: token ids (1, B) where the first stage embeds, else
+        the previous stage's hidden rows and ``carry`` (a shard worker's stages). Returns the
+        last stage's output with every stage's captures."""
         caps: dict[int, torch.Tensor] = {}
-        carry: dict = {}
         for st in self.stages:
             out = st.forward_rows(x, lanes, positions, capture, **({"carry": carry} if carry else {}))
             caps.update(out.captures)
             x, carry = out.hidden, out.carry
-        return PipelineOutput(out.logits, caps)
+        return StageOutput(out.hidden, out.head_logits, caps, out.carry)
 
     @property
     def device(self) -> torch.device:
@@ -117,14 +123,23 @@ class TargetPipeline:
             ids = torch.tensor([list(ids)], dtype=torch.long)
         if ids.shape[0] != self.stages[0].batch:  # one prompt for a whole batch
             ids = ids.expand(self.stages[0].batch, -1)
-        x, caps, carry = ids, {}, {}
+        out = self.run(ids, start, logits=logits, capture=capture, tree=tree)
+        return PipelineOutput(out.logits, out.captures)
+
+    def run(self, x: torch.Tensor, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
+            carry: dict | None = None, tree: tuple[int, ...] | None = None) -> StageOutput:
+        """``forward`` on any input: token ids (1, T) where the first stage embeds, else the
+        previous stage's hidden state and ``carry`` (a shard worker's stages). Returns the
+        last stage's output (hidden state, logits in the head's dtype, carry) with every
+        stage's captures."""
+        caps: dict[int, torch.Tensor] = {}
         for st in self.stages:
             # the per-layer inputs of Gemma 4 E2B / E4B travel between in-process stages
             out = st.forward(x, start, logits=logits, capture=capture, **({"carry": carry} if carry else {}),
                              **({"tree": tree} if tree is not None else {}))
             caps.update(out.captures)
             x, carry = out.hidden, out.carry
-        return PipelineOutput(out.logits, caps)
+        return StageOutput(out.hidden, out.head_logits, caps, out.carry)
 
     def prefill(self, ids: list[int], start: int = 0, chunk: int = 512,
                 capture: tuple[int, ...] = (), cancelled=None) -> PipelineOutput:
@@ -261,18 +276,20 @@ def drain(steps, cancelled=None):
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
                    quantize: str | tuple[str, str] = "dense", progress: bool = True,
                    batch: int = 1, remote=None, threads: int | None = None, kvflash=None,
-                   lanes: int = 1) -> TargetPipeline:
+                   lanes: int = 1, embeds: bool = True) -> TargetPipeline:
     """One LocalStage per local shard (each reads only its own layers' weights), then one
     RemoteStage for the ``remote:`` shards, served by a shard worker (``remote``: RemoteOptions).
-    ``lanes``: sequence slots (continuous batching; local stages only)."""
+    ``lanes``: sequence slots (continuous batching; local stages only). ``embeds=False``: the
+    first stage takes the previous stage's hidden state (a shard worker's pipeline); the stage
+    holding the model's last layer has the final norm and LM head."""
     local, far = split_local_remote(shards)
     bar = tqdm(total=sum(s.num_layers for s in local), desc="loading weights", unit="layer",
                disable=None if progress else True, leave=False)  # None: only on a terminal
     stages = []
     try:
         for k, sh in enumerate(local):
-            stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx,
-                                     is_first=k == 0, is_last=not far and k == len(local) - 1, quantize=quantize,
+            stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx, is_first=embeds and k == 0,
+                                     is_last=not far and sh.end == source.config.num_layers, quantize=quantize,
                                      on_layer=bar.update, batch=batch, kvflash=kvflash, lanes=lanes))
     finally:
         bar.close()

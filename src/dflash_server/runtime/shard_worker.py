@@ -71,15 +71,20 @@ class ShardWorker:
         """``providers``: objects whose ``op_*`` methods serve more operations (the draft's)."""
         self.secret, self.model_override, self.max_message = secret, model_override, max_message
         self.providers = providers
-        self.stages: list = []
+        self.pipeline = None  # TargetPipeline over this worker's stages (after load)
         self.load_key = None
         self.clients: dict[bytes, _Client] = {}
         self.stopping = False
 
     # --- operations -----------------------------------------------------------------
+    @property
+    def stages(self) -> list:
+        return self.pipeline.stages if self.pipeline is not None else []
+
     def op_load(self, a, t):
         from ..weights.loader import open_model
-        from .stage import LocalStage
+        from .pipeline import build_pipeline
+        from .placement import ShardSpec
 
         kv = a.get("kvflash")
         lanes = a.get("lanes", 1)
@@ -88,7 +93,9 @@ class ShardWorker:
         key = (a["model"], tuple(map(tuple, a["shards"])), a["dtype"], a["max_ctx"], tuple(a["quantize"]),
                tuple(sorted(kv.items())) if isinstance(kv, dict) else None, lanes)
         if key != self.load_key:
-            self.stages, self.load_key = [], None
+            if self.pipeline is not None:
+                self.pipeline.close()
+            self.pipeline, self.load_key = None, None
             if a.get("threads"):
                 torch.set_num_threads(int(a["threads"]))
             source = open_model(self.model_override or a["model"])
@@ -98,14 +105,14 @@ class ShardWorker:
             n = source.config.num_layers
             shards = [(str(d), int(b), int(e)) for d, b, e in a["shards"]]
             kvflash = KvFlashConfig(**kv) if isinstance(kv, dict) else None
-            stages = []
             for k, (dev, b, e) in enumerate(shards):
-                if not 0 <= b < e <= n or (k and b != shards[k - 1][2]):
+                if not 0 <= b < e <= n or (k and b != shards[k - 1][2]) or dev.startswith("remote:"):
                     raise ValueError(f"bad layer ranges {shards} for a model of {n} layers")
-                stages.append(LocalStage(source, b, e, dev, dtype, int(a["max_ctx"]), is_first=False,
-                                         is_last=e == n, quantize=tuple(a["quantize"]), kvflash=kvflash,
-                                         lanes=lanes))
-            self.stages, self.load_key = stages, key
+            # the same pipeline a server builds, over hidden states instead of token ids
+            self.pipeline = build_pipeline(source, [ShardSpec(*sh) for sh in shards], dtype=dtype,
+                                           max_ctx=int(a["max_ctx"]), quantize=tuple(a["quantize"]), progress=False,
+                                           kvflash=kvflash, lanes=lanes, embeds=False)
+            self.load_key = key
         for lane in range(lanes):
             self._each("select", lane)
             self._each("reset")
@@ -113,44 +120,43 @@ class ShardWorker:
         return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid()}, {}
 
     def _need(self):
-        if not self.stages:
+        if self.pipeline is None:
             raise ValueError("no layers loaded (send load first)")
-        return self.stages
+        return self.pipeline
 
     def _select(self, a) -> None:
         """Point every stage at the request's sequence slot (``lane``, default 0)."""
         lane = a.get("lane", 0)
         if not isinstance(lane, int) or isinstance(lane, bool):
             raise ValueError(f"argument 'lane' must be an integer, got {lane!r}")
-        for st in self._need():
-            st.select(lane)
+        self._need().select(lane)
 
     def _each(self, name, *args):
-        for st in self.stages:
-            getattr(st, name)(*args)
-        return {"length": self.stages[-1].length if self.stages else 0}, {}
+        """A state operation of the pipeline (it fans out to every stage); the new length."""
+        if self.pipeline is None:
+            return {"length": 0}, {}
+        getattr(self.pipeline, name)(*args)
+        return {"length": self.pipeline.length}, {}
 
     def op_forward_rows(self, a, t):
-        stages = self._need()
+        pipe = self._need()
         lanes, positions, capture = a.get("lanes"), a.get("positions"), a.get("capture", [])
         for v in (lanes, positions, capture):
             if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
                 raise ValueError("forward_rows: lanes, positions and capture must be lists of integers")
         x, out_t, carry = _tensor(t, "x"), {}, carry_from_tensors(t)
         t0 = time.perf_counter()
-        for st in stages:
-            out = st.forward_rows(x, lanes, positions, tuple(capture), carry=carry)
-            out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
-            x, carry = out.hidden, out.carry
+        out = pipe.run_rows(x, lanes, positions, tuple(capture), carry=carry)
+        out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
         if out.head_logits is not None:
             out_t["logits"] = out.head_logits
         if out.hidden is not None:
             out_t["hidden"] = out.hidden
-        return {"lengths": [stages[-1].lanes[lane].length for lane in lanes],
+        return {"lengths": [pipe.stages[-1].lanes[lane].length for lane in lanes],
                 "compute_s": time.perf_counter() - t0}, out_t
 
     def op_forward(self, a, t):
-        stages = self._need()
+        pipe = self._need()
         self._select(a)
         x, start, mode, capture = _tensor(t, "x"), _int(a, "start"), a.get("logits", "last"), a.get("capture", [])
         if mode not in ("last", "all", "none") or not isinstance(capture, list) or \
@@ -159,10 +165,8 @@ class ShardWorker:
         capture, out_t, carry = tuple(capture), {}, carry_from_tensors(t)
         tree = {"tree": _ints(a, "tree")} if a.get("tree") is not None else {}
         t0 = time.perf_counter()
-        for st in stages:
-            out = st.forward(x, start, logits=mode, capture=capture, carry=carry, **tree)
-            out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
-            x, carry = out.hidden, out.carry
+        out = pipe.run(x, start, logits=mode, capture=capture, carry=carry, **tree)
+        out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
         if out.head_logits is not None:
             # in the head's dtype (bf16: half the bytes of fp32, and not widened here); the
             # client widens it exactly as a local stage does
@@ -170,18 +174,18 @@ class ShardWorker:
         if out.hidden is not None:
             out_t["hidden"] = out.hidden
         # compute time lets the client tell IPC overhead from work (benchmarks/split.py)
-        res = {"length": self.stages[-1].length, "compute_s": time.perf_counter() - t0}
-        kv = [s for st in stages if (s := st.kvflash_stats()) is not None]
+        res = {"length": pipe.length, "compute_s": time.perf_counter() - t0}
+        kv = pipe.kvflash_stats()
         if kv:
             res["kvflash"] = kv
         return res, out_t
 
     def op_reselect(self, a, t):
         self._select(a)
-        return {"changed": any([st.reselect() for st in self._need()])}, {}
+        return {"changed": any([st.reselect() for st in self._need().stages])}, {}
 
     def op_project(self, a, t):
-        return {}, {"logits": self._need()[-1].project(_tensor(t, "hidden"))}
+        return {}, {"logits": self._need().project(_tensor(t, "hidden"))}
 
     def op_compile(self, a, t):
         return self._each("compile_decode")
@@ -218,16 +222,16 @@ class ShardWorker:
         return self._each("snapshot_free", _int(a, "slot"))
 
     def op_snapshot_nbytes(self, a, t):
-        return {"nbytes": sum(st.snapshot_nbytes(_int(a, "slot")) for st in self._need())}, {}
+        return {"nbytes": self._need().snapshot_nbytes(_int(a, "slot"))}, {}
 
     def op_snapshot_export(self, a, t):
-        out = {}
-        for st in self._need():
+        out = {}  # named by layer (the client routes them), not by stage as the pipeline's own export
+        for st in self._need().stages:
             out.update(st.snapshot_export(_int(a, "slot")))
         return {}, out
 
     def op_snapshot_import(self, a, t):
-        slot, stages = _int(a, "slot"), self._need()
+        slot, stages = _int(a, "slot"), self._need().stages
         if "length" not in t:
             raise ValueError("snapshot has no length")
         owned = set()
@@ -242,7 +246,8 @@ class ShardWorker:
         return {}, {}
 
     def op_health(self, a, t):
-        return {"loaded": bool(self.stages), "length": self.stages[-1].length if self.stages else 0}, {}
+        return {"loaded": self.pipeline is not None,
+                "length": self.pipeline.length if self.pipeline is not None else 0}, {}
 
     def op_shutdown(self, a, t):
         self.stopping = True
