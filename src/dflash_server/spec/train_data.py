@@ -91,6 +91,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torc
     return torch.where(greedy, top, tok), top
 
 
+PROMPT_SNAPSHOT = 1 << 30  # snapshot slot of the prompt's state while sampling (no prefix cache here)
+
+
 def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
                   top_p: float = 0.95, greedy_rows: int = 1, greedy_after: int = 0,
                   gen: torch.Generator | None = None) -> list[Sample]:
@@ -104,10 +107,20 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
     max_new = min(max_new, pipe.max_ctx - len(ids))
     lanes = pipe.lanes if pipe.stages[0].batch == 1 else 1   # B sequence slots: one decode row each
     with torch.inference_mode():
-        for lane in range(lanes):   # (slots: the prompt prefilled into each; a lockstep batch: once)
-            pipe.select(lane)
-            pipe.reset()
-            out = pipe.prefill(ids, capture=taps)
+        # the prompt prefilled once (slot 0, or the lockstep batch), then copied into the other
+        # slots as a snapshot: the state bits a prefill of each would write, at a copy's cost
+        pipe.select(0)
+        pipe.reset()
+        out = pipe.prefill(ids, capture=taps)
+        if lanes > 1:
+            pipe.snapshot_save(PROMPT_SNAPSHOT)
+            try:
+                for lane in range(1, lanes):
+                    pipe.select(lane)
+                    pipe.reset()
+                    pipe.snapshot_restore(PROMPT_SNAPSHOT)
+            finally:
+                pipe.snapshot_free(PROMPT_SNAPSHOT)
         prompt_feats = torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu()    # rows are identical
         logits = _last_logits(out.logits, vocab)
         if lanes > 1:
