@@ -461,8 +461,10 @@ void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, i
 // the integer dots move to the tile unit. What it costs (measured on a Sapphire-Rapids-class
 // 2-vCPU VM): a tile load of bytes just written by vector stores waits ~70 cycles (no
 // forwarding), so a pair's blocks are all unpacked first; a C tile stored and read back at once
-// stalls, so block b's product runs while block b - 1's dots are scaled (tiles 0-2 / 3-5
-// alternate); the weights of the pair 4 ahead are prefetched meanwhile. Per (2 groups, block,
+// stalls, so block b's product runs while block b - 1's C tile is stored and block b - 2's dots
+// are scaled (tiles 0-2 / 3-5 alternate; scaling two blocks behind instead of one: gate/up
+// 3072x576, 1 thread, quiet moments, 8 rows 141-142 -> 131-132 us, 16 rows 242-253 -> 214-216
+// us); the weights of the pair 4 ahead are prefetched meanwhile. Per (2 groups, block,
 // 8 rows) that is ~60-85 cycles with cached weights, ~100 streaming them; a whole 3072x576
 // Q4_1 matmul is 1.05-1.2x faster than AVX-512 VNNI at 8 rows, 1.3-1.4x at 16 (2 threads);
 // below AMX_MIN_ROWS rows the vector path is as fast.
@@ -576,7 +578,10 @@ DFLASH_TARGET_AMX void amx_rows(const uint8_t* bt, const float* dws, const float
   constexpr bool Q8 = K == Kind::Q8;
   const int64_t nb = k / QK;
   const __mmask16 lanes = NG == 2 ? 0xFFFF : 0x00FF;
-  alignas(64) int32_t ct[2][AMX_ROWS * 16];  // two blocks' dots, a row of NG * 8 per row of x
+  // three blocks' dots in memory: block b's product is issued while block b - 1's C tile is
+  // stored and block b - 2's stored dots (written an iteration ago, so the vector loads find
+  // them in L1 instead of waiting on the tile store) are scaled; blocks are scaled in order
+  alignas(64) int32_t ct[3][AMX_ROWS * 16];  // a row of NG * 8 dots per row of x
   __m512 acc[AMX_ROWS], acc_e[AMX_ROWS];
   for (int r = 0; r < AMX_ROWS; ++r) acc[r] = acc_e[r] = _mm512_setzero_ps();
   DFLASH_AMX_ISSUE(0, 1, 2, 0)
@@ -585,21 +590,17 @@ DFLASH_TARGET_AMX void amx_rows(const uint8_t* bt, const float* dws, const float
       for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + (b - 1) * pf_step + o), _MM_HINT_T1);
     if (b % 2) {
       DFLASH_AMX_ISSUE(3, 4, 5, b)
-      _tile_stored(0, ct[0], 64);
-      DFLASH_AMX_SCALE(ct[0], b - 1)
+      _tile_stored(0, ct[(b - 1) % 3], 64);
     } else {
       DFLASH_AMX_ISSUE(0, 1, 2, b)
-      _tile_stored(3, ct[1], 64);
-      DFLASH_AMX_SCALE(ct[1], b - 1)
+      _tile_stored(3, ct[(b - 1) % 3], 64);
     }
+    if (b >= 2) DFLASH_AMX_SCALE(ct[(b - 2) % 3], b - 2)
   }
-  if ((nb - 1) % 2) {
-    _tile_stored(3, ct[1], 64);
-    DFLASH_AMX_SCALE(ct[1], nb - 1)
-  } else {
-    _tile_stored(0, ct[0], 64);
-    DFLASH_AMX_SCALE(ct[0], nb - 1)
-  }
+  if ((nb - 1) % 2) _tile_stored(3, ct[(nb - 1) % 3], 64);
+  else _tile_stored(0, ct[(nb - 1) % 3], 64);
+  if (nb >= 2) DFLASH_AMX_SCALE(ct[(nb - 2) % 3], nb - 2)
+  DFLASH_AMX_SCALE(ct[(nb - 1) % 3], nb - 1)
   alignas(64) float y[AMX_ROWS * 16];
 #pragma GCC unroll 8
   for (int r = 0; r < AMX_ROWS; ++r)  // constant indices only: the accumulators stay in registers
