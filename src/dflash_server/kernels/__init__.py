@@ -46,7 +46,7 @@ log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
-HEADERS = ("ops.h",)
+HEADERS = ("ops.h", "simd.h")
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
 # is fused behind our back, so the instruction-set builds round alike (fma only where written)

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -46,23 +47,8 @@ float sum_squares_portable(const T* xr, int64_t h) {
 
 #define DFLASH_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-DFLASH_TARGET_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-DFLASH_TARGET_AVX2 inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
-// 8 floats -> bf16 as c10::BFloat16 rounds them: to nearest even, NaN -> 0x7FC0
-DFLASH_TARGET_AVX2 inline void store8(__m256 f, c10::BFloat16* dst) {
-  const __m256i u = _mm256_castps_si256(f);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-DFLASH_TARGET_AVX2 inline void store8(__m256 f, float* dst) { _mm256_storeu_ps(dst, f); }
+using dflash::simd::load8;
+using dflash::simd::store8;
 
 template <typename T>
 DFLASH_TARGET_AVX2 void norm_row_avx2(const T* xr, const float* w, T* yr, int64_t h, float eps) {

@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -138,14 +139,7 @@ void quantize_block(const T* xb, int8_t* qb, float& d, float& ds, int32_t& s, in
 }
 
 // 8 floats of x (fp32, bf16 -> the high half of an fp32, fp16 by F16C: all exact)
-DFLASH_TARGET_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-DFLASH_TARGET_AVX2 inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-DFLASH_TARGET_AVX2 inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+using dflash::simd::load8;
 
 DFLASH_TARGET_AVX2 inline int32_t hsum8(__m256i v) {
   __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -190,14 +184,7 @@ DFLASH_TARGET_AVX2 void quantize_block_avx2(const T* xb, int8_t* qb, float& d, f
 
 // 8 floats -> bf16 as c10::BFloat16 rounds them: to nearest even, NaN -> 0x7FC0
 DFLASH_TARGET_AVX2 inline void store8_bf16(const float* src, c10::BFloat16* dst) {
-  const __m256 f = _mm256_loadu_ps(src);
-  const __m256i u = _mm256_castps_si256(f);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+  dflash::simd::store8(_mm256_loadu_ps(src), dst);
 }
 
 template <typename T>
