@@ -236,7 +236,10 @@ def test_a_failing_forward_ends_only_its_rows(tiny_dir, monkeypatch):
 
 
 def test_parallel_flag(tiny_dir, monkeypatch):
+    import argparse
+
     from dflash_server.cli import common
+    from dflash_server.engine.config import EngineConfig
     from dflash_server.errors import UserError
     from dflash_server.runtime import memory
     from dflash_server.runtime.placement import ShardSpec
@@ -249,8 +252,10 @@ def test_parallel_flag(tiny_dir, monkeypatch):
     assert lanes("3") == 3 and lanes("auto") == common.AUTO_LANES and lanes("2", remote) == 2
     assert lanes("auto", remote) == common.AUTO_LANES
     for bad, why in (("0", ">= 1"), ("many", "number of sequence slots"), ("-2", ">= 1")):
+        with pytest.raises(ValueError, match=why):  # (the config parses --parallel; the CLI makes it a UserError)
+            EngineConfig(parallel=bad)
         with pytest.raises(UserError, match=why):
-            lanes(bad)
+            common.engine_config(argparse.Namespace(parallel=bad))
     pooled = common.choose_lanes("auto", src, local, torch.bfloat16, 512, "int8", kv_tokens=128)
     assert pooled == common.AUTO_LANES
     kv = memory.estimate(src, local, torch.bfloat16, 512, "int8")[0].kv
