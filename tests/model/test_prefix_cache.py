@@ -113,8 +113,8 @@ def test_hit_equals_miss_bit_for_bit_past_64_rows_with_native_kernels(tiny_dir, 
     row-count invariant (attention included: prefill chunks within NATIVE_PREFILL_CTX take
     the native step, whose rows are a decode step's bits), so the caches themselves end bit-equal,
     not only the tokens. (Not yet for hybrid models: a Gated DeltaNet prefill chunk of over
-    64 rows runs aten's chunked form, whose elementwise ops round a few rows differently
-    from the native token-by-token step; their hit == miss tests compare tokens.)"""
+    64 rows runs aten's chunked form, which differs from the native token-by-token step in
+    the last bits; their hit == miss tests compare tokens.)"""
     import torch
 
     from dflash_server import kernels
