@@ -43,7 +43,7 @@ inline float silu_mul_one(float g, float u) {
   return g / (1.f + p * scale) * u;
 }
 
-#define DFLASH_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define DFLASH_TARGET_AVX2 DFLASH_SIMD_AVX2
 
 DFLASH_TARGET_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
   __m256 a = _mm256_xor_ps(g, _mm256_set1_ps(-0.f));  // -g: the sign flipped, as the scalar negation
@@ -72,11 +72,6 @@ void row_portable(const T* g, const T* u, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(silu_mul_one(static_cast<float>(g[i]), static_cast<float>(u[i])));
 }
 
-bool avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
 template <typename T>
 void run(const T* h, T* y, int64_t rows, int64_t inter, bool fast) {
   for (int64_t r = 0; r < rows; ++r) {  // ~0.3 us a 1536-wide row: no threads
@@ -98,8 +93,7 @@ at::Tensor silu_mul(const at::Tensor& h_in, int64_t inter, bool portable) {
   shape.back() = inter;
   auto y = at::empty(shape, h.options());
   const int64_t rows = h.numel() / (2 * inter);
-  static const bool has_avx2 = avx2();
-  const bool fast = has_avx2 && !portable;
+  const bool fast = dflash::simd::has_avx2() && !portable;
   switch (h.scalar_type()) {
     case at::kFloat: run(h.data_ptr<float>(), y.data_ptr<float>(), rows, inter, fast); break;
     case at::kBFloat16: run(h.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, inter, fast); break;

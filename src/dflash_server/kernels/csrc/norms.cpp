@@ -45,7 +45,7 @@ float sum_squares_portable(const T* xr, int64_t h) {
   return combine(l);
 }
 
-#define DFLASH_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define DFLASH_TARGET_AVX2 DFLASH_SIMD_AVX2
 
 using dflash::simd::load8;
 using dflash::simd::store8;
@@ -79,11 +79,6 @@ void norm_row_portable(const T* xr, const float* w, T* yr, int64_t h, float eps)
   for (int64_t i = 0; i < h; ++i) yr[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * w[i]);
 }
 
-bool avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
 template <typename T>
 void norm_rows(const T* x, const float* w, T* y, int64_t rows, int64_t h, float eps, bool fast) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, h)), [&](int64_t r0, int64_t r1) {
@@ -106,8 +101,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, 
   auto w = w_in.to(at::kFloat).contiguous();
   auto y = at::empty_like(x);
   const int64_t rows = h ? x.numel() / h : 0;
-  static const bool has_avx2 = avx2();
-  const bool fast = has_avx2 && !portable;
+  const bool fast = dflash::simd::has_avx2() && !portable;
   const float e = static_cast<float>(eps);
   switch (x.scalar_type()) {
     case at::kFloat: norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, h, e, fast); break;

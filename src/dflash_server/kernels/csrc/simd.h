@@ -10,6 +10,15 @@
 
 namespace dflash::simd {
 
+// whether this CPU runs the AVX2 paths (AVX2, FMA, F16C), asked once
+inline bool has_avx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+
 DFLASH_SIMD_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 DFLASH_SIMD_AVX2 inline __m256 load8(const c10::BFloat16* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
