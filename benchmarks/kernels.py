@@ -9,8 +9,9 @@ llama.cpp runs before and after ours (the mean is its figure: this VM drifts).
 - llama.cpp (built by ``benchmarks/llama_cpp.py`` from the llama-cpp-python sdist):
   ``llama-bench`` tg128, pp512, and pp1/2/4/8/16 (the cost of one forward of T rows), and tg64
   after a 2048-token context (``-d 2048``: attention over a long KV cache).
-- ours, each configuration in a fresh process: the native kernels (default) and
-  ``--kernels aten`` (torch's int4/int8 kernels): greedy decode tok/s (``Engine.generate``, EOS ignored; also
+- ours, each configuration in a fresh process: the native kernels (default: an fp16 KV
+  cache), the native kernels with ``--kv-dtype f32`` and ``--kernels aten`` (torch's int4/int8
+  kernels, fp32 KV): greedy decode tok/s (``Engine.generate``, EOS ignored; also
   64 tokens after a 2048-token prompt), prefill
   of 512 tokens, and one forward of T = 1, 2, 4, 8, 16 rows at a fixed position (what a
   DFlash verify block costs), as a ratio to one row.
@@ -34,7 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = (1, 2, 4, 8, 16)
 DEPTH, DEPTH_TOKENS = 2048, 64  # decode of 64 tokens after a 2048-token context (llama-bench tg64 -d 2048)
-CONFIGS = {"ours, --kernels aten": "0", "ours, native kernels (default)": "1"}
+# label -> (DFLASH_KERNELS, --kv-dtype)
+CONFIGS = {"ours, --kernels aten": ("0", "auto"), "ours, native kernels, --kv-dtype f32": ("1", "f32"),
+           "ours, native kernels (default: f16 KV)": ("1", "auto")}
 
 
 def timed(f, reps: int) -> float:
@@ -47,7 +50,8 @@ def timed(f, reps: int) -> float:
     return statistics.median(ts)
 
 
-def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | None, depth: int = DEPTH) -> dict:
+def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | None, depth: int = DEPTH,
+               kv_dtype: str = "auto") -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     from dflash_server import kernels
     from dflash_server.cli.common import quantize_plan
@@ -61,7 +65,8 @@ def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | No
     src = open_model(model or default_model_path())
     plan = quantize_plan(src, "auto", True)
     pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16,
-                          max_ctx=max(2048, depth + DEPTH_TOKENS + 8), quantize=plan, progress=False)
+                          max_ctx=max(2048, depth + DEPTH_TOKENS + 8), quantize=plan, progress=False,
+                          kv_dtype=kv_dtype)
     engine = Engine(pipe)
     ids = src.tokenizer.encode("Once upon a time")
     req = GenerationRequest(tuple(ids), max_tokens=tokens, ignore_eos=True)
@@ -84,6 +89,7 @@ def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | No
             "forward_ms": {str(t): per_rows[t] * 1e3 for t in ROWS},
             "forward_vs_one_row": {str(t): per_rows[t] / per_rows[1] for t in ROWS},
             "modes": sorted({m.mode for st in pipe.stages for m in st._linears()}),
+            "kv_dtype": sorted({str(b.k.dtype) for st in pipe.stages for b in st.banks if b is not None}),
             "kernels": kernels.status()}
 
 
@@ -124,18 +130,20 @@ def main():
     ap.add_argument("--model", help="another GGUF (default: the built-in model's)")
     ap.add_argument("--depth", type=int, default=DEPTH, help="also decode 64 tokens after this many (0: skip)")
     ap.add_argument("--config", help=argparse.SUPPRESS)  # internal: one of ours, in this process
+    ap.add_argument("--kv-dtype", default="auto", help=argparse.SUPPRESS)  # internal: that config's cache
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
     args = ap.parse_args()
     if args.config:
-        print(json.dumps(bench_ours(args.config, args.threads, args.tokens, args.runs, args.model, args.depth)))
+        print(json.dumps(bench_ours(args.config, args.threads, args.tokens, args.runs, args.model, args.depth,
+                                    args.kv_dtype)))
         return
     rows, peer = [], []
     if not args.no_llama_cpp:
         peer.append(bench_llama_cpp(args.threads, args.runs, args.tokens, args.model, args.depth))
         print(peer[-1], file=sys.stderr)
-    for label, flag in CONFIGS.items():
+    for label, (flag, kv) in CONFIGS.items():
         env = {**os.environ, "DFLASH_KERNELS": flag}
-        res = subprocess.run([sys.executable, __file__, "--config", label, "--threads", str(args.threads),
+        res = subprocess.run([sys.executable, __file__, "--config", label, "--kv-dtype", kv, "--threads", str(args.threads),
                               "--runs", str(args.runs), "--tokens", str(args.tokens), "--depth", str(args.depth)]
                              + (["--model", args.model] if args.model else []), env=env,
                              stdout=subprocess.PIPE, text=True, check=True)

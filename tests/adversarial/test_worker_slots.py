@@ -108,6 +108,20 @@ def test_serves_after_bad_input(worker):
     assert h["ok"] and out[f"cap.{n - 1}"].shape == (1, 2, worker.hidden) and "cap.1" in out
 
 
+def test_bad_kv_dtype_is_refused_and_a_16_bit_cache_loads(worker):
+    """``kv_dtype`` in a load: a name outside auto/f32/f16/bf16 (or not a string) is a value
+    error; f16 loads caches of that type, whose forwards serve; the first load serves after."""
+    for bad in ("f8", "float16", 16, ["f16"], None, True):
+        h, _ = _call(worker, "load", {**worker.load_args, "kv_dtype": bad})
+        assert not h["ok"] and h["error"]["kind"] == "value" and "kv_dtype" in h["error"]["message"], bad
+    try:
+        assert _call(worker, "load", {**worker.load_args, "kv_dtype": "f16"})[0]["ok"]
+        h, out = _call(worker, "forward", {"start": 0, "logits": "last"}, _x(worker, 2))
+        assert h["ok"] and torch.isfinite(out["logits"]).all()
+    finally:
+        assert _call(worker, "load", worker.load_args)[0]["ok"]
+
+
 def test_bad_layer_ranges_are_refused_and_the_worker_loads_after(worker):
     """A worker builds its stages as a server builds a pipeline (over hidden states): layer
     ranges out of the model, with gaps, overlapping or on a remote: device (a worker does not

@@ -111,10 +111,10 @@ def test_hit_equals_miss_bit_for_bit_past_64_rows_with_native_kernels(tiny_dir, 
     prompts outgrow 64 tokens, so the fresh run prefills them in one long chunk while the
     cached run restores KV written by decode steps and short chunks. Every op is then
     row-count invariant (attention included: prefill chunks within NATIVE_PREFILL_CTX take
-    the native step, whose rows are a decode step's bits), so the caches themselves end bit-equal,
-    not only the tokens. (Not yet for hybrid models: a Gated DeltaNet prefill chunk of over
-    64 rows runs aten's chunked form, which differs from the native token-by-token step in
-    the last bits; their hit == miss tests compare tokens.)"""
+    the native step, whose rows are a decode step's bits), so the caches themselves (fp16: the
+    default cache type here) end bit-equal, not only the tokens. (Not yet for hybrid models: a
+    Gated DeltaNet prefill chunk of over 64 rows runs aten's chunked form, which differs from
+    the native token-by-token step in the last bits; their hit == miss tests compare tokens.)"""
     import torch
 
     from dflash_server import kernels
@@ -143,6 +143,7 @@ def test_hit_equals_miss_bit_for_bit_past_64_rows_with_native_kernels(tiny_dir, 
     assert all(r.cached_tokens == 0 for r in fresh)
     (a,), (b,) = engines[0].pipeline.stages, engines[1].pipeline.stages
     assert a.length == b.length
+    assert {bank.k.dtype for bank in a.banks if bank is not None} == {torch.float16}  # (--kv-dtype auto)
     compared = 0
     for sa, sb in zip(a.states, b.states):
         for name in ("k", "v", "conv", "ssm"):

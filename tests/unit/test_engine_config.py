@@ -37,7 +37,8 @@ def test_flags_reach_the_config_and_it_is_frozen():
 
 
 @pytest.mark.parametrize("kw,flag", [
-    ({"dtype": "fp8"}, "--dtype"), ({"quantize": "int2"}, "--quantize"), ({"kernels": "cuda"}, "--kernels"),
+    ({"dtype": "fp8"}, "--dtype"), ({"quantize": "int2"}, "--quantize"), ({"kv_dtype": "f8"}, "--kv-dtype"),
+    ({"kv_dtype": "float16"}, "--kv-dtype"), ({"kv_dtype": None}, "--kv-dtype"), ({"kernels": "cuda"}, "--kernels"),
     ({"shard_transport": "udp"}, "--shard-transport"), ({"kvflash_policy": "fifo"}, "--kvflash-policy"),
     ({"prefill_compression": "sometimes"}, "--prefill-compression"), ({"chunk": 0}, "--chunk"),
     ({"chunk": True}, "--chunk"), ({"chunk": "512"}, "--chunk"), ({"max_ctx": 0}, "--max-ctx"),

@@ -282,7 +282,8 @@ def test_silu_mul_matches_and_paths_give_the_same_bits(dtype, inter):
 
 
 def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
-    """fp64: rotate, write, causal grouped-query attention."""
+    """fp64: rotate, write (keys and values rounded to the caches' dtype, as the op stores
+    them), causal grouped-query attention."""
     from dflash_server.layers.rope import apply_rope
 
     T, hd = qkv.shape[1], kc.shape[-1]
@@ -292,8 +293,10 @@ def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
     v = x[:, (nh + nkv) * hd:].reshape(T, nkv, hd)
     q, k = apply_rope(q, cos.double()[:, None], sin.double()[:, None]), apply_rope(k, cos.double()[:, None],
                                                                                   sin.double()[:, None])
+    cache = kc.dtype
     kc, vc = kc.double().clone(), vc.double().clone()
-    kc[0, :, start:start + T], vc[0, :, start:start + T] = k.transpose(0, 1), v.transpose(0, 1)
+    kc[0, :, start:start + T] = k.transpose(0, 1).to(cache).double()
+    vc[0, :, start:start + T] = v.transpose(0, 1).to(cache).double()
     keys, values = kc[0, :, :start + T].repeat_interleave(nh // nkv, 0), vc[0, :, :start + T].repeat_interleave(nh // nkv, 0)
     s = torch.einsum("thd,hld->htl", q, keys) * scale
     causal = torch.arange(start + T)[None, :] <= (start + torch.arange(T))[:, None]
@@ -301,24 +304,31 @@ def _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, scale):
     return torch.einsum("htl,hld->thd", p, values).reshape(1, T, nh * hd), kc, vc
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+                                          (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("nh, nkv, hd, rot", [(9, 3, 64, 64), (4, 4, 32, 16), (8, 1, 16, 16), (2, 1, 128, 64)])
 @pytest.mark.parametrize("start, T", [(37, 8), (301, 21)])   # (keys in several of the grouped path's blocks)
-def test_attention_step_matches_and_is_row_invariant(dtype, nh, nkv, hd, rot, start, T):
+def test_attention_step_matches_and_is_row_invariant(dtype, cache, nh, nkv, hd, rot, start, T):
+    """Against fp64 for each activation dtype and KV cache dtype (the cache holds keys and
+    values rounded once, at the write)."""
     from dflash_server.layers.rope import RotaryTable
 
     max_ctx = start + T + 51
     table = RotaryTable(hd, rot, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
     cos, sin = table.rows(start, T)
     qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(dtype)
-    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd).to(cache), torch.randn(1, nkv, max_ctx, hd).to(cache)
     ref, rk, rv = _attention_reference(qkv, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5)
     k1, v1 = kc.clone(), vc.clone()
     out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5)
-    assert out.dtype == dtype and out.shape == (1, T, nh * hd)
+    assert out.dtype == dtype and out.shape == (1, T, nh * hd) and k1.dtype == cache
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double() - ref).abs().max().item() < tol
-    assert (k1.double() - rk).abs().max().item() < tol and (v1.double() - rv).abs().max().item() < tol
+    # the cache's own rounding of the key (rotated in fp32 by the op, in fp64 here): one unit
+    # in its last place at most
+    ulp = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[cache]
+    assert (k1.double() - rk).abs().max().item() < max(tol, ulp) and (v1.double() - rv).abs().max().item() < tol
     # one row at a time (start + t) == the block; the portable build == the vectorized one
     k2, v2 = kc.clone(), vc.clone()
     rows = [torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k2, v2, start + t, nh, nkv,

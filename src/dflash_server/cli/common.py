@@ -60,6 +60,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kvflash-tau", type=positive_int, default=64,
                    help="score policy: re-select resident chunks every N tokens (default 64)")
     g.add_argument("--max-ctx", type=positive_int, help="context size (KV preallocated); default min(model, 8192)")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
+                   help="element type of the attention KV cache (auto: f16 on a CPU with the native kernels and "
+                        "16-bit activations, half the memory and bytes read per token of f32; f32 on a CPU "
+                        "otherwise and with --compile; the compute dtype on a GPU)")
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
@@ -205,13 +209,15 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
     quantize = quantize_plan(source, cfg.quantize, kinds == {"cpu"} and dtype == torch.bfloat16,
                              cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
     kvflash = kvflash_config(cfg)
+    # --compile's graphs attend with aten, which reads an fp32 cache fastest on a CPU
+    kv_dtype = "f32" if cfg.kv_dtype == "auto" and cfg.compile and kinds == {"cpu"} else cfg.kv_dtype
     lanes = choose_lanes(cfg.lanes_flag, source, shards, dtype, max_ctx, quantize,
-                         kv_tokens=kv_pool_tokens(kvflash, max_ctx))
-    check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress, lanes)
+                         kv_tokens=kv_pool_tokens(kvflash, max_ctx), kv_dtype=kv_dtype)
+    check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress, lanes, kv_dtype)
     try:
         pipeline = build_pipeline(source, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize,
                                   progress=progress, remote=remote_options(cfg, shards), threads=cfg.threads,
-                                  kvflash=kvflash, lanes=lanes)
+                                  kvflash=kvflash, lanes=lanes, kv_dtype=kv_dtype)
     except (ShardError, ValueError) as e:
         raise UserError(str(e)) from None
     if cfg.compile:
@@ -222,6 +228,8 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
                 "draft": draft_identity(draft_path) + [proposer.draft.quantize] if proposer else None,
                 "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
+    if (kv := cache_dtypes(pipeline)) != ["float32"]:  # (absent for fp32: earlier caches stay valid)
+        fp_parts["kv_dtype"] = kv
     disk = open_disk_cache(cfg, fingerprint(fp_parts))
     compressor = load_compressor(cfg, pipeline, dtype, quantize[0])
     engine = Engine(pipeline, chunk=cfg.chunk, proposer=proposer, prefix_slots=cfg.prefix_cache_slots,
@@ -288,7 +296,20 @@ def load_compressor(cfg: EngineConfig, pipeline, dtype, layer_mode: str = "dense
 AUTO_LANES = 4  # --parallel auto: at most this many sequence slots
 
 
-def choose_lanes(flag: int | str, source, shards, dtype, max_ctx: int, quantize, kv_tokens: int | None = None) -> int:
+def cache_dtypes(pipeline) -> list[str]:
+    """The KV caches' element types over the stages (a shard worker's: its --kv-dtype choice),
+    part of the snapshot fingerprint: a snapshot restores only into caches of its own type."""
+    kinds: set[str] = set()
+    for st in pipeline.stages:
+        if st.is_remote:
+            kinds.add(f"remote:{st.kv_dtype}")
+        else:
+            kinds.update(str(b.k.dtype).removeprefix("torch.") for b in st.banks if b is not None)
+    return sorted(kinds) or ["float32"]
+
+
+def choose_lanes(flag: int | str, source, shards, dtype, max_ctx: int, quantize, kv_tokens: int | None = None,
+                 kv_dtype: str = "auto") -> int:
     """Sequence slots for ``--parallel`` (EngineConfig.lanes_flag): a number, or ``auto``: up
     to AUTO_LANES, fewer when their KV would take more than a quarter of the host's available
     memory (CPU shards, a shard worker on this host included) or not fit a GPU."""
@@ -297,7 +318,7 @@ def choose_lanes(flag: int | str, source, shards, dtype, max_ctx: int, quantize,
     if flag != "auto":
         return int(flag)
     for n in range(AUTO_LANES, 1, -1):
-        needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes=n)
+        needs = estimate(source, shards, dtype, max_ctx, quantize, kv_tokens, lanes=n, kv_dtype=kv_dtype)
         host_kv = sum(d.kv for d in needs if d.device.removeprefix("remote:").startswith("cpu"))
         if host_kv > host_available() // 4:
             continue
@@ -309,7 +330,8 @@ def choose_lanes(flag: int | str, source, shards, dtype, max_ctx: int, quantize,
     return 1
 
 
-def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bool, lanes: int = 1) -> None:
+def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bool, lanes: int = 1,
+                 kv_dtype: str = "auto") -> None:
     """Print what each device will hold (placements with a GPU) and stop before loading when
     a GPU cannot hold its share (``runtime.memory``). A KV Flash pool counts at its size (``auto``: its minimum;
     it grows into what is free)."""
@@ -319,7 +341,7 @@ def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bo
 
     if all(s.device.removeprefix("remote:").startswith("cpu") for s in shards):
         return  # (GPU placements only: there it decides whether the model loads at all)
-    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_pool_tokens(kvflash, max_ctx), lanes)
+    needs = estimate(source, shards, dtype, max_ctx, quantize, kv_pool_tokens(kvflash, max_ctx), lanes, kv_dtype)
     if progress:
         print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
     try:

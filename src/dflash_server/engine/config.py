@@ -38,6 +38,7 @@ class EngineConfig:
     target_devices: str | None = None
     target_layer_split: str | None = None
     max_ctx: int | None = None
+    kv_dtype: str = "auto"  # the KV cache's element type: auto, f32, f16, bf16
     chunk: int = 512
     compile: bool = False
     threads: int | None = None
@@ -93,6 +94,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _choice("--dtype", self.dtype, DTYPE_NAMES)
         _choice("--quantize", self.quantize, QUANTIZE)
+        _choice("--kv-dtype", self.kv_dtype, ("auto", "f32", "f16", "bf16"))
         _choice("--kernels", self.kernels, ("native", "aten", None))
         _choice("--shard-transport", self.shard_transport, ("auto", "shm", "inline"))
         _choice("--kvflash-policy", self.kvflash_policy, ("lru", "score"))

@@ -27,6 +27,24 @@ SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this man
 # 2 threads, 512-row chunks, native vs aten: tokens 0-512 1273 vs 1070-1112 tok/s, 0-1024
 # 972-1030 vs 1001-1005, 0-2048 744-764 vs 778-797, 0-4096 542-544 vs 650-681.
 NATIVE_PREFILL_CTX = 2048
+# The KV cache's element type (``--kv-dtype``): "auto" is fp16 on the CPU where the native
+# attention reads the cache and the activations are 16-bit (half the bytes a decode step
+# reads at long context; keys and values rounded once, when written, as llama.cpp's default
+# f16 cache), fp32 on the CPU otherwise (aten's CPU attention is 6-8x slower in 16 bits),
+# and the compute dtype on other devices.
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+CPU_NATIVE_CACHE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cache_dtype(choice: str, device, dtype: torch.dtype, native: bool) -> torch.dtype:
+    """The KV cache dtype for ``choice`` ("auto" or a KV_DTYPES name)."""
+    if choice != "auto":
+        if choice not in KV_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {choice!r}: one of auto, {', '.join(KV_DTYPES)}")
+        return KV_DTYPES[choice]
+    if torch.device(device).type == "cpu":
+        return torch.float16 if native and dtype != torch.float32 else torch.float32
+    return dtype
 
 
 @dataclass
@@ -109,13 +127,10 @@ class Attention(nn.Module):
         if v_norm:
             self.native_args["v_norm"] = True
 
-    def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> KVState | NoState:
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1, kv_dtype: str = "auto") -> KVState | NoState:
         if self.kv_role == "reuse":
             return NoState()  # (a mirror keeps its copy of the source's KV: a state like any)
-        # On CPU, fp32 attention is 6-8x faster than bf16 (measured: 30 us vs 180 us for one
-        # query over 300 keys), so the cache is fp32 there; elsewhere it is the compute dtype.
-        if torch.device(device).type == "cpu":
-            dtype = torch.float32
+        dtype = cache_dtype(kv_dtype, device, dtype, self.native)
         shape = (batch, self.nkv, max_ctx, self.hd)
         return KVState(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype))
@@ -131,12 +146,12 @@ class Attention(nn.Module):
         differs in the last bits, so past NATIVE_PREFILL_CTX a hit can flip a near tie."""
         return (self.native and x.shape[0] == 1
                 and (x.shape[1] <= 64 or ctx.start + x.shape[1] <= NATIVE_PREFILL_CTX)
-                and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype == torch.float32
+                and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype in CPU_NATIVE_CACHE
                 and not torch.compiler.is_compiling())
 
     def native_rows_ok(self, x: torch.Tensor, bank: KVState) -> bool:
         """Whether decode rows of several sequences take the native ``attention_rows``."""
-        return (self.native and x.shape[0] == 1 and bank.k.dtype == torch.float32
+        return (self.native and x.shape[0] == 1 and bank.k.dtype in CPU_NATIVE_CACHE
                 and not torch.compiler.is_compiling())
 
     def _shared(self, ctx: ForwardContext, state):
@@ -290,6 +305,8 @@ class Attention(nn.Module):
                 state.v[:, :, ctx.start:ctx.end] = v.transpose(1, 2)
             keys, values = state.k[:, :, :ctx.end], state.v[:, :, :ctx.end]
             mask = ctx.causal_mask(qkv.device, self.window)
+        if keys.device.type == "cpu" and keys.dtype != torch.float32:  # a 16-bit cache: fp32 arithmetic
+            keys, values = keys.float(), values.float()
         out = sdpa(q.transpose(1, 2).to(keys.dtype), keys, values, mask, self.scale, self.nh != self.nkv)
         if ctx.last_q is not None and k is not None:  # KV Flash re-selection scores chunks against these
             ctx.last_q.append(q[:, -SCORE_QUERY_ROWS:].detach())

@@ -25,8 +25,8 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.mixer, self.post_norm, self.mlp = input_norm, mixer, post_norm, mlp
         self._fused: bool | None = None  # _native_layer(), decided at the first forward
 
-    def new_state(self, max_ctx: int, device, dtype, batch: int = 1):
-        return self.mixer.new_state(max_ctx, device, dtype, batch)
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1, kv_dtype: str = "auto"):
+        return self.mixer.new_state(max_ctx, device, dtype, batch, kv_dtype=kv_dtype)
 
     def _native_layer(self) -> bool:
         """Whether the whole layer can run as one ``dflash::decoder_layer`` call: Llama- or

@@ -125,7 +125,7 @@ class GatedDeltaNet(nn.Module):
     def _replay(self, mixed: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
         return self._native(mixed, conv, ssm)[1:]
 
-    def new_state(self, max_ctx: int, device, dtype, batch: int = 1) -> RecurrentState:
+    def new_state(self, max_ctx: int, device, dtype, batch: int = 1, kv_dtype: str = "auto") -> RecurrentState:
         k = self.conv_weight.shape[-1]
         return RecurrentState(torch.zeros(batch, self.conv_dim, k - 1, device=device, dtype=dtype),
                               torch.zeros(batch, self.hv, self.dk, self.dv, device=device, dtype=torch.float32))

@@ -54,10 +54,13 @@ def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_tokens: int | None = None,
-             lanes: int = 1) -> list[DeviceNeed]:
+             lanes: int = 1, kv_dtype: str = "auto") -> list[DeviceNeed]:
     """Per shard (in order): bytes of its weights and of its preallocated attention KV.
     ``kv_tokens``: KV rows per layer when a KV Flash pool bounds them (else ``max_ctx``);
-    ``lanes``: sequence slots, each with its own KV."""
+    ``lanes``: sequence slots, each with its own KV; ``kv_dtype``: the KV cache's type."""
+    from .. import kernels
+    from ..layers.attention import cache_dtype
+
     cfg = source.config
     layer_mode, head_mode = (quantize, quantize) if isinstance(quantize, str) else quantize
     elt = torch.empty((), dtype=dtype).element_size()
@@ -80,7 +83,7 @@ def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_toke
             elif last:  # the final norm and other top-level tensors
                 weights += matrix_bytes(shape, "dense", elt)
         device = sh.device.removeprefix("remote:")
-        kv_elt = 4 if device == "cpu" else elt  # attention KV is fp32 on a CPU (faster there)
+        kv_elt = cache_dtype(kv_dtype, device.split(":")[0], dtype, kernels.enabled()).itemsize
         width = sum(cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in range(sh.begin, sh.end)
                     if cfg.layer_types[i] != "linear_attention" and cfg.kv_source(i) is None)
         kv = 2 * width * (kv_tokens or max_ctx) * kv_elt * lanes

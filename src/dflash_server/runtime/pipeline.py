@@ -276,12 +276,13 @@ def drain(steps, cancelled=None):
 def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_ctx: int,
                    quantize: str | tuple[str, str] = "dense", progress: bool = True,
                    batch: int = 1, remote=None, threads: int | None = None, kvflash=None,
-                   lanes: int = 1, embeds: bool = True) -> TargetPipeline:
+                   lanes: int = 1, embeds: bool = True, kv_dtype: str = "auto") -> TargetPipeline:
     """One LocalStage per local shard (each reads only its own layers' weights), then one
     RemoteStage for the ``remote:`` shards, served by a shard worker (``remote``: RemoteOptions).
     ``lanes``: sequence slots (continuous batching; local stages only). ``embeds=False``: the
     first stage takes the previous stage's hidden state (a shard worker's pipeline); the stage
-    holding the model's last layer has the final norm and LM head."""
+    holding the model's last layer has the final norm and LM head. ``kv_dtype``: the KV cache's
+    element type on every stage ("auto", "f32", "f16", "bf16")."""
     local, far = split_local_remote(shards)
     bar = tqdm(total=sum(s.num_layers for s in local), desc="loading weights", unit="layer",
                disable=None if progress else True, leave=False)  # None: only on a terminal
@@ -290,7 +291,8 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
         for k, sh in enumerate(local):
             stages.append(LocalStage(source, sh.begin, sh.end, sh.device, dtype, max_ctx, is_first=embeds and k == 0,
                                      is_last=not far and sh.end == source.config.num_layers, quantize=quantize,
-                                     on_layer=bar.update, batch=batch, kvflash=kvflash, lanes=lanes))
+                                     on_layer=bar.update, batch=batch, kvflash=kvflash, lanes=lanes,
+                                     kv_dtype=kv_dtype))
     finally:
         bar.close()
     if far:
@@ -303,5 +305,5 @@ def build_pipeline(source, shards: list[ShardSpec], *, dtype: torch.dtype, max_c
         stages.append(RemoteStage(source.path, [(s.device, s.begin, s.end) for s in far], dtype=dtype,
                                   max_ctx=max_ctx, quantize=q, home=local[-1].device,
                                   options=remote or RemoteOptions(), fingerprint=source.fingerprint(mtime=False),
-                                  threads=threads, kvflash=kvflash, lanes=lanes))
+                                  threads=threads, kvflash=kvflash, lanes=lanes, kv_dtype=kv_dtype))
     return TargetPipeline(stages, source)

@@ -24,17 +24,18 @@ class RemoteStage:
 
     def __init__(self, model: str, shards: list[tuple[str, int, int]], *, dtype: torch.dtype, max_ctx: int,
                  quantize: tuple[str, str], home: str, options: RemoteOptions, fingerprint: str | None = None,
-                 threads: int | None = None, kvflash=None, lanes: int = 1):
+                 threads: int | None = None, kvflash=None, lanes: int = 1, kv_dtype: str = "auto"):
         """``shards``: the worker's (device, begin, end) ranges, contiguous, ending at the
         last layer; ``home``: the local device results are delivered to; ``lanes``: sequence
         slots the worker holds (every state operation names the selected one)."""
         self.begin, self.end = shards[0][1], shards[-1][2]
-        self.device, self.dtype, self.max_ctx = torch.device(home), dtype, max_ctx
+        self.device, self.dtype, self.max_ctx, self.kv_dtype = torch.device(home), dtype, max_ctx, kv_dtype
         self.label = f"remote:{','.join(s[0] for s in shards)}"
         self._load = {"model": str(model), "shards": [list(s) for s in shards], "max_ctx": max_ctx,
                       "dtype": DTYPE_NAMES[dtype],
                       "quantize": list(quantize), "fingerprint": fingerprint, "threads": threads,
-                      "kvflash": dataclasses.asdict(kvflash) if kvflash is not None else None, "lanes": lanes}
+                      "kvflash": dataclasses.asdict(kvflash) if kvflash is not None else None, "lanes": lanes,
+                      "kv_dtype": kv_dtype}
         self._kvflash_stats: list[dict] = []
         self.num_lanes, self.lane = lanes, 0
         self.lengths = [0] * lanes

@@ -17,6 +17,7 @@ import time
 import torch
 import zmq
 
+from ..layers.attention import KV_DTYPES
 from .carry import carry_from_tensors
 from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
 from .ipc_codec import DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
@@ -90,8 +91,11 @@ class ShardWorker:
         lanes = a.get("lanes", 1)
         if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= 256:
             raise ValueError(f"lanes must be an integer in [1, 256], got {lanes!r}")
+        kv_dtype = a.get("kv_dtype", "auto")
+        if not isinstance(kv_dtype, str) or (kv_dtype != "auto" and kv_dtype not in KV_DTYPES):
+            raise ValueError(f"kv_dtype must be one of auto, {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
         key = (a["model"], tuple(map(tuple, a["shards"])), a["dtype"], a["max_ctx"], tuple(a["quantize"]),
-               tuple(sorted(kv.items())) if isinstance(kv, dict) else None, lanes)
+               tuple(sorted(kv.items())) if isinstance(kv, dict) else None, lanes, kv_dtype)
         if key != self.load_key:
             if self.pipeline is not None:
                 self.pipeline.close()
@@ -111,7 +115,7 @@ class ShardWorker:
             # the same pipeline a server builds, over hidden states instead of token ids
             self.pipeline = build_pipeline(source, [ShardSpec(*sh) for sh in shards], dtype=dtype,
                                            max_ctx=int(a["max_ctx"]), quantize=tuple(a["quantize"]), progress=False,
-                                           kvflash=kvflash, lanes=lanes, embeds=False)
+                                           kvflash=kvflash, lanes=lanes, embeds=False, kv_dtype=kv_dtype)
             self.load_key = key
         for lane in range(lanes):
             self._each("select", lane)

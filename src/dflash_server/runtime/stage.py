@@ -115,7 +115,7 @@ class _Weights:
 class LocalStage:
     def __init__(self, source, begin: int, end: int, device: str, dtype: torch.dtype, max_ctx: int,
                  *, is_first: bool, is_last: bool, quantize: str | tuple[str, str] = "dense", on_layer=None,
-                 batch: int = 1, kvflash=None, lanes: int = 1):
+                 batch: int = 1, kvflash=None, lanes: int = 1, kv_dtype: str = "auto"):
         """``quantize``: mode for all linears, or (layers mode, LM head mode); modes are
         "dense", "int8", "int4". ``batch`` > 1 runs that many sequences in lockstep (same
         positions; used to sample training data); snapshots and rollback need batch 1.
@@ -124,7 +124,8 @@ class LocalStage:
         single-sequence operation (forward, prefill, checkpoint, snapshots) acts on the lane
         chosen by ``select``; ``forward_rows`` runs one decode row in each of several lanes.
         An attention layer's KV of all lanes is one bank tensor (lanes, nkv, ctx, hd), each
-        lane's state a view of its row."""
+        lane's state a view of its row. ``kv_dtype``: the KV cache's element type ("auto",
+        "f32", "f16", "bf16": ``layers.attention.cache_dtype``)."""
         cfg = source.config
         self.config, self.begin, self.end = cfg, begin, end
         self.device, self.dtype, self.max_ctx = torch.device(device), dtype, max_ctx
@@ -145,7 +146,7 @@ class LocalStage:
             mod.quantize_(head_mode if mod is self.lm_head else layer_mode)
         # sliding-window layers with their own RoPE (Gemma, Laguna) rotate with rope_local
         self.rope, self.rope_local = rope_tables(cfg, max_ctx, self.device, dtype)
-        self.batch = batch
+        self.batch, self.kv_dtype = batch, kv_dtype
         if lanes < 1 or (lanes > 1 and batch > 1):
             raise ValueError(f"{lanes} sequence slots: need >= 1, and 1 with a lockstep batch")
         # KV Flash: a pool (and page table) per slot, each of the pool size; the most recent
@@ -162,7 +163,7 @@ class LocalStage:
         self.banks = []
         per_lane: list[list] = [[] for _ in range(lanes)]
         for layer in self.layers:
-            st = layer.new_state(kv_rows, self.device, dtype, batch if lanes == 1 else lanes)
+            st = layer.new_state(kv_rows, self.device, dtype, batch if lanes == 1 else lanes, kv_dtype=kv_dtype)
             self.banks.append(st if st.kind == "kv" else None)
             if lanes == 1:
                 per_lane[0].append(st)
@@ -171,7 +172,7 @@ class LocalStage:
                     per_lane[i].append(type(st)(st.k[i:i + 1], st.v[i:i + 1]))
             else:
                 for i in range(lanes):
-                    per_lane[i].append(layer.new_state(kv_rows, self.device, dtype, 1))
+                    per_lane[i].append(layer.new_state(kv_rows, self.device, dtype, 1, kv_dtype=kv_dtype))
         self.lanes = [Lane(states, pool=KvPool(pagers[i], states, self.device, kvflash.tau) if pagers else None)
                       for i, states in enumerate(per_lane)]
         self.lane = 0
@@ -437,7 +438,7 @@ class LocalStage:
         if kvflash.pool != "auto" or self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
-        probe = [layer.new_state(1, "meta", self.dtype) for layer in self.layers]
+        probe = [layer.new_state(1, "meta", self.dtype, kv_dtype=self.kv_dtype) for layer in self.layers]
         per_token = sum(2 * s.k.numel() * s.k.element_size() for s in probe if s.kind == "kv")
         return max(0, (free - (3 << 29)) // 2) // (per_token * lanes) if per_token else None
 

@@ -1,8 +1,12 @@
 // One attention step over a position-addressed KV cache (optionally a sliding window), fused: split the fused QKV
 // projection, normalize q and k per head where the family does (Qwen3), rotate q and k (NeoX half rotation, full or partial), write k and v at rows
-// [start, start + T) of the fp32 caches, and attend causally (query t sees keys
-// [0, start + t]) with grouped-query heads. For decode and verify blocks (a few rows);
-// prefill keeps aten's flash attention.
+// [start, start + T) of the caches, and attend causally (query t sees keys
+// [0, start + t]) with grouped-query heads. For decode and verify blocks, and prefill
+// chunks up to a few thousand positions.
+//
+// The caches are fp32, fp16 or bf16 (the KV cache type): a key or value is rounded once,
+// when it is written (the same scalar conversion on every path), and read back exactly as
+// fp32; all arithmetic is fp32 whatever the cache type.
 //
 // Every query row runs the same operations whatever T: scores in key order, a max, exps
 // by one polynomial, their sum in 8 lanes (key j in lane j % 8), the weighted sum of values
@@ -16,6 +20,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -125,22 +130,22 @@ struct Contiguous {  // rows j (a causal block's row: no index to read)
 // lanes over the head dimension (lane l: dims l, l + 8, ...) summed by sum8; the softmax
 // denominator sums key j into lane j % 8, in key order, then sum8; the output accumulates
 // keys in order with one fused multiply-add per element.
-template <typename Rows>
-DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd, float scale,
+template <typename KT, typename Rows>
+DFLASH_INLINE void attend_row(const float* q, const KT* kc, const KT* vc, int64_t n, int64_t hd, float scale,
                               float* scores, float* out, Rows at) {
   // four keys at a time: four independent accumulation chains (each key's own arithmetic
   // is the same as alone)
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
-                *k3 = kc + at(j + 3) * hd;
+    const KT *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
+             *k3 = kc + at(j + 3) * hd;
     float a0[8] = {}, a1[8] = {}, a2[8] = {}, a3[8] = {};
     for (int64_t i = 0; i < hd; i += 8)
       for (int l = 0; l < 8; ++l) {
-        a0[l] = std::fma(q[i + l], k0[i + l], a0[l]);
-        a1[l] = std::fma(q[i + l], k1[i + l], a1[l]);
-        a2[l] = std::fma(q[i + l], k2[i + l], a2[l]);
-        a3[l] = std::fma(q[i + l], k3[i + l], a3[l]);
+        a0[l] = std::fma(q[i + l], static_cast<float>(k0[i + l]), a0[l]);
+        a1[l] = std::fma(q[i + l], static_cast<float>(k1[i + l]), a1[l]);
+        a2[l] = std::fma(q[i + l], static_cast<float>(k2[i + l]), a2[l]);
+        a3[l] = std::fma(q[i + l], static_cast<float>(k3[i + l]), a3[l]);
       }
     scores[j] = sum8(a0) * scale;
     scores[j + 1] = sum8(a1) * scale;
@@ -148,10 +153,10 @@ DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, 
     scores[j + 3] = sum8(a3) * scale;
   }
   for (; j < n; ++j) {
-    const float* k = kc + at(j) * hd;
+    const KT* k = kc + at(j) * hd;
     float acc[8] = {};
     for (int64_t i = 0; i < hd; i += 8)
-      for (int l = 0; l < 8; ++l) acc[l] = std::fma(q[i + l], k[i + l], acc[l]);
+      for (int l = 0; l < 8; ++l) acc[l] = std::fma(q[i + l], static_cast<float>(k[i + l]), acc[l]);
     scores[j] = sum8(acc) * scale;
   }
   float mx = -INFINITY;
@@ -165,12 +170,13 @@ DFLASH_INLINE void attend_row(const float* q, const float* kc, const float* vc, 
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (j = 0; j < n; ++j) {
     const float p = scores[j] * inv;
-    const float* v = vc + at(j) * hd;
-    for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p, v[i], out[i]);
+    const KT* v = vc + at(j) * hd;
+    for (int64_t i = 0; i < hd; ++i) out[i] = std::fma(p, static_cast<float>(v[i]), out[i]);
   }
 }
 
-#define DFLASH_AVX2 __attribute__((target("avx2,fma")))
+#define DFLASH_AVX2 DFLASH_SIMD_AVX2
+using dflash::simd::load8;
 
 DFLASH_AVX2 inline float sum8_avx2(__m256 v) {
   float a[8];
@@ -197,16 +203,16 @@ DFLASH_AVX2 inline __m256 exp_neg8(__m256 x) {
 }
 
 // out (8 NV) = sum_j (scores[j] * inv) v_j, keys in order, the output held in registers
-template <int NV, typename Rows>
-DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, const float* vc, int64_t n, float* out,
+template <int NV, typename KT, typename Rows>
+DFLASH_AVX2 inline void weighted_values_avx2(const float* scores, float inv, const KT* vc, int64_t n, float* out,
                                              Rows at) {
   constexpr int64_t hd = 8 * NV;
   __m256 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
-    const float* v = vc + at(j) * hd;
-    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+    const KT* v = vc + at(j) * hd;
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), o[i]);
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
@@ -224,33 +230,33 @@ DFLASH_AVX2 inline __m256 sum8x8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3
 
 // scores of keys [j0, j1): eight at a time, then the last few one by one (a key's arithmetic
 // is the same either way: 8 lanes over the head dimension, sum8's tree, times scale)
-template <typename Rows>
-DFLASH_AVX2 inline void scores_avx2(const float* q, const float* kc, int64_t j0, int64_t j1, int64_t hd, float scale,
+template <typename KT, typename Rows>
+DFLASH_AVX2 inline void scores_avx2(const float* q, const KT* kc, int64_t j0, int64_t j1, int64_t hd, float scale,
                                     float* scores, Rows at) {
   int64_t j = j0;
   const __m256 sv = _mm256_set1_ps(scale);
   for (; j + 8 <= j1; j += 8) {  // eight keys: eight accumulation chains, one reduction
-    const float *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
-                *k3 = kc + at(j + 3) * hd, *k4 = kc + at(j + 4) * hd, *k5 = kc + at(j + 5) * hd,
-                *k6 = kc + at(j + 6) * hd, *k7 = kc + at(j + 7) * hd;
+    const KT *k0 = kc + at(j) * hd, *k1 = kc + at(j + 1) * hd, *k2 = kc + at(j + 2) * hd,
+             *k3 = kc + at(j + 3) * hd, *k4 = kc + at(j + 4) * hd, *k5 = kc + at(j + 5) * hd,
+             *k6 = kc + at(j + 6) * hd, *k7 = kc + at(j + 7) * hd;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t i = 0; i < hd; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-      a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
-      a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
-      a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
-      a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
+      a0 = _mm256_fmadd_ps(qv, load8(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(k3 + i), a3);
+      a4 = _mm256_fmadd_ps(qv, load8(k4 + i), a4);
+      a5 = _mm256_fmadd_ps(qv, load8(k5 + i), a5);
+      a6 = _mm256_fmadd_ps(qv, load8(k6 + i), a6);
+      a7 = _mm256_fmadd_ps(qv, load8(k7 + i), a7);
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(sum8x8_avx2(a0, a1, a2, a3, a4, a5, a6, a7), sv));
   }
   for (; j < j1; ++j) {
-    const float* k = kc + at(j) * hd;
+    const KT* k = kc + at(j) * hd;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+    for (int64_t i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
     scores[j] = sum8_avx2(acc) * scale;
   }
 }
@@ -280,8 +286,8 @@ DFLASH_AVX2 inline float softmax_avx2(float* scores, int64_t n) {
   return 1.f / sum8(part);
 }
 
-template <typename Rows>
-DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* vc, int64_t n, int64_t hd,
+template <typename KT, typename Rows>
+DFLASH_AVX2 void attend_row_avx2(const float* q, const KT* kc, const KT* vc, int64_t n, int64_t hd,
                                  float scale, float* scores, float* out, Rows at) {
   scores_avx2(q, kc, 0, n, hd, scale, scores, at);
   const float inv = softmax_avx2(scores, n);
@@ -290,36 +296,36 @@ DFLASH_AVX2 void attend_row_avx2(const float* q, const float* kc, const float* v
   for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
   for (int64_t j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
-    const float* v = vc + at(j) * hd;
+    const KT* v = vc + at(j) * hd;
     for (int64_t i = 0; i < hd; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+      _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, load8(v + i), _mm256_loadu_ps(out + i)));
   }
 }
 
 // acc (8 NV) += sum over keys [j0, j1) of (scores[j] * inv) v_j, in key order: blocks of keys
 // in order continue one row's accumulation exactly as weighted_values_avx2 runs it whole
-template <int NV>
-DFLASH_AVX2 inline void values_block_avx2(const float* scores, float inv, const float* vc, int64_t j0, int64_t j1,
+template <int NV, typename KT>
+DFLASH_AVX2 inline void values_block_avx2(const float* scores, float inv, const KT* vc, int64_t j0, int64_t j1,
                                           float* acc) {
   constexpr int64_t hd = 8 * NV;
   __m256 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm256_loadu_ps(acc + 8 * i);
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
-    const float* v = vc + j * hd;
-    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+    const KT* v = vc + j * hd;
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), o[i]);
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, o[i]);
 }
 
-template <typename T>
+template <typename T, typename KT>
 struct Step {
   Geometry g;
   const T* qkv;
   const float* cos;
   const float* sin;
-  float* kc;
-  float* vc;
+  KT* kc;  // the caches (fp32, fp16 or bf16)
+  KT* vc;
   T* out;
   int64_t qhead() const { return g.gated ? 2 * g.hd : g.hd; }  // a query head's span in qkv
   int64_t qdim() const { return g.nh * qhead(); }
@@ -328,34 +334,43 @@ struct Step {
 };
 
 // k and v rows of kv head h into the caches (k rotated)
-template <typename T>
-DFLASH_INLINE void write_kv(const Step<T>& s, int64_t h) {
+// (a key or value is rounded to the cache type here, once, by c10's scalar conversion: the
+// same bits on every path and as aten's ``.to(cache dtype)`` of the per-op path)
+template <typename T, typename KT>
+DFLASH_INLINE void write_kv(const Step<T, KT>& s, int64_t h) {
   const Geometry& g = s.g;
   const int64_t kvdim = g.nkv * g.hd;
+  std::vector<T> tmp(g.k_norm ? g.hd : 0);
+  std::vector<float> rk(std::is_same_v<KT, float> ? 0 : g.hd);
   for (int64_t t = 0; t < g.T; ++t) {
     const T* row = s.qkv + t * s.width();
     const int64_t at = g.write_rows ? g.write_rows[t] : g.start + t;
-    float* kd = s.kc + (h * g.max_ctx + at) * g.hd;
-    float* vd = s.vc + (h * g.max_ctx + at) * g.hd;
-    std::vector<T> tmp(g.k_norm ? g.hd : 0);
-    rotate(head_norm(row + s.qdim() + h * g.hd, g.k_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot,
-           s.sin + t * g.rot, g.hd, g.rot, kd);
+    KT* kd = s.kc + (h * g.max_ctx + at) * g.hd;
+    KT* vd = s.vc + (h * g.max_ctx + at) * g.hd;
+    const T* kn = head_norm(row + s.qdim() + h * g.hd, g.k_norm, g.norm_eps, g.hd, tmp.data());
+    if constexpr (std::is_same_v<KT, float>) {
+      rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, kd);
+    } else {
+      rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, rk.data());
+      for (int64_t i = 0; i < g.hd; ++i) kd[i] = static_cast<KT>(rk[i]);
+    }
     const T* vs = row + s.qdim() + kvdim + h * g.hd;
     if (g.v_norm) {  // as a weightless RMSNorm of the per-op path: sum of squares in order, rounded to T
       float ss = 0.f;
       for (int64_t i = 0; i < g.hd; ++i) ss = std::fma(static_cast<float>(vs[i]), static_cast<float>(vs[i]), ss);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(g.hd) + g.norm_eps);
-      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(static_cast<T>(static_cast<float>(vs[i]) * inv));
+      for (int64_t i = 0; i < g.hd; ++i)
+        vd[i] = static_cast<KT>(static_cast<float>(static_cast<T>(static_cast<float>(vs[i]) * inv)));
     } else {
-      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
+      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<KT>(static_cast<float>(vs[i]));
     }
   }
 }
 
 // head h of row t's attention output o (hd floats) into the step's output, times
 // sigmoid(gate) where the heads are gated
-template <typename T>
-DFLASH_INLINE void write_head(const Step<T>& s, int64_t h, int64_t t, const float* o) {
+template <typename T, typename KT>
+DFLASH_INLINE void write_head(const Step<T, KT>& s, int64_t h, int64_t t, const float* o) {
   const Geometry& g = s.g;
   const T* gate = s.qkv + t * s.width() + h * s.qhead() + g.hd;
   T* dst = s.out + t * s.odim() + h * g.hd;
@@ -367,8 +382,8 @@ DFLASH_INLINE void write_head(const Step<T>& s, int64_t h, int64_t t, const floa
 }
 
 // query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim
-template <typename T, bool AVX2>
-DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
+template <typename T, typename KT, bool AVX2>
+DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch) {
   const Geometry& g = s.g;
   const int64_t h = w / g.T, t = w % g.T, kvh = h / (g.nh / g.nkv);
   float* scores = scratch;
@@ -381,7 +396,7 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
   int64_t n, lo;
   KeyRows at{0, nullptr};
   int64_t tail[64];
-  const float *kc = s.kc + kvh * g.max_ctx * g.hd, *vc = s.vc + kvh * g.max_ctx * g.hd;
+  const KT *kc = s.kc + kvh * g.max_ctx * g.hd, *vc = s.vc + kvh * g.max_ctx * g.hd;
   if (g.key_rows != nullptr) {  // the caller's key list (logical order)
     at.tail = g.key_rows + t * g.key_stride;
     n = g.key_counts[t];
@@ -420,14 +435,14 @@ DFLASH_INLINE void query(const Step<T>& s, int64_t w, float* scratch) {
 // (row, head) (at a few hundred keys that re-reading was the step's cost). Each query's
 // arithmetic is attend_row_avx2's (scores per key, its softmax, values accumulated in key
 // order), so the output bits are the per-row path's.
-template <typename T, int NV>
-DFLASH_AVX2 void group_avx2(const Step<T>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
+template <typename T, typename KT, int NV>
+DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, KB = 32;
   const int64_t G = g.nh / g.nkv, Q = u1 - u0, width = g.start + g.T, stride = 2 * hd + width;
   buf.resize(static_cast<size_t>(Q * stride));
   float* base = buf.data();  // per query: q (hd), the output accumulator (hd), scores (width)
-  const float *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
+  const KT *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
   std::vector<T> tmp(g.q_norm ? hd : 0);
   float inv[128];
   int64_t n[128];
@@ -457,19 +472,19 @@ DFLASH_AVX2 void group_avx2(const Step<T>& s, int64_t kvh, int64_t u0, int64_t u
 }
 
 // the same code compiled twice: with AVX2+FMA (vectorized lanes) and for any x86-64
-template <typename T>
-__attribute__((target("avx2,fma"))) void write_kv_avx2(const Step<T>& s, int64_t h) { write_kv(s, h); }
-template <typename T>
-void write_kv_portable(const Step<T>& s, int64_t h) { write_kv(s, h); }
-template <typename T>
-__attribute__((target("avx2,fma"))) void query_avx2(const Step<T>& s, int64_t w, float* scratch) {
-  query<T, true>(s, w, scratch);
+template <typename T, typename KT>
+DFLASH_AVX2 void write_kv_avx2(const Step<T, KT>& s, int64_t h) { write_kv(s, h); }
+template <typename T, typename KT>
+void write_kv_portable(const Step<T, KT>& s, int64_t h) { write_kv(s, h); }
+template <typename T, typename KT>
+DFLASH_AVX2 void query_avx2(const Step<T, KT>& s, int64_t w, float* scratch) {
+  query<T, KT, true>(s, w, scratch);
 }
-template <typename T>
-void query_portable(const Step<T>& s, int64_t w, float* scratch) { query<T, false>(s, w, scratch); }
+template <typename T, typename KT>
+void query_portable(const Step<T, KT>& s, int64_t w, float* scratch) { query<T, KT, false>(s, w, scratch); }
 
-template <typename T>
-void run_step(const Step<T>& s, bool fast) {
+template <typename T, typename KT>
+void run_step(const Step<T, KT>& s, bool fast) {
   const Geometry& g = s.g;
   // the KV write is a few hundred values per row: no threads for it; query rows split over
   // threads only when each chunk has ~32K multiply-adds to do (waking threads costs more)
@@ -486,7 +501,7 @@ void run_step(const Step<T>& s, bool fast) {
       std::vector<float> buf;
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
-        g.hd == 64 ? group_avx2<T, 8>(s, kvh, u0, u1, buf) : group_avx2<T, 16>(s, kvh, u0, u1, buf);
+        g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf) : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf);
       }
     });
     return;
@@ -498,9 +513,29 @@ void run_step(const Step<T>& s, bool fast) {
   });
 }
 
-bool avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+// the caches' element type: fp32, fp16 or bf16, both caches alike
+bool cache_type_ok(const at::Tensor& k, const at::Tensor& v) {
+  const auto t = k.scalar_type();
+  return v.scalar_type() == t && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
+}
+
+// f(qkv pointer, out pointer, cache pointer type tag): one instantiation per (qkv, cache) type pair
+template <typename F>
+void dispatch_types(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& cache, const char* op, F&& f) {
+  auto with_cache = [&](auto* qp, auto* op_) {
+    switch (cache.scalar_type()) {
+      case at::kFloat: return f(qp, op_, static_cast<float*>(nullptr));
+      case at::kHalf: return f(qp, op_, static_cast<c10::Half*>(nullptr));
+      case at::kBFloat16: return f(qp, op_, static_cast<c10::BFloat16*>(nullptr));
+      default: TORCH_CHECK(false, op, ": caches must be float32, float16 or bfloat16");
+    }
+  };
+  switch (qkv.scalar_type()) {
+    case at::kFloat: return with_cache(qkv.data_ptr<float>(), out.data_ptr<float>());
+    case at::kBFloat16: return with_cache(qkv.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+    case at::kHalf: return with_cache(qkv.data_ptr<c10::Half>(), out.data_ptr<c10::Half>());
+    default: TORCH_CHECK(false, op, ": qkv must be float32, bfloat16 or float16");
+  }
 }
 
 at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
@@ -513,10 +548,11 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+  TORCH_CHECK(cache_type_ok(k_cache, v_cache) && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == 1 && k_cache.size(1) == nkv &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "dflash::attention_step: caches must be contiguous fp32 (1, nkv, max_ctx, head_dim)");
+              "dflash::attention_step: caches must be contiguous (1, nkv, max_ctx, head_dim), both float32, float16 or "
+              "bfloat16");
   TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "dflash::attention_step: bad head counts");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "dflash::attention_step: q_norm and k_norm go together");
   at::Tensor qn, kn;
@@ -574,22 +610,16 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   auto qkv = qkv_in.contiguous();
   auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   auto out = at::empty({1, g.T, nh * g.hd}, qkv.options());
-  const bool fast = !portable && avx2();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const bool fast = !portable && dflash::simd::has_avx2();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  switch (qkv.scalar_type()) {
-#define DFLASH_CASE(TYPE, CT)                                                                           \
-    case TYPE:                                                                                          \
-      run_step(Step<CT>{g, qkv.data_ptr<CT>(), cp, sp, kc, vc, out.data_ptr<CT>()}, fast);              \
-      break;
-    DFLASH_CASE(at::kFloat, float)
-    DFLASH_CASE(at::kBFloat16, c10::BFloat16)
-    DFLASH_CASE(at::kHalf, c10::Half)
-#undef DFLASH_CASE
-    default: TORCH_CHECK(false, "dflash::attention_step: qkv must be float32, bfloat16 or float16");
-  }
+  dispatch_types(qkv, out, k_cache, "dflash::attention_step", [&](auto* qp, auto* op, auto* tag) {
+    using CT = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    using KT = std::remove_pointer_t<decltype(tag)>;
+    run_step(Step<CT, KT>{g, qp, cp, sp, static_cast<KT*>(k_cache.data_ptr()), static_cast<KT*>(v_cache.data_ptr()),
+                          op},
+             fast);
+  });
   return out;
 }
 
@@ -605,10 +635,11 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
-  TORCH_CHECK(k_bank.scalar_type() == at::kFloat && v_bank.scalar_type() == at::kFloat && k_bank.dim() == 4 &&
+  TORCH_CHECK(cache_type_ok(k_bank, v_bank) && k_bank.dim() == 4 &&
                   k_bank.sizes() == v_bank.sizes() && k_bank.size(1) == nkv && k_bank.is_contiguous() &&
                   v_bank.is_contiguous(),
-              "dflash::attention_rows: banks must be contiguous fp32 (lanes, nkv, max_ctx, head_dim)");
+              "dflash::attention_rows: banks must be contiguous (lanes, nkv, max_ctx, head_dim), both float32, float16 or "
+              "bfloat16");
   TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "dflash::attention_rows: bad head counts");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "dflash::attention_rows: q_norm and k_norm go together");
   const int64_t B = qkv_in.size(1), n_lanes = k_bank.size(0), hd = k_bank.size(3), max_ctx = k_bank.size(2);
@@ -639,19 +670,20 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   auto qkv = qkv_in.contiguous();
   auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   auto out = at::empty({1, B, nh * hd}, qkv.options());
-  const bool fast = !portable && avx2();
+  const bool fast = !portable && dflash::simd::has_avx2();
   const int64_t rot = cos.size(1), width = qkv.size(2), lane_elems = nkv * max_ctx * hd;
-  float* kb = k_bank.data_ptr<float>();
-  float* vb = v_bank.data_ptr<float>();
-  auto run = [&](auto* qp, auto* op) {
+  dispatch_types(qkv, out, k_bank, "dflash::attention_rows", [&](auto* qp, auto* op, auto* tag) {
     using CT = std::remove_pointer_t<decltype(qp)>;
-    std::vector<Step<CT>> steps;
+    using KT = std::remove_pointer_t<decltype(tag)>;
+    KT* kb = static_cast<KT*>(k_bank.data_ptr());
+    KT* vb = static_cast<KT*>(v_bank.data_ptr());
+    std::vector<Step<CT, KT>> steps;
     steps.reserve(B);
     for (int64_t b = 0; b < B; ++b) {
       Geometry g{1, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
                  qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
                  static_cast<float>(norm_eps), gated, window, v_norm};
-      steps.push_back(Step<CT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
+      steps.push_back(Step<CT, KT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
     }
     for (int64_t b = 0; b < B; ++b)
@@ -662,13 +694,7 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
       for (int64_t w = w0; w < w1; ++w)
         fast ? query_avx2(steps[w / nh], w % nh, scratch.data()) : query_portable(steps[w / nh], w % nh, scratch.data());
     });
-  };
-  switch (qkv.scalar_type()) {
-    case at::kFloat: run(qkv.data_ptr<float>(), out.data_ptr<float>()); break;
-    case at::kBFloat16: run(qkv.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: run(qkv.data_ptr<c10::Half>(), out.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "dflash::attention_rows: qkv must be float32, bfloat16 or float16");
-  }
+  });
   return out;
 }
 
