@@ -105,16 +105,15 @@ def test_hit_equals_miss_with_adaptive_block_size(tiny_dir, family):
     assert sum(r.extra["spec"]["plain_steps"] for r in cached) > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
 def test_hit_equals_miss_bit_for_bit_past_64_rows_with_native_kernels(tiny_dir, family, monkeypatch):
     """The serving configuration (bf16, quantized layers on the native kernels): turns whose
     prompts outgrow 64 tokens, so the fresh run prefills them in one long chunk while the
     cached run restores KV written by decode steps and short chunks. Every op is then
     row-count invariant (attention included: prefill chunks within NATIVE_PREFILL_CTX take
-    the native step, whose rows are a decode step's bits), so the caches themselves (fp16: the
-    default cache type here) end bit-equal, not only the tokens. (Not yet for hybrid models: a
-    Gated DeltaNet prefill chunk of over 64 rows runs aten's chunked form, which differs from
-    the native token-by-token step in the last bits; their hit == miss tests compare tokens.)"""
+    the native step, whose rows are a decode step's bits; a Gated DeltaNet chunk of any length
+    steps token by token natively), so the caches themselves (attention KV in fp16, the
+    default cache type here, and the recurrent state) end bit-equal, not only the tokens."""
     import torch
 
     from dflash_server import kernels

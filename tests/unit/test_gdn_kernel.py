@@ -34,11 +34,15 @@ def aten(m, mixed, conv, ssm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [dict(), dict(hk=2, hv=2, dk=32, dv=24), dict(hk=1, hv=3, dk=8, dv=8, K=3)])
-def test_matches_aten_and_rows_are_invariant(dtype, shape):
+@pytest.mark.parametrize("shape, T", [(dict(), 9), (dict(hk=2, hv=2, dk=32, dv=24), 9),
+                                      (dict(hk=1, hv=3, dk=8, dv=8, K=3), 9),
+                                      (dict(hk=1, hv=1, dk=2, dv=8), 9),   # channels not whole vectors
+                                      (dict(hk=2, hv=4, dk=64, dv=40, hidden=64), 130)])  # a prefill-sized chunk
+def test_matches_aten_and_rows_are_invariant(dtype, shape, T):
+    """(The vectorized build runs a block's tokens column group by column group, fused across
+    tokens: a prefill chunk of any length must still give the one-row calls' bits.)"""
     m = layer(**shape).to(dtype)
     m.neg_A.data, m.dt_bias.data, m.norm_weight.data = m.neg_A.float(), m.dt_bias.float(), m.norm_weight.float()
-    T = 9
     g = torch.Generator().manual_seed(1)
     mixed = (torch.randn(1, T, m.conv_dim + m.value_dim + 2 * m.hv, generator=g)).to(dtype)
     conv = torch.randn(1, m.conv_dim, m.conv_weight.shape[-1] - 1, generator=g).to(dtype)
