@@ -1,6 +1,7 @@
-"""Perplexity on a fixed local text, side by side: ours with the aten kernels (default),
-ours with ``--native-kernels`` (int8 activations), transformers fp32 on the dequantized
-weights, and llama.cpp's ``llama-perplexity`` on the same GGUF file, 2 threads:
+"""Perplexity on a fixed local text, side by side: ours with ``--kernels aten``, ours with the
+native kernels (the default: int8 activations, an fp16 KV cache) and with them and an fp32 KV
+cache, transformers fp32 on the dequantized weights, and llama.cpp's ``llama-perplexity`` on
+the same GGUF file (its default f16 KV cache), 2 threads:
 
     python benchmarks/perplexity.py [--kb 120] [--no-llama-cpp] [--no-transformers] [--out FILE]
 
@@ -54,7 +55,7 @@ def nll_of(logits: torch.Tensor, w: list[int]) -> tuple[float, int]:
     return -lp.gather(1, target[:, None]).sum().item(), CTX - 1 - first
 
 
-def ours(text: str, threads: int) -> dict:
+def ours(text: str, threads: int, kv_dtype: str = "auto") -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     from dflash_server import kernels
     from dflash_server.cli.common import quantize_plan
@@ -66,7 +67,7 @@ def ours(text: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     src = open_model(default_model_path())
     pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=CTX,
-                          quantize=quantize_plan(src, "auto", True), progress=False)
+                          quantize=quantize_plan(src, "auto", True), progress=False, kv_dtype=kv_dtype)
     tok = src.tokenizer
     ids = tok.encode(text, add_bos=False)
     total, count, t0 = 0.0, 0, time.perf_counter()
@@ -75,7 +76,7 @@ def ours(text: str, threads: int) -> dict:
         n, c = nll_of(pipe.forward(w, 0, logits="all").logits, w)
         total, count = total + n, count + c
     return {"tokens": len(ids), "chunks": len(ids) // CTX, "scored": count, "ppl": math.exp(total / count),
-            "seconds": time.perf_counter() - t0,
+            "seconds": time.perf_counter() - t0, "kv_dtype": sorted({str(b.k.dtype) for b in pipe.stages[0].banks if b is not None}),
             "kernels": kernels.status()}
 
 
@@ -130,22 +131,25 @@ def main():
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-dtype", default="auto", help=argparse.SUPPRESS)  # internal: that row's KV cache
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "perplexity.json"))
     args = ap.parse_args()
     text = corpus(args.kb)
     if args.row:
-        print(json.dumps(reference(text, args.threads) if args.row == "transformers" else ours(text, args.threads)))
+        print(json.dumps(reference(text, args.threads) if args.row == "transformers"
+                         else ours(text, args.threads, args.kv_dtype)))
         return
     rows = {}
     if not args.no_llama_cpp:
         rows["llama.cpp (llama-perplexity)"] = llama_cpp(text, args.threads)
         print(rows, file=sys.stderr)
-    runs = [("ours, aten kernels (default)", "ours", "0"), ("ours, --native-kernels", "ours", "1")]
+    runs = [("ours, --kernels aten", "ours", "0", "auto"), ("ours, native kernels, --kv-dtype f32", "ours", "1", "f32"),
+            ("ours, native kernels (default: f16 KV)", "ours", "1", "auto")]
     if not args.no_transformers:
-        runs.append(("transformers fp32, dequantized weights", "transformers", "0"))
-    for label, row, flag in runs:
+        runs.append(("transformers fp32, dequantized weights", "transformers", "0", "auto"))
+    for label, row, flag, kv in runs:
         res = subprocess.run([sys.executable, __file__, "--row", row, "--kb", str(args.kb), "--threads",
-                              str(args.threads)], env={**os.environ, "DFLASH_KERNELS": flag},
+                              str(args.threads), "--kv-dtype", kv], env={**os.environ, "DFLASH_KERNELS": flag},
                              stdout=subprocess.PIPE, text=True, check=True)
         rows[label] = json.loads(res.stdout.strip().splitlines()[-1])
         print(label, rows[label], file=sys.stderr)
