@@ -228,6 +228,13 @@ DFLASH_INLINE void gate_rows(const Call<T>& a, int64_t t0, int64_t t1) {
   }
 }
 
+// 1 / rms of a value head's output (sum of squares in index order)
+DFLASH_INLINE float inv_rms(const float* oh, int64_t dv, float eps) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < dv; ++j) ss = std::fma(oh[j], oh[j], ss);
+  return 1.f / std::sqrt(ss / static_cast<float>(dv) + eps);
+}
+
 // rows [t0, t1): the gated RMSNorm per value head (fp32), times silu(z), in the activation dtype
 template <typename T>
 DFLASH_INLINE void norm_rows(const Call<T>& a, int64_t t0, int64_t t1) {
@@ -236,9 +243,7 @@ DFLASH_INLINE void norm_rows(const Call<T>& a, int64_t t0, int64_t t1) {
     const T* z = a.mx + t * g.width + g.conv_dim;
     for (int64_t h = 0; h < g.hv; ++h) {
       const float* oh = a.o + t * g.value_dim + h * g.dv;
-      float ss = 0.f;
-      for (int64_t j = 0; j < g.dv; ++j) ss = std::fma(oh[j], oh[j], ss);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(g.dv) + g.eps);
+      const float inv = inv_rms(oh, g.dv, g.eps);
       for (int64_t j = 0; j < g.dv; ++j)
         a.out[t * g.value_dim + h * g.dv + j] = static_cast<T>(oh[j] * inv * a.nw[j] * silu(f(z[h * g.dv + j])));
     }
@@ -286,9 +291,7 @@ DFLASH_SIMD_AVX2 void norm_rows_avx2(const Call<T>& a, int64_t t0, int64_t t1) {
     const T* z = a.mx + t * g.width + g.conv_dim;
     for (int64_t h = 0; h < g.hv; ++h) {
       const float* oh = a.o + t * g.value_dim + h * g.dv;
-      float ss = 0.f;
-      for (int64_t j = 0; j < g.dv; ++j) ss = std::fma(oh[j], oh[j], ss);
-      const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(ss / static_cast<float>(g.dv) + g.eps));
+      const __m256 inv = _mm256_set1_ps(inv_rms(oh, g.dv, g.eps));
       for (int64_t j = 0; j < g.dv; j += 8) {
         const __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(oh + j), inv), _mm256_loadu_ps(a.nw + j));
         const __m256 r = _mm256_mul_ps(x, dflash::simd::silu_mul8(dflash::simd::load8(z + h * g.dv + j), one));
