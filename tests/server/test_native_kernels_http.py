@@ -27,8 +27,10 @@ def _answers(url):
 
 def test_native_kernels_serve(tiny_dir):
     with ServerProc("--model", str(tiny_dir("llama")), *ARGS) as srv:  # the user's kernel cache (built once)
-        k = httpx.get(srv.url + "/props").json()["runtime"]["kernels"]
+        runtime = httpx.get(srv.url + "/props").json()["runtime"]
+        k = runtime["kernels"]
         assert k["enabled"] and k["native"] and k["isa"] in kernels.ISAS
+        assert runtime["kv_dtype"] == ["float16"] and runtime["kv_bytes"] > 0   # --kv-dtype auto, bf16, native
         plain, streamed = _answers(srv.url)
         assert plain and plain == streamed
 
@@ -38,8 +40,10 @@ def test_unusable_kernel_cache_falls_back(tiny_dir, tmp_path):
     blocker.write_text("x")
     with ServerProc("--model", str(tiny_dir("llama")), *ARGS,
                     env={"DFLASH_KERNELS_CACHE": str(blocker / "under-a-file")}) as srv:
-        k = httpx.get(srv.url + "/props").json()["runtime"]["kernels"]
+        runtime = httpx.get(srv.url + "/props").json()["runtime"]
+        k = runtime["kernels"]
         assert k["enabled"] and not k["native"] and "build failed" in k["reason"]
+        assert runtime["kv_dtype"] == ["float32"]   # aten's attention reads the cache: auto keeps fp32
         plain, streamed = _answers(srv.url)
         assert plain and plain == streamed
         out = srv.output()
@@ -49,7 +53,8 @@ def test_unusable_kernel_cache_falls_back(tiny_dir, tmp_path):
 def test_kernels_aten_opts_out(tiny_dir):
     args = tuple(a for a in ARGS if a not in ("--kernels", "native")) + ("--kernels", "aten")
     with ServerProc("--model", str(tiny_dir("llama")), *args) as srv:
-        k = httpx.get(srv.url + "/props").json()["runtime"]["kernels"]
-        assert not k["enabled"] and not k["native"]
+        runtime = httpx.get(srv.url + "/props").json()["runtime"]
+        k = runtime["kernels"]
+        assert not k["enabled"] and not k["native"] and runtime["kv_dtype"] == ["float32"]
         plain, streamed = _answers(srv.url)
         assert plain and plain == streamed

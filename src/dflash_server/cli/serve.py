@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-from .common import add_model_args, positive_int
+from .common import add_model_args, cache_dtypes, positive_int
 
 log = logging.getLogger("dflash_server")
 
@@ -128,6 +128,7 @@ def _model_info(args, source, pipeline) -> dict:
                     "quantize": args.quantize, "compile": bool(args.compile), "chunk": args.chunk,
                     "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
                     "kernels": kernels.status(), "parallel": pipeline.lanes,
+                    "kv_dtype": cache_dtypes(pipeline), "kv_bytes": pipeline.kv_bytes(),
                     "step_tokens": getattr(args, "step_tokens", None)},
         "placement": [{"device": st.label, "layers": [st.begin, st.end], "remote": st.is_remote}
                       for st in pipeline.stages],

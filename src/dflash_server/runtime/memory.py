@@ -83,7 +83,9 @@ def estimate(source, shards, dtype: torch.dtype, max_ctx: int, quantize, kv_toke
             elif last:  # the final norm and other top-level tensors
                 weights += matrix_bytes(shape, "dense", elt)
         device = sh.device.removeprefix("remote:")
-        kv_elt = cache_dtype(kv_dtype, device.split(":")[0], dtype, kernels.enabled()).itemsize
+        kind = device.split(":")[0]  # (whether the native attention reads a CPU cache: built or not)
+        native = kind == "cpu" and kernels.enabled() and kernels.load()
+        kv_elt = cache_dtype(kv_dtype, kind, dtype, native).itemsize
         width = sum(cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in range(sh.begin, sh.end)
                     if cfg.layer_types[i] != "linear_attention" and cfg.kv_source(i) is None)
         kv = 2 * width * (kv_tokens or max_ctx) * kv_elt * lanes
