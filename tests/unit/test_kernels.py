@@ -336,10 +336,39 @@ def test_attention_step_matches_and_is_row_invariant(dtype, cache, nh, nkv, hd, 
     assert torch.equal(torch.cat(rows, dim=1), out) and torch.equal(k2, k1) and torch.equal(v2, v1)
     k3, v3 = kc.clone(), vc.clone()
     assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, k3, v3, start, nh, nkv, hd ** -0.5, True), out)
+    assert torch.equal(k3, k1) and torch.equal(v3, v1)   # the caches' bits too (the writes' roundings)
     torch.library.opcheck(torch.ops.dflash.attention_step.default,
                           (qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5))
     with pytest.raises(RuntimeError):  # rows past the cache
         torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, max_ctx - 2, nh, nkv, hd ** -0.5)
+
+
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
+def test_cache_writes_round_as_torch_does(cache):
+    """Values at the edges of a 16-bit cache (ties, overflow, subnormals, infinities) are stored
+    as ``.to(cache)`` stores them, and NaNs of either sign as NaNs (torch's own NaN bits differ
+    between its scalar and vector conversions), by the vectorized and the portable writes with
+    the same bits."""
+    nh = nkv = 1
+    hd, T = 16, 3
+    special = torch.tensor([2049.0, 2051.0, 65519.0, 65520.0, 1e6, -1e6, 1e-6, -3e-8, 6e-8, 1e-40, float("inf"),
+                            -float("inf"), float("nan"), -float("nan"), 0.0, -0.0])
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd)
+    qkv[0, :, 2 * hd:] = special            # the value rows (written as they are)
+    cos, sin = torch.empty(T, 0), torch.empty(T, 0)     # a rotary width of 0: the key rows as they are too
+    qkv[0, 1, hd:2 * hd] = special.flip(0)
+    out = {}
+    for portable in (False, True):
+        kc, vc = torch.zeros(1, nkv, 8, hd, dtype=cache), torch.zeros(1, nkv, 8, hd, dtype=cache)
+        torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, 0, nh, nkv, 1.0, portable)
+        out[portable] = kc, vc
+        nan = special.isnan()
+        for got, want in ((vc[0, 0, :T], special.expand(T, hd)), (kc[0, 0, 1], special.flip(0))):
+            m = want.isnan()
+            assert torch.equal(got.isnan(), m), portable
+            assert torch.equal(got[~m].view(torch.int16), want[~m].to(cache).view(torch.int16)), portable
+        assert nan.sum() == 2
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(out[False], out[True]))
 
 
 def test_attention_window_matches_masked_reference():

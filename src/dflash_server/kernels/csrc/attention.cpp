@@ -334,14 +334,30 @@ struct Step {
 };
 
 // k and v rows of kv head h into the caches (k rotated)
-// (a key or value is rounded to the cache type here, once, by c10's scalar conversion: the
-// same bits on every path and as aten's ``.to(cache dtype)`` of the per-op path)
-template <typename T, typename KT>
+// (a key or value is rounded to the cache type here, once, as c10's conversion rounds it: the
+// same bits on every path and as aten's ``.to(cache dtype)`` of the per-op path; the AVX2 build
+// converts 8 at a time, simd.h's stores)
+template <typename KT>
+DFLASH_INLINE void to_cache(const float* x, KT* dst, int64_t n) {
+  if constexpr (std::is_same_v<KT, float>)
+    std::memcpy(dst, x, n * sizeof(float));
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<KT>(x[i]);
+}
+template <typename KT>
+DFLASH_AVX2 inline void to_cache_avx2(const float* x, KT* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (!std::is_same_v<KT, float>)
+    for (; i + 8 <= n; i += 8) dflash::simd::store8(_mm256_loadu_ps(x + i), dst + i);
+  to_cache(x + i, dst + i, n - i);
+}
+
+template <typename T, typename KT, bool AVX2>
 DFLASH_INLINE void write_kv(const Step<T, KT>& s, int64_t h) {
   const Geometry& g = s.g;
   const int64_t kvdim = g.nkv * g.hd;
   std::vector<T> tmp(g.k_norm ? g.hd : 0);
-  std::vector<float> rk(std::is_same_v<KT, float> ? 0 : g.hd);
+  std::vector<float> rk(std::is_same_v<KT, float> ? 0 : g.hd), rv(std::is_same_v<KT, float> ? 0 : g.hd);
   for (int64_t t = 0; t < g.T; ++t) {
     const T* row = s.qkv + t * s.width();
     const int64_t at = g.write_rows ? g.write_rows[t] : g.start + t;
@@ -352,7 +368,7 @@ DFLASH_INLINE void write_kv(const Step<T, KT>& s, int64_t h) {
       rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, kd);
     } else {
       rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, rk.data());
-      for (int64_t i = 0; i < g.hd; ++i) kd[i] = static_cast<KT>(rk[i]);
+      AVX2 ? to_cache_avx2(rk.data(), kd, g.hd) : to_cache(rk.data(), kd, g.hd);
     }
     const T* vs = row + s.qdim() + kvdim + h * g.hd;
     if (g.v_norm) {  // as a weightless RMSNorm of the per-op path: sum of squares in order, rounded to T
@@ -361,8 +377,11 @@ DFLASH_INLINE void write_kv(const Step<T, KT>& s, int64_t h) {
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(g.hd) + g.norm_eps);
       for (int64_t i = 0; i < g.hd; ++i)
         vd[i] = static_cast<KT>(static_cast<float>(static_cast<T>(static_cast<float>(vs[i]) * inv)));
+    } else if constexpr (std::is_same_v<KT, float>) {
+      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
     } else {
-      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<KT>(static_cast<float>(vs[i]));
+      for (int64_t i = 0; i < g.hd; ++i) rv[i] = static_cast<float>(vs[i]);
+      AVX2 ? to_cache_avx2(rv.data(), vd, g.hd) : to_cache(rv.data(), vd, g.hd);
     }
   }
 }
@@ -429,6 +448,18 @@ DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch) {
   write_head(s, h, t, o);
 }
 
+// rows [j0, j1) of a cache (keys or values) as fp32: the cache itself when it is fp32, else
+// converted once (exactly) into ``buf`` for all the group's queries to read from L1
+template <typename KT>
+DFLASH_AVX2 inline const float* block_f32(const KT* c, int64_t j0, int64_t j1, int64_t hd, float* buf) {
+  if constexpr (std::is_same_v<KT, float>) {
+    return c + j0 * hd;
+  } else {
+    for (int64_t i = 0, m = (j1 - j0) * hd; i < m; i += 8) _mm256_storeu_ps(buf + i, load8(c + j0 * hd + i));
+    return buf;
+  }
+}
+
 // The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
 // without a window, the keys streamed in blocks that every query of the group uses while they
 // are in L1: a kv head's keys and values are read from L2 once per group instead of once per
@@ -453,29 +484,36 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
            base + u * stride);
     n[u] = g.start + t + 1;
   }
-  for (int64_t kb = 0; kb < width; kb += KB)
+  alignas(32) float blk[KB * hd];  // a 16-bit cache's block of keys, then of values, in fp32
+  for (int64_t kb = 0; kb < width; kb += KB) {
+    const int64_t kend = std::min(kb + KB, width);
+    const float* kf = block_f32(kc, kb, kend, hd, blk);  // (key kb is kf's row 0)
     for (int64_t u = 0; u < Q; ++u)
       if (kb < n[u])
-        scores_avx2(base + u * stride, kc, kb, std::min(kb + KB, n[u]), hd, g.scale, base + u * stride + 2 * hd,
-                    Contiguous{});
+        scores_avx2(base + u * stride, kf, 0, std::min(kend, n[u]) - kb, hd, g.scale,
+                    base + u * stride + 2 * hd + kb, Contiguous{});
+  }
   for (int64_t u = 0; u < Q; ++u) {
     inv[u] = softmax_avx2(base + u * stride + 2 * hd, n[u]);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
-  for (int64_t kb = 0; kb < width; kb += KB)
+  for (int64_t kb = 0; kb < width; kb += KB) {
+    const int64_t kend = std::min(kb + KB, width);
+    const float* vf = block_f32(vc, kb, kend, hd, blk);
     for (int64_t u = 0; u < Q; ++u)
       if (kb < n[u])
-        values_block_avx2<NV>(base + u * stride + 2 * hd, inv[u], vc, kb, std::min(kb + KB, n[u]),
+        values_block_avx2<NV>(base + u * stride + 2 * hd + kb, inv[u], vf, 0, std::min(kend, n[u]) - kb,
                               base + u * stride + hd);
+  }
   for (int64_t u = 0; u < Q; ++u)
     write_head(s, kvh * G + (u0 + u) / g.T, (u0 + u) % g.T, base + u * stride + hd);
 }
 
 // the same code compiled twice: with AVX2+FMA (vectorized lanes) and for any x86-64
 template <typename T, typename KT>
-DFLASH_AVX2 void write_kv_avx2(const Step<T, KT>& s, int64_t h) { write_kv(s, h); }
+DFLASH_AVX2 void write_kv_avx2(const Step<T, KT>& s, int64_t h) { write_kv<T, KT, true>(s, h); }
 template <typename T, typename KT>
-void write_kv_portable(const Step<T, KT>& s, int64_t h) { write_kv(s, h); }
+void write_kv_portable(const Step<T, KT>& s, int64_t h) { write_kv<T, KT, false>(s, h); }
 template <typename T, typename KT>
 DFLASH_AVX2 void query_avx2(const Step<T, KT>& s, int64_t w, float* scratch) {
   query<T, KT, true>(s, w, scratch);

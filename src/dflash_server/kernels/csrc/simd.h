@@ -1,6 +1,6 @@
 // AVX2 helpers the kernels share: 8 values of x as fp32 (exact for fp32 / bf16 / fp16) and 8
-// fp32 results stored as bf16 rounded exactly as c10::BFloat16 rounds (to nearest even, NaN ->
-// 0x7FC0), so the vector paths' outputs equal the portable paths'; and silu(g) * u with the
+// fp32 results stored as bf16 or fp16 rounded exactly as c10::BFloat16 / c10::Half round (to
+// nearest even; NaN -> 0x7FC0 / the sign and 0x7E00), so the vector paths' outputs equal the portable paths'; and silu(g) * u with the
 // kernels' own exp, one value at a time and 8 at a time, with the same bits.
 #pragma once
 #include <c10/util/BFloat16.h>
@@ -42,6 +42,19 @@ DFLASH_SIMD_AVX2 inline void store8(__m256 f, c10::BFloat16* dst) {
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// 8 fp32 values stored as fp16 exactly as c10::Half rounds them (to nearest even; NaN -> the
+// sign and 0x7E00, where the instruction would keep the payload)
+DFLASH_SIMD_AVX2 inline void store8(__m256 f, c10::Half* dst) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const int nan = _mm256_movemask_ps(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  if (nan) {
+    float v[8];
+    _mm256_storeu_ps(v, f);
+    for (int i = 0; i < 8; ++i)
+      if (nan >> i & 1) dst[i] = static_cast<c10::Half>(v[i]);
+  }
 }
 
 // silu(g) * u: exp by a Cody-Waite reduction by ln 2 and a degree-7 Taylor polynomial (~1 ulp),
