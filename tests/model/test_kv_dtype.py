@@ -5,10 +5,9 @@ import torch
 
 from dflash_server import kernels
 from dflash_server.layers.attention import cache_dtype
-from dflash_server.runtime.pipeline import build_pipeline
 from dflash_server.runtime.placement import plan_placement
 from dflash_server.weights.loader import open_model
-from helpers.build import greedy, prompt_ids
+from helpers.build import greedy, pipeline, prompt_ids
 
 
 def test_auto_chooses_f16_where_the_native_attention_reads_the_cache():
@@ -23,13 +22,6 @@ def test_auto_chooses_f16_where_the_native_attention_reads_the_cache():
         cache_dtype("f8", "cpu", torch.float32, True)
 
 
-def _pipe(path, dtype, kv_dtype, quantize="dense", lanes=1, max_ctx=256):
-    src = open_model(path)
-    shards = plan_placement(src.config.num_layers, ["cpu"], None)
-    return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False,
-                          lanes=lanes, kv_dtype=kv_dtype)
-
-
 def test_16_bit_caches_halve_the_kv_and_the_estimate_agrees(tiny_dir):
     """Default serving dtype (bf16 activations, int8 layers): auto == f16; f16 and bf16 caches
     hold half the bytes of f32, and the memory estimate (``--parallel auto``'s and the GPU
@@ -41,7 +33,7 @@ def test_16_bit_caches_halve_the_kv_and_the_estimate_agrees(tiny_dir):
     shards = plan_placement(src.config.num_layers, ["cpu"], None)
     sizes = {}
     for kv in ("auto", "f32", "f16", "bf16"):
-        pipe = _pipe(path, torch.bfloat16, kv, "int8", lanes=2)
+        pipe = pipeline(path, dtype=torch.bfloat16, max_ctx=256, quantize="int8", lanes=2, kv_dtype=kv)
         (stage,) = pipe.stages
         banks = [b for b in stage.banks if b is not None]
         want = {"auto": torch.float16 if kernels.load() else torch.float32, "f32": torch.float32,
@@ -63,7 +55,7 @@ def test_16_bit_caches_stay_close_to_fp32_on_both_attention_paths(tiny_dir, monk
     if native and not kernels.load():
         pytest.skip("native kernels unavailable: " + str(kernels.status()))
     path = tiny_dir("llama")
-    ref, low = _pipe(path, torch.float32, "f32"), _pipe(path, torch.float32, kv)
+    ref, low = pipeline(path, max_ctx=256, kv_dtype="f32"), pipeline(path, max_ctx=256, kv_dtype=kv)
     assert low.stages[0].layers[0].mixer.native == native
     ids = prompt_ids(ref, 40)
     tol = {"f16": 5e-3, "bf16": 4e-2}[kv]
@@ -89,9 +81,9 @@ def test_native_and_aten_read_a_16_bit_cache_alike(tiny_dir, monkeypatch):
     monkeypatch.setenv("DFLASH_KERNELS", "1")
     if not kernels.load():
         pytest.skip("native kernels unavailable")
-    nat = _pipe(path, torch.float32, "f16")
+    nat = pipeline(path, max_ctx=256, kv_dtype="f16")
     monkeypatch.setenv("DFLASH_KERNELS", "0")
-    ate = _pipe(path, torch.float32, "f16")
+    ate = pipeline(path, max_ctx=256, kv_dtype="f16")
     ids = prompt_ids(nat, 30)
     assert greedy(nat, ids, 12) == greedy(ate, ids, 12)
 

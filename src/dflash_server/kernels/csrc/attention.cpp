@@ -5,8 +5,8 @@
 // chunks up to a few thousand positions.
 //
 // The caches are fp32, fp16 or bf16 (the KV cache type): a key or value is rounded once,
-// when it is written (the same scalar conversion on every path), and read back exactly as
-// fp32; all arithmetic is fp32 whatever the cache type.
+// when it is written (as c10 rounds, on every path), and read back exactly as fp32; all
+// arithmetic is fp32 whatever the cache type.
 //
 // Every query row runs the same operations whatever T: scores in key order, a max, exps
 // by one polynomial, their sum in 8 lanes (key j in lane j % 8), the weighted sum of values
@@ -357,32 +357,25 @@ DFLASH_INLINE void write_kv(const Step<T, KT>& s, int64_t h) {
   const Geometry& g = s.g;
   const int64_t kvdim = g.nkv * g.hd;
   std::vector<T> tmp(g.k_norm ? g.hd : 0);
-  std::vector<float> rk(std::is_same_v<KT, float> ? 0 : g.hd), rv(std::is_same_v<KT, float> ? 0 : g.hd);
+  std::vector<float> rk(g.hd), rv(g.hd);  // the rotated key and the value in fp32, then to the cache
   for (int64_t t = 0; t < g.T; ++t) {
     const T* row = s.qkv + t * s.width();
     const int64_t at = g.write_rows ? g.write_rows[t] : g.start + t;
     KT* kd = s.kc + (h * g.max_ctx + at) * g.hd;
     KT* vd = s.vc + (h * g.max_ctx + at) * g.hd;
     const T* kn = head_norm(row + s.qdim() + h * g.hd, g.k_norm, g.norm_eps, g.hd, tmp.data());
-    if constexpr (std::is_same_v<KT, float>) {
-      rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, kd);
-    } else {
-      rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, rk.data());
-      AVX2 ? to_cache_avx2(rk.data(), kd, g.hd) : to_cache(rk.data(), kd, g.hd);
-    }
+    rotate(kn, s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot, rk.data());
+    AVX2 ? to_cache_avx2(rk.data(), kd, g.hd) : to_cache(rk.data(), kd, g.hd);
     const T* vs = row + s.qdim() + kvdim + h * g.hd;
     if (g.v_norm) {  // as a weightless RMSNorm of the per-op path: sum of squares in order, rounded to T
       float ss = 0.f;
       for (int64_t i = 0; i < g.hd; ++i) ss = std::fma(static_cast<float>(vs[i]), static_cast<float>(vs[i]), ss);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(g.hd) + g.norm_eps);
-      for (int64_t i = 0; i < g.hd; ++i)
-        vd[i] = static_cast<KT>(static_cast<float>(static_cast<T>(static_cast<float>(vs[i]) * inv)));
-    } else if constexpr (std::is_same_v<KT, float>) {
-      for (int64_t i = 0; i < g.hd; ++i) vd[i] = static_cast<float>(vs[i]);
+      for (int64_t i = 0; i < g.hd; ++i) rv[i] = static_cast<float>(static_cast<T>(static_cast<float>(vs[i]) * inv));
     } else {
       for (int64_t i = 0; i < g.hd; ++i) rv[i] = static_cast<float>(vs[i]);
-      AVX2 ? to_cache_avx2(rv.data(), vd, g.hd) : to_cache(rv.data(), vd, g.hd);
     }
+    AVX2 ? to_cache_avx2(rv.data(), vd, g.hd) : to_cache(rv.data(), vd, g.hd);
   }
 }
 

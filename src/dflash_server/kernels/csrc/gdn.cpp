@@ -77,7 +77,7 @@ void head_rows_portable(const Gdn& g, int64_t h, const float* qn, const float* k
 // element and accumulator sees the operations of the portable loop in the same order, so the
 // bits are the portable build's, for a block of any length (a 512-row prefill chunk included).
 template <int NV>
-__attribute__((target("avx2,fma"))) void head_block_avx2(const Gdn& g, int64_t h, int64_t j0, const float* qn,
+DFLASH_SIMD_AVX2 void head_block_avx2(const Gdn& g, int64_t h, int64_t j0, const float* qn,
                                                          const float* kn, const float* v, const float* beta,
                                                          const float* decay, float* S, float* o) {
   const int64_t kh = h / (g.hv / g.hk), dv = g.dv, dk = g.dk;
@@ -137,7 +137,7 @@ __attribute__((target("avx2,fma"))) void head_block_avx2(const Gdn& g, int64_t h
 }
 
 // columns [8 c0, 8 c1) of value head h's state (c: 8-column groups), two groups at a time
-__attribute__((target("avx2,fma"))) void head_cols_avx2(const Gdn& g, int64_t h, int64_t c0, int64_t c1,
+DFLASH_SIMD_AVX2 void head_cols_avx2(const Gdn& g, int64_t h, int64_t c0, int64_t c1,
                                                         const float* qn, const float* kn, const float* v,
                                                         const float* beta, const float* decay, float* S, float* o) {
   int64_t c = c0;
@@ -145,10 +145,6 @@ __attribute__((target("avx2,fma"))) void head_cols_avx2(const Gdn& g, int64_t h,
   for (; c < c1; ++c) head_block_avx2<1>(g, h, 8 * c, qn, kn, v, beta, decay, S, o);
 }
 
-bool avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 
 // SiLU with the kernels' own exp (simd.h), so the vector phases below give the scalar bits
 DFLASH_INLINE float silu(float x) { return dflash::simd::silu_mul_one(x, 1.f); }
@@ -307,7 +303,7 @@ DFLASH_SIMD_AVX2 void norm_rows_avx2(const Call<T>& a, int64_t t0, int64_t t1) {
 
 #define GDN_PHASE(NAME)                                                                                    \
   template <typename T>                                                                                    \
-  __attribute__((target("avx2,fma"))) void NAME##_fma(const Call<T>& a, int64_t x0, int64_t x1) {         \
+  DFLASH_SIMD_AVX2 void NAME##_fma(const Call<T>& a, int64_t x0, int64_t x1) {                             \
     NAME(a, x0, x1);                                                                                       \
   }                                                                                                        \
   template <typename T>                                                                                    \
@@ -412,7 +408,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_step(const at::Tensor& mixed_
   auto na = neg_a.to(at::kFloat).contiguous(), db = dt_bias.to(at::kFloat).contiguous();
   auto nw = norm_w.to(at::kFloat).contiguous();
   auto ssm = ssm_in.contiguous();
-  const bool fast = !portable && dv % 8 == 0 && avx2_fma();
+  const bool fast = !portable && dv % 8 == 0 && dflash::simd::has_avx2();
   switch (mixed.scalar_type()) {
     case at::kFloat: return run<float>(g, mixed, conv, w, na, db, nw, ssm, fast);
     case at::kBFloat16: return run<c10::BFloat16>(g, mixed, conv, w, na, db, nw, ssm, fast);
