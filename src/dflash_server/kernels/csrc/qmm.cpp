@@ -43,6 +43,12 @@
 #include <unistd.h>
 
 namespace {
+// The vector paths prefetch the weights this far ahead of the block they compute. A one-row
+// call (decode) otherwise computes a block, then waits for the next one's memory: measured on
+// the default model, 2 threads, alternating in one process, a one-row forward took 24-28% less
+// time with 2-6 KB (13.9 -> 10.6, 17.6 -> 12.6 ms in two busier moments); 8 rows (the AMX
+// path, which prefetches itself, or compute-bound VNNI) were unchanged.
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 constexpr int QK = 32;  // values per block
 constexpr int NR = 8;   // output rows per group
@@ -293,6 +299,8 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
   const __m256i low4 = _mm256_set1_epi8(0x0F);                                                       \
   for (int64_t b = 0; b < nb; ++b) {                                                                 \
     const uint8_t* blk = g + b * gb;                                                                 \
+    for (int64_t o = 0; o < gb; o += 64) /* the block PREFETCH_BYTES ahead, one line at a time */ \
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + o), _MM_HINT_T0);        \
     __m256i wv[8];                                                                                   \
     if (!Q8) {                                                                                       \
       for (int c = 0; c < 4; ++c) {                                                                  \
