@@ -19,7 +19,7 @@ Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q5_0, Q5_1, Q8_
 Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout
 ``qmm`` reads; Q5_0/Q5_1 and the K-quants repack in ``kquants.py``), ``decoder_layer``
 (``csrc/layer.cpp``: a Llama/Qwen3/Qwen3.5-style attention layer of a decode or verify
-block in one call),
+block in one call; ``decoder_stack``: consecutive such layers in one call),
 ``rms_norm(x, w, eps)`` (``csrc/norms.cpp``), ``silu_mul(h, inter)`` (``csrc/act.cpp``: SwiGLU's
 activation over the gate/up output) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
@@ -207,6 +207,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::decoder_layer_rows")
     def _decoder_layer_rows_fake(x, *args, **kwargs):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("dflash::decoder_stack")
+    def _decoder_stack_fake(x, weights, k_caches, v_caches, ints, floats, cos, sin, start, capture, tree=None,
+                            lanes=None, positions=None):
+        return [x.new_empty(x.shape) for _ in range(1 + len(capture))]
 
     @torch.library.register_fake("dflash::repack")
     def _repack_fake(blocks, qtype, n, k):

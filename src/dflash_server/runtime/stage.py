@@ -17,6 +17,7 @@ from ..layers.attention import SCORE_QUERY_ROWS
 from ..layers.context import ForwardContext, tree_depths
 from ..layers.linear import Linear
 from ..layers.rope import rope_tables
+from ..layers.stack import NativeStack
 from .kv_pool import KvPool
 
 
@@ -177,6 +178,7 @@ class LocalStage:
                       for i, states in enumerate(per_lane)]
         self.lane = 0
         self._decode_fn = None
+        self._stack: NativeStack | None | bool = False  # _native_stack(): False until decided
         self._compiled_verify_rows = 0  # verify blocks up to this length run the compiled graph
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
 
@@ -352,6 +354,8 @@ class LocalStage:
             # run one graph and round alike; a graph per capture set fused differently
             h, outs = self._decode_fn(h, ctx, self.states)
             caps = {layer.index: o for layer, o in zip(self.layers, outs) if layer.index in capture}
+        elif (stack := self._native_stack()) is not None and stack.usable(h, ctx, self.states[0]):
+            h, caps = stack.run(h, ctx, self.states, capture)
         else:
             for layer, state in zip(self.layers, self.states):
                 h = layer(h, ctx, state)
@@ -398,11 +402,14 @@ class LocalStage:
             ctx.cos_local, ctx.sin_local = self.rope_local.cos[idx], self.rope_local.sin[idx]
         h = self._inputs(x, ctx, carry)
         caps = {}
-        for i, layer in enumerate(self.layers):
-            bank = self.banks[i]
-            h = layer(h, ctx, bank if bank is not None else [self.lanes[lane].states[i] for lane in lanes])
-            if layer.index in capture:
-                caps[layer.index] = h
+        if (stack := self._native_stack()) is not None and stack.rows_usable(h, self.banks[0]):
+            h, caps = stack.run(h, ctx, self.banks, capture)
+        else:
+            for i, layer in enumerate(self.layers):
+                bank = self.banks[i]
+                h = layer(h, ctx, bank if bank is not None else [self.lanes[lane].states[i] for lane in lanes])
+                if layer.index in capture:
+                    caps[layer.index] = h
         for lane, pos in zip(lanes, positions):
             self.lanes[lane].length = pos + 1
         out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.banks))
@@ -410,6 +417,13 @@ class LocalStage:
             out.head_logits = self._head(self.final_norm(h))[0]
             out.hidden = None
         return out
+
+    def _native_stack(self) -> NativeStack | None:
+        """The stage's layers as one native op call (layers.stack), decided at the first
+        forward (the layers are quantized by then), or None where they cannot run so."""
+        if self._stack is False:
+            self._stack = NativeStack.build(self.layers)
+        return self._stack
 
     def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
                          capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:

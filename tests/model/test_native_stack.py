@@ -1,0 +1,96 @@
+"""A stage's layers in one ``dflash::decoder_stack`` call (layers/stack.py) against the
+per-layer path it replaces: logits, captured layer outputs and KV caches bit-identical for
+decode steps, verify blocks with captures, a DDTree block and batched rows of several slots;
+hybrid stacks keep the per-layer loop."""
+import pytest
+import torch
+
+from dflash_server import kernels
+from helpers.build import greedy, pipeline, prompt_ids
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="native kernels unavailable")
+
+
+def _pair(path, **kw):
+    """Two identical pipelines (bf16, int8 layers: the native path); the second never takes
+    the stack."""
+    fused, plain = (pipeline(path, dtype=torch.bfloat16, quantize="int8", max_ctx=256, **kw) for _ in range(2))
+    for st in plain.stages:
+        st._stack = None  # decided: no stack
+    return fused, plain
+
+
+def _caches(pipe):
+    return [t for st in pipe.stages for b in st.banks if b is not None for t in (b.k, b.v)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_stack_equals_the_layers_one_by_one(tiny_dir, family):
+    fused, plain = _pair(tiny_dir(family), stages=2)   # (two stages: each its own stack)
+    taps = (0, 2, fused.config.num_layers - 1)
+    ids = prompt_ids(fused, 30)
+    for pipe in (fused, plain):
+        pipe.reset()
+        pipe.prefill(ids, chunk=16)
+    outs = {}
+    for name, pipe in (("fused", fused), ("plain", plain)):
+        got = [pipe.forward([ids[3]], 30, capture=taps)]                   # a decode step
+        got.append(pipe.forward(ids[5:13], 31, logits="all", capture=taps))  # a verify block
+        pipe.checkpoint()
+        got.append(pipe.forward(ids[:5], 39, logits="all", tree=(-1, 0, 0, 1, 2)))  # a DDTree block
+        pipe.rollback_tree([0, 2])
+        got.append(pipe.forward([ids[7]], 41, capture=taps))
+        outs[name] = got
+    assert all(st._stack is not None for st in fused.stages)
+    for step, (a, b) in enumerate(zip(outs["fused"], outs["plain"])):
+        assert torch.equal(a.logits, b.logits)
+        assert a.captures.keys() == b.captures.keys() == (set() if step == 2 else set(taps))
+        assert all(torch.equal(a.captures[i], b.captures[i]) for i in a.captures)
+    assert all(torch.equal(x, y) for x, y in zip(_caches(fused), _caches(plain)))
+
+
+def test_stack_rows_equal_the_layers_one_by_one(tiny_dir):
+    """Decode rows of three slots (continuous batching) through the stack's rows form."""
+    fused, plain = _pair(tiny_dir("llama"), lanes=3)
+    prompts = [prompt_ids(fused, n, seed=n) for n in (9, 17, 4)]
+    got = {}
+    for name, pipe in (("fused", fused), ("plain", plain)):
+        for lane, p in enumerate(prompts):
+            pipe.select(lane)
+            pipe.reset()
+            pipe.prefill(p, chunk=8)
+        out = pipe.forward_rows([5, 6, 7], [0, 1, 2], [len(p) for p in prompts], capture=(1,))
+        got[name] = out
+    assert fused.stages[0]._stack is not None
+    assert torch.equal(got["fused"].logits, got["plain"].logits)
+    assert torch.equal(got["fused"].captures[1], got["plain"].captures[1])
+    assert all(torch.equal(x, y) for x, y in zip(_caches(fused), _caches(plain)))
+
+
+def test_generation_through_the_stack_equals_the_layers(tiny_dir):
+    fused, plain = _pair(tiny_dir("qwen3"))
+    ids = prompt_ids(fused, 12)
+    assert greedy(fused, ids, max_tokens=12) == greedy(plain, ids, max_tokens=12)
+
+
+def test_hybrid_and_aten_stages_keep_the_per_layer_loop(tiny_dir, monkeypatch):
+    hybrid = pipeline(tiny_dir("qwen3_5"), dtype=torch.bfloat16, quantize="int8", max_ctx=128)
+    hybrid.reset()
+    hybrid.prefill(prompt_ids(hybrid, 6), chunk=8)
+    assert hybrid.stages[0]._stack is None
+    monkeypatch.setenv("DFLASH_KERNELS", "0")
+    aten = pipeline(tiny_dir("llama"), dtype=torch.bfloat16, quantize="int8", max_ctx=128)
+    aten.reset()
+    aten.prefill(prompt_ids(aten, 6), chunk=8)
+    assert aten.stages[0]._stack is None
+
+
+def test_the_op_rejects_malformed_stacks():
+    x = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        torch.ops.dflash.decoder_stack(x, [], [], [], [], [], x, x, 0, [])
+    k = torch.zeros(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match="per layer"):
+        torch.ops.dflash.decoder_stack(x, [x] * 5, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [])
+    with pytest.raises(RuntimeError, match="outside the stack"):
+        torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [1])
