@@ -94,3 +94,21 @@ def test_the_op_rejects_malformed_stacks():
         torch.ops.dflash.decoder_stack(x, [x] * 5, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [])
     with pytest.raises(RuntimeError, match="outside the stack"):
         torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [1])
+
+
+def test_the_op_passes_opcheck(tiny_dir):
+    """Schema (the caches it writes), fake implementation and dispatch. Not aot_dispatch:
+    functionalization does not take a list of written tensors beside a list output, and the
+    stack never runs under torch.compile (``native_step_ok`` is false there; its graphs
+    trace the per-layer ops)."""
+    pipe = pipeline(tiny_dir("llama"), dtype=torch.bfloat16, quantize="int8", max_ctx=64)
+    pipe.reset()
+    pipe.prefill(prompt_ids(pipe, 5), chunk=8)
+    (st,) = pipe.stages
+    stack = st._stack
+    cos, sin = st.rope.rows(5, 2)
+    x = torch.randn(1, 2, pipe.config.hidden_size, dtype=torch.bfloat16)
+    args = (x, stack.weights, [s.k.clone() for s in st.states], [s.v.clone() for s in st.states], stack.ints,
+            stack.floats, cos.float().contiguous(), sin.float().contiguous(), 5, [0, 1])
+    torch.library.opcheck(torch.ops.dflash.decoder_stack.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
