@@ -523,9 +523,17 @@ void run_step(const Step<T, KT>& s, bool fast) {
   const int64_t G = g.nh / g.nkv, per = G * g.T;
   if (fast && g.parents == nullptr && g.key_rows == nullptr && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
       per > 1 && g.start + g.T <= 16384) {
-    // each kv head's queries in a few chunks, so the threads have about two each
-    // (at most 128 queries a chunk: group_avx2's per-query arrays)
-    const int64_t chunks = std::min<int64_t>(per, std::max<int64_t>(1, (2 * at::get_num_threads() + g.nkv - 1) / g.nkv));
+    // each kv head's queries in a few chunks, so the threads have about two each (at most
+    // 128 queries a chunk: group_avx2's per-query arrays), but at least MIN_QUERIES a chunk
+    // where the group has that many: every chunk widens its kv head's 16-bit keys and values
+    // to fp32 again, which for a decode row's few queries costs as much as their scores (with
+    // 3 queries per kv head split in two, two threads were no faster than one; measured, one
+    // decode row of 9 / 3 heads after 2048 keys, alternating in one process: 142 -> 103 us with
+    // an fp16 cache, 121 -> 113 with fp32). Each query's arithmetic is the same whatever the
+    // chunks, so the bits do not depend on them.
+    constexpr int64_t MIN_QUERIES = 8;
+    const int64_t chunks = std::min<int64_t>(std::max<int64_t>(1, per / MIN_QUERIES),
+                                             std::max<int64_t>(1, (2 * at::get_num_threads() + g.nkv - 1) / g.nkv));
     const int64_t size = std::min<int64_t>(128, (per + chunks - 1) / chunks);
     const int64_t pieces = (per + size - 1) / size;
     at::parallel_for(0, g.nkv * pieces, 1, [&](int64_t w0, int64_t w1) {
