@@ -18,6 +18,7 @@ from ..errors import CompressionError
 from ..runtime.kv_pool import merge_stats
 from . import describe
 from .batching import StepScheduler
+from .budget import check_prompt
 from .grammar import GrammarCompiler
 from .output import TokenEvent
 from .sampling import SamplingParams
@@ -140,12 +141,8 @@ class Engine:
         pipe = self.pipeline
         if req.compress is not None and self.compressor is None:
             raise ValueError("prefill compression needs a drafter: start with --prefill-drafter")
-        if req.compress is not None:  # the compressed prompt must fit the context (checked when it exists)
-            if len(req.prompt_ids) > self.compressor.max_tokens:
-                raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the prefill drafter reads at most "
-                                 f"{self.compressor.max_tokens}")
-        elif len(req.prompt_ids) >= pipe.max_ctx:
-            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context size is {pipe.max_ctx}")
+        # (a compressed prompt must fit the context too: checked when it exists, _compress)
+        check_prompt(len(req.prompt_ids), pipe.max_ctx, self.compressor.max_tokens if req.compress is not None else None)
         constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
         seq = Sequence(self._next_id, req, self.tokenizer, pipe.config.vocab_size, pipe.device, on_event,
                        cancelled, tag, constraint)

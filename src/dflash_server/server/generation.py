@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ..engine.budget import ContextBudgetError, plan_new_tokens
 from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
 from ..engine.sampling import SamplingParams
 from ..errors import CompressionError, ShardError
@@ -225,26 +226,13 @@ class Service:
             self.bandit.observe(opts.session_id, min(1.0, spec["accepted"] / spec["proposed"]))
 
     def request(self, prompt: Prompt, opts: GenOptions, seed_offset: int = 0) -> GenerationRequest:
-        n, ctx = len(prompt.ids), self.max_ctx
         keep = self.keep_ratio(prompt, opts)
-        if keep is not None:  # PFlash runs: the prompt may be longer than the context, its compressed form not
-            limit = self.scheduler.engine.compressor.max_tokens
-            if n > limit:
-                raise bad_request(f"the prompt has {n} tokens; the prefill drafter reads at most {limit}",
-                                  prompt.param)
-            room = ctx - 1   # what the compressed prompt leaves is known once it exists: the engine ends there
-        elif n >= ctx:
-            raise bad_request(f"the prompt has {n} tokens; the context size is {ctx} tokens", prompt.param)
-        else:
-            room = ctx - n
-        if opts.max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, room)
-        elif opts.max_tokens > room:
-            raise bad_request(f"prompt ({n} tokens) + max_tokens ({opts.max_tokens}) = {n + opts.max_tokens} "
-                              f"exceeds the context size ({ctx} tokens); at most {room} new tokens fit",
-                              "max_tokens")
-        else:
-            max_tokens = opts.max_tokens
+        limit = self.scheduler.engine.compressor.max_tokens if keep is not None else None
+        try:
+            max_tokens = plan_new_tokens(len(prompt.ids), self.max_ctx, opts.max_tokens,
+                                         self.config.default_max_tokens, limit)
+        except ContextBudgetError as e:
+            raise bad_request(str(e), prompt.param if e.param == "prompt" else e.param) from None
         grammar = opts.grammar
         if opts.tools is not None:  # a forced call's shape; a format with tools: the answer or calls
             compiler = self.scheduler.engine.grammars
