@@ -38,7 +38,7 @@ class NativeStack:
         norms differ in kind (the op takes 6 or 8 tensors a layer throughout) or there are
         fewer than two."""
         layers = list(layers)
-        if len(layers) < 2 or not all(getattr(layer, "_native_layer", lambda: False)() for layer in layers):
+        if len(layers) < 2 or not all(layer._native_layer() for layer in layers):   # (every layer: a DecoderLayer)
             return None
         if any(layer.mixer.local_rope for layer in layers):
             return None
