@@ -453,15 +453,16 @@ void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, i
 // 4-value chunks are already the layout AMX wants: chunk c of a group is row c of B); then
 // every (row, output) is scaled exactly as the vector paths scale it (acc += dot * (dw dx),
 // acc_e += e * (dx sx), block after block), so the results are bit-identical to theirs. Only
-// the integer dots move to the tile unit. What it costs (measured on a Sapphire-Rapids-class
-// 2-vCPU VM): a tile load of bytes just written by vector stores waits ~70 cycles (no
-// forwarding), so a pair's blocks are all unpacked first; a C tile stored and read back at once
-// stalls, so block b's product runs while block b - 1's C tile is stored and block b - 2's dots
-// are scaled (tiles 0-2 / 3-5 alternate; scaling two blocks behind instead of one: gate/up
-// 3072x576, 1 thread, quiet moments, 8 rows 141-142 -> 131-132 us, 16 rows 242-253 -> 214-216
-// us); the weights of the pair 4 ahead are prefetched meanwhile. Per (2 groups, block,
-// 8 rows) that is ~60-85 cycles with cached weights, ~100 streaming them; a whole 3072x576
-// Q4_1 matmul is 1.05-1.2x faster than AVX-512 VNNI at 8 rows, 1.3-1.4x at 16 (2 threads);
+// the integer dots move to the tile unit. The pipeline (amx_rows): block b's product is issued
+// while the pair's block b + 2 is unpacked (a tile load of bytes just written by vector stores
+// waits ~70 cycles: no forwarding), block b - 2's C tile is stored (storing the tile of the
+// product just issued stalls on it) and block b - 3's stored dots are scaled (vector loads of a
+// tile stored an iteration ago find it in L1); the weights of the pair 4 ahead are prefetched
+// meanwhile. Unpacking inside the pipeline instead of in a pass before it, with three C tiles
+// instead of two (store one block behind) and the 16 accumulators in registers (they were
+// spilled): an 8-row forward of the default model 0.87-0.89x the time, alternating in one
+// process (16 rows 0.94-0.95x). A whole 3072x576 Q4_1 matmul was 1.05-1.2x faster than AVX-512
+// VNNI at 8 rows, 1.3-1.4x at 16 (2 threads) before that;
 // below AMX_MIN_ROWS rows the vector path is as fast.
 #define DFLASH_TARGET_AMX \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
@@ -479,12 +480,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0 / 3: C (8 x ng*8 int32), 1 / 4: A (8 x 32 bytes), 2 / 5: B (8 x ng*32 bytes)
+// tiles 0-2: C (8 x ng*8 int32), 3-4: A (8 x 32 bytes), 5-6: B (8 x ng*32 bytes)
 DFLASH_TARGET_AMX void amx_configure(int ng) {
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 7; ++t) {
     cfg.rows[t] = AMX_ROWS;
-    cfg.colsb[t] = static_cast<uint16_t>(t % 3 == 1 ? 32 : ng * 32);
+    cfg.colsb[t] = static_cast<uint16_t>(t == 3 || t == 4 ? 32 : ng * 32);
   }
   // not _tile_loadconfig: GCC 12 drops the stores into cfg before its builtin (it does not see
   // the builtin read them), which leaves the tiles unconfigured
@@ -499,103 +500,124 @@ DFLASH_TARGET_AMX inline __m512 insert8(__m512 v, __m256 h) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(v), _mm256_castps_pd(h), H));
 }
 
-// every block of NG groups (gbytes apart) -> tile B's bytes (8 rows of NG * 32 per block) and
-// the blocks' 16 lanes of scales, computed as the vector paths compute them
+// block b of NG groups (gbytes apart) -> tile B's bytes (8 rows of NG * 32) and the block's 16
+// lanes of scales, computed as the vector paths compute them
 template <Kind K, int NG>
-DFLASH_TARGET_AMX void amx_unpack(const uint8_t* g, int64_t gbytes, int64_t nb, uint8_t* bt, float* dws,
-                                  float* ews) {
+DFLASH_TARGET_AMX __attribute__((always_inline)) inline void amx_unpack_block(const uint8_t* g, int64_t gbytes,
+                                                                               int64_t b, uint8_t* bt, float* dws,
+                                                                               float* ews) {
   constexpr int RB = NG * 32;  // bytes per row of B
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 dw = _mm512_setzero_ps(), ew = _mm512_setzero_ps();
-    uint8_t* tb = bt + b * 8 * RB;
-    for (int j = 0; j < NG; ++j) {
-      const uint8_t* blk = g + j * gbytes + b * block_bytes(K);
-      if (K == Kind::Q8) {
-        for (int c = 0; c < 8; ++c)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32)));
-      } else {  // the vector paths' codes: nibbles, with the bit-4 plane OR-ed in (Q5_x)
-        __m256i wv[8];
-        for (int c = 0; c < 4; ++c) {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
-          wv[c] = _mm256_and_si256(q, low4);
-          wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        }
-        if (has_plane4(K)) {
-          const __m256i h4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16));
-          for (int c = 0; c < 8; ++c) wv[c] = _mm256_or_si256(wv[c], DFLASH_PLANE_BIT(h4, c, 4));
-        }
-        for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32), wv[c]);
+  __m512 dw = _mm512_setzero_ps(), ew = _mm512_setzero_ps();
+  uint8_t* tb = bt + b * 8 * RB;
+  for (int j = 0; j < NG; ++j) {
+    const uint8_t* blk = g + j * gbytes + b * block_bytes(K);
+    if (K == Kind::Q8) {
+      for (int c = 0; c < 8; ++c)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32)));
+    } else {  // the vector paths' codes: nibbles, with the bit-4 plane OR-ed in (Q5_x)
+      __m256i wv[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
+        wv[c] = _mm256_and_si256(q, low4);
+        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
       }
-      const uint8_t* sp = blk + scales_at(K);
-      const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-      __m256 dwj = dh, ewj = _mm256_setzero_ps();
-      if (K == Kind::Q4 || K == Kind::Q5)
-        ewj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-      if (K == Kind::Q4K || K == Kind::Q5K) {
-        dwj = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-        ewj = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
+      if (has_plane4(K)) {
+        const __m256i h4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16));
+        for (int c = 0; c < 8; ++c) wv[c] = _mm256_or_si256(wv[c], DFLASH_PLANE_BIT(h4, c, 4));
       }
-      dw = j == 0 ? insert8<0>(dw, dwj) : insert8<1>(dw, dwj);
-      ew = j == 0 ? insert8<0>(ew, ewj) : insert8<1>(ew, ewj);
+      for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32), wv[c]);
     }
-    _mm512_store_ps(dws + b * 16, dw);
-    _mm512_store_ps(ews + b * 16, ew);
+    const uint8_t* sp = blk + scales_at(K);
+    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    __m256 dwj = dh, ewj = _mm256_setzero_ps();
+    if (K == Kind::Q4 || K == Kind::Q5)
+      ewj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+    if (K == Kind::Q4K || K == Kind::Q5K) {
+      dwj = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+      ewj = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
+    }
+    dw = j == 0 ? insert8<0>(dw, dwj) : insert8<1>(dw, dwj);
+    ew = j == 0 ? insert8<0>(ew, ewj) : insert8<1>(ew, ewj);
+  }
+  _mm512_store_ps(dws + b * 16, dw);
+  _mm512_store_ps(ews + b * 16, ew);
+}
+
+// block b's dots (ct: a stored C tile, 8 rows of 16 int32) into all 8 rows' accumulators, as
+// the vector paths scale them. Rows past the call's own (a chunk of fewer than 8) are scaled by
+// the spare rows' zero scales and never stored.
+template <Kind K>
+DFLASH_TARGET_AMX __attribute__((always_inline)) inline void amx_scale(const int32_t* ct, const float* dws,
+                                                                        const float* ews, const Acts& a, int64_t nb,
+                                                                        int64_t b, __m512 (&acc)[AMX_ROWS],
+                                                                        __m512 (&acc_e)[AMX_ROWS]) {
+  const __m512 dw = _mm512_load_ps(dws + b * 16), ew = _mm512_load_ps(ews + b * 16);
+#pragma GCC unroll 8
+  for (int r = 0; r < AMX_ROWS; ++r) {
+    const int64_t mb = r * nb + b;
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_epi32(ct + r * 16));
+    acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[mb])), acc[r]);
+    if (has_offset(K)) acc_e[r] = _mm512_fmadd_ps(ew, _mm512_set1_ps(a.ds[mb]), acc_e[r]);
   }
 }
 
-// block b's dots (a C tile stored in ct) into the chunk's accumulators (registers)
-#define DFLASH_AMX_SCALE(ct, b)                                                                         \
-  {                                                                                                     \
-    const __m512 dw = _mm512_load_ps(dws + (b) * 16), ew = _mm512_load_ps(ews + (b) * 16);              \
-    _Pragma("GCC unroll 8") for (int r = 0; r < AMX_ROWS; ++r) {                                        \
-      if (r < rows) {                                                                                   \
-        const int64_t mb = r * nb + (b);                                                                \
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_maskz_load_epi32(lanes, (ct) + r * 16));           \
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[mb])), acc[r]);              \
-        if (has_offset(K)) acc_e[r] = _mm512_fmadd_ps(ew, _mm512_set1_ps(a.ds[mb]), acc_e[r]);          \
-      }                                                                                                 \
-    }                                                                                                   \
-  }
-#define DFLASH_AMX_ISSUE(T0, T1, T2, b)                                                                 \
-  _tile_zero(T0);                                                                                       \
-  _tile_loadd(T2, bt + (b) * 8 * NG * 32, NG * 32);                                                     \
-  _tile_loadd(T1, a.q + (b) * QK, k);                                                                   \
-  if (Q8) _tile_dpbssd(T0, T1, T2); else _tile_dpbsud(T0, T1, T2);
-
-// `rows` (<= 8) rows of x against NG groups, their blocks unpacked in bt / dws / ews; out[j]
-// receives group j's (rows, 8) results. Tiles configured by amx_configure(NG).
+// 8 rows of x against NG groups, their blocks unpacked in bt / dws / ews; out[j] receives
+// group j's (rows, 8) results (rows <= 8: the first `rows` of the chunk). Tiles: C 0-2, A 3-4,
+// B 5-6 (amx_configure). Block b's product goes to C tile b % 3 and is stored two blocks later
+// (a tile product's latency is longer than a block's scaling: storing the C tile of the block
+// just issued stalled), into ct[b % 2], and scaled one block after that (so the vector loads
+// find the stored dots in L1); blocks are scaled in order, so the result is the vector paths'.
+// With src (the pair's first group; the first chunk of rows), block b + 2 is unpacked into bt /
+// dws / ews while block b's product runs; without, bt holds them all already.
 template <Kind K, int NG>
-DFLASH_TARGET_AMX void amx_rows(const uint8_t* bt, const float* dws, const float* ews, int64_t k, const Acts& a,
-                                int rows, float* const* out, const uint8_t* pf, int64_t pf_step) {
+DFLASH_TARGET_AMX void amx_rows(uint8_t* bt, float* dws, float* ews, int64_t k, const Acts& a,
+                                int rows, float* const* out, const uint8_t* pf, int64_t pf_step,
+                                const uint8_t* src, int64_t gbytes) {
   constexpr bool Q8 = K == Kind::Q8;
+  constexpr int64_t AHEAD = 2;  // src: block b + AHEAD is unpacked while block b's product runs
   const int64_t nb = k / QK;
-  const __mmask16 lanes = NG == 2 ? 0xFFFF : 0x00FF;
-  // three blocks' dots in memory: block b's product is issued while block b - 1's C tile is
-  // stored and block b - 2's stored dots (written an iteration ago, so the vector loads find
-  // them in L1 instead of waiting on the tile store) are scaled; blocks are scaled in order
-  alignas(64) int32_t ct[3][AMX_ROWS * 16];  // a row of NG * 8 dots per row of x
+  if (src)
+    for (int64_t b = 0; b < std::min(AHEAD, nb); ++b) amx_unpack_block<K, NG>(src, gbytes, b, bt, dws, ews);
+  alignas(64) int32_t ct[2][AMX_ROWS * 16];  // NG = 1: lanes 8-15 of each row are the tile's zeros
   __m512 acc[AMX_ROWS], acc_e[AMX_ROWS];
+#pragma GCC unroll 8
   for (int r = 0; r < AMX_ROWS; ++r) acc[r] = acc_e[r] = _mm512_setzero_ps();
-  DFLASH_AMX_ISSUE(0, 1, 2, 0)
-  for (int64_t b = 1; b < nb; ++b) {
-    if (pf)  // the next groups' weights, a slice a block, so that memory streams while the tiles compute
-      for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + (b - 1) * pf_step + o), _MM_HINT_T1);
-    if (b % 2) {
-      DFLASH_AMX_ISSUE(3, 4, 5, b)
-      _tile_stored(0, ct[(b - 1) % 3], 64);
-    } else {
-      DFLASH_AMX_ISSUE(0, 1, 2, b)
-      _tile_stored(3, ct[(b - 1) % 3], 64);
+  if (NG == 1) std::memset(ct, 0, sizeof(ct));
+#define DFLASH_AMX_ISSUE(C, A, B, b)                          \
+  _tile_zero(C);                                              \
+  _tile_loadd(B, bt + (b) * 8 * NG * 32, NG * 32);            \
+  _tile_loadd(A, a.q + (b) * QK, k);                          \
+  if (Q8) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);
+  for (int64_t b = 0; b < nb + 2; ++b) {
+    if (b < nb) {
+      if (pf && b >= 1)  // the next groups' weights, a slice a block, so that memory streams while the tiles compute
+        for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + (b - 1) * pf_step + o), _MM_HINT_T1);
+      if (src && b + AHEAD < nb) amx_unpack_block<K, NG>(src, gbytes, b + AHEAD, bt, dws, ews);
+      switch (b % 6) {  // C tile b % 3, A / B tiles b % 2
+        case 0: DFLASH_AMX_ISSUE(0, 3, 5, b) break;
+        case 1: DFLASH_AMX_ISSUE(1, 4, 6, b) break;
+        case 2: DFLASH_AMX_ISSUE(2, 3, 5, b) break;
+        case 3: DFLASH_AMX_ISSUE(0, 4, 6, b) break;
+        case 4: DFLASH_AMX_ISSUE(1, 3, 5, b) break;
+        default: DFLASH_AMX_ISSUE(2, 4, 6, b) break;
+      }
     }
-    if (b >= 2) DFLASH_AMX_SCALE(ct[(b - 2) % 3], b - 2)
+    const int64_t st = b - 2;  // the block whose C tile is stored now
+    if (st >= 0) {
+      int32_t* dst = ct[st % 2];
+      switch (st % 3) {
+        case 0: _tile_stored(0, dst, 64); break;
+        case 1: _tile_stored(1, dst, 64); break;
+        default: _tile_stored(2, dst, 64); break;
+      }
+    }
+    if (st >= 1) amx_scale<K>(ct[(st - 1) % 2], dws, ews, a, nb, st - 1, acc, acc_e);
   }
-  if ((nb - 1) % 2) _tile_stored(3, ct[(nb - 1) % 3], 64);
-  else _tile_stored(0, ct[(nb - 1) % 3], 64);
-  if (nb >= 2) DFLASH_AMX_SCALE(ct[(nb - 2) % 3], nb - 2)
-  DFLASH_AMX_SCALE(ct[(nb - 1) % 3], nb - 1)
+#undef DFLASH_AMX_ISSUE
+  amx_scale<K>(ct[(nb - 1) % 2], dws, ews, a, nb, nb - 1, acc, acc_e);
   alignas(64) float y[AMX_ROWS * 16];
 #pragma GCC unroll 8
   for (int r = 0; r < AMX_ROWS; ++r)  // constant indices only: the accumulators stay in registers
@@ -603,8 +625,6 @@ DFLASH_TARGET_AMX void amx_rows(const uint8_t* bt, const float* dws, const float
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < NG; ++j) std::memcpy(out[j] + r * NR, y + r * 16 + j * 8, NR * sizeof(float));
 }
-#undef DFLASH_AMX_SCALE
-#undef DFLASH_AMX_ISSUE
 
 // mt (<= 64) rows of x against NG groups starting at g (gbytes apart): unpack once, then rows
 // in chunks of 8; out[j] receives group j's (mt, 8) results
@@ -618,13 +638,14 @@ void amx_groups(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int6
   float* dws = reinterpret_cast<float*>(base);
   float* ews = dws + nb * 16;
   uint8_t* bt = reinterpret_cast<uint8_t*>(ews + nb * 16);
-  amx_unpack<K, NG>(g, gbytes, nb, bt, dws, ews);
   for (int64_t m0 = 0; m0 < mt; m0 += AMX_ROWS) {
     const Acts part{a.q + m0 * k, a.d + m0 * (k / QK), a.ds + m0 * (k / QK), nullptr, nullptr};
     float* o[2] = {out[0] + m0 * NR, out[1] + m0 * NR};
-    // the first chunk prefetches the next pair's weights (2 gbytes from `next`, over nb - 1 blocks)
+    // the first chunk unpacks the pair's blocks as it goes and prefetches the next pair's
+    // weights (2 gbytes from `next`, over nb - 1 blocks); later chunks reuse the unpacked blocks
     amx_rows<K, NG>(bt, dws, ews, k, part, static_cast<int>(std::min<int64_t>(AMX_ROWS, mt - m0)), o,
-                    m0 == 0 ? next : nullptr, (2 * gbytes + nb - 2) / std::max<int64_t>(1, nb - 1));
+                    m0 == 0 ? next : nullptr, (2 * gbytes + nb - 2) / std::max<int64_t>(1, nb - 1),
+                    m0 == 0 ? g : nullptr, gbytes);
   }
 }
 
@@ -669,8 +690,8 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   thread_local std::vector<int32_t> s, s_lo;
   q.resize((m_rows + AMX_ROWS) * k);  // spare rows: an AMX tile of 8 rows may read past the last
   s_lo.resize(m_rows * nb);
-  d.resize(m_rows * nb);
-  ds.resize(m_rows * nb);
+  d.assign((m_rows + AMX_ROWS) * nb, 0.f);  // spare rows: the AMX path scales 8 rows at a time
+  ds.assign((m_rows + AMX_ROWS) * nb, 0.f);
   s.resize(m_rows * nb);
   const bool vec = isa != Isa::Portable;  // every SIMD path has AVX2
   switch (x.scalar_type()) {
