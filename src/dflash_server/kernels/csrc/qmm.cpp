@@ -467,7 +467,9 @@ void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, i
 #define DFLASH_TARGET_AMX \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
-constexpr int AMX_MIN_ROWS = 7;  // measured: 5-6 rows about even, 4 rows 20-30% slower than VNNI
+// measured (a whole forward of the default model, alternating in one process, after the pipeline
+// above): 6 rows 0.86-0.96x the time with AMX, 5 rows even, 4 rows 1.28x; 8 rows 0.82x (VNNI 1.21x)
+constexpr int AMX_MIN_ROWS = 6;
 constexpr int AMX_ROWS = 8;  // rows per tile product (x holds AMX_ROWS spare rows: tile A may read them)
 bool amx_takes(Kind k, int64_t m_rows) {
   return m_rows >= AMX_MIN_ROWS &&
