@@ -352,6 +352,50 @@ def test_attention_step_matches_and_is_row_invariant(dtype, cache, nh, nkv, hd, 
         torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, max_ctx - 2, nh, nkv, hd ** -0.5)
 
 
+ATTN_CASES = [(hd, nh, nkv, cache, start, T, gated, qk)
+              for hd, nh, nkv in ((64, 9, 3), (128, 8, 2), (64, 5, 5))
+              for cache in ("float32", "float16", "bfloat16")
+              for start, T in ((0, 3), (37, 8), (301, 21), (2047, 1))
+              for gated, qk in ((False, False), (True, True))]
+ATTN_CODE = """
+import sys, torch
+from safetensors.torch import save_file
+from dflash_server import kernels
+assert kernels.load()
+out = {}
+for i, (hd, nh, nkv, cache, start, T, gated, qk) in enumerate(CASES):
+    g = torch.Generator().manual_seed(i)
+    qkv = torch.randn(1, T, ((2 if gated else 1) * nh + 2 * nkv) * hd, generator=g).bfloat16()
+    kc = torch.randn(1, nkv, start + T + 5, hd, generator=g).to(getattr(torch, cache))
+    vc = torch.randn(1, nkv, start + T + 5, hd, generator=g).to(getattr(torch, cache))
+    cos, sin = torch.randn(T, hd, generator=g), torch.randn(T, hd, generator=g)
+    qn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if qk else (None, None)
+    out[str(i)] = torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5, False, qn[0],
+                                                  qn[1], 1e-6, gated)
+save_file(out, sys.argv[1])
+"""
+
+
+def test_attention_avx512_and_avx2_forms_give_the_same_bits(tmp_path):
+    """The grouped attention's AVX-512 form (this CPU's path where it has AVX-512) against its
+    AVX2 form (DFLASH_KERNELS_ISA=avx2 keeps it), in two processes, on blocks, decode rows,
+    long contexts, head sizes 64 / 128, every cache type, gated heads and q/k norms. (On a CPU
+    without AVX-512 both processes run the AVX2 form.)"""
+    from safetensors.torch import load_file
+
+    code = f"CASES = {ATTN_CASES!r}\n" + ATTN_CODE
+    outs = {}
+    for cap in ("avx2", "amx"):
+        env = {**os.environ, "DFLASH_KERNELS_ISA": cap, "DFLASH_KERNELS": "1"}
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{cap}.safetensors")], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs[cap] = load_file(tmp_path / f"{cap}.safetensors")
+    assert len(outs["avx2"]) == len(ATTN_CASES)
+    for i, case in enumerate(ATTN_CASES):
+        assert torch.equal(outs["avx2"][str(i)], outs["amx"][str(i)]), case
+
+
 @pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
 def test_cache_writes_round_as_torch_does(cache):
     """Values at the edges of a 16-bit cache (ties, overflow, subnormals, infinities) are stored

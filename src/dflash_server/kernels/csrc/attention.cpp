@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <immintrin.h>
@@ -455,6 +456,23 @@ DFLASH_AVX2 inline const float* block_f32(const KT* c, int64_t j0, int64_t j1, i
   }
 }
 
+// queries [u0, u0 + Q) of kv head kvh's group (u = head-in-group * T + row), normed where the
+// family norms them and rotated, into base + u * stride; n[u]: the keys each one sees (causal)
+template <typename T, typename KT>
+DFLASH_INLINE void group_queries(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t Q, float* base, int64_t stride,
+                                 int64_t* n) {
+  const Geometry& g = s.g;
+  const int64_t G = g.nh / g.nkv;
+  std::vector<T> tmp(g.q_norm ? g.hd : 0);
+  for (int64_t u = 0; u < Q; ++u) {
+    const int64_t h = kvh * G + (u0 + u) / g.T, t = (u0 + u) % g.T;
+    const T* src = s.qkv + t * s.width() + h * s.qhead();
+    rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
+           base + u * stride);
+    n[u] = g.start + t + 1;
+  }
+}
+
 // The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
 // without a window, the keys streamed in blocks that every query of the group uses while they
 // are in L1: a kv head's keys and values are read from L2 once per group instead of once per
@@ -469,16 +487,9 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
   buf.resize(static_cast<size_t>(Q * stride));
   float* base = buf.data();  // per query: q (hd), the output accumulator (hd), scores (width)
   const KT *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
-  std::vector<T> tmp(g.q_norm ? hd : 0);
   float inv[128];
   int64_t n[128];
-  for (int64_t u = 0; u < Q; ++u) {
-    const int64_t h = kvh * G + (u0 + u) / g.T, t = (u0 + u) % g.T;
-    const T* src = s.qkv + t * s.width() + h * s.qhead();
-    rotate(head_norm(src, g.q_norm, g.norm_eps, hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, hd, g.rot,
-           base + u * stride);
-    n[u] = g.start + t + 1;
-  }
+  group_queries(s, kvh, u0, Q, base, stride, n);
   alignas(32) float blk[KB * hd];  // a 16-bit cache's block of keys, then of values, in fp32
   for (int64_t kb = 0; kb < width; kb += KB) {
     const int64_t kend = std::min(kb + KB, width);
@@ -518,6 +529,10 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
 bool has_avx512() {
   static const bool ok = [] {
     __builtin_cpu_init();
+    // DFLASH_KERNELS_ISA below AVX-512 (a name of kernels.ISAS) keeps the AVX2 form, as it caps qmm
+    const char* cap = std::getenv("DFLASH_KERNELS_ISA");
+    for (const char* below : {"portable", "avx2", "avx-vnni"})
+      if (cap != nullptr && std::strcmp(cap, below) == 0) return false;
     return dflash::simd::has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
   }();
   return ok;
@@ -581,19 +596,15 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
   buf.resize(static_cast<size_t>(Q * stride));
   float* base = buf.data();  // per query: q (hd), the output accumulator (hd), q with steps doubled (2 hd), scores
   const KT *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
-  std::vector<T> tmp(g.q_norm ? hd : 0);
   float inv[128];
   int64_t n[128];
+  group_queries(s, kvh, u0, Q, base, stride, n);
   for (int64_t u = 0; u < Q; ++u) {
-    const int64_t h = kvh * G + (u0 + u) / g.T, t = (u0 + u) % g.T;
-    const T* src = s.qkv + t * s.width() + h * s.qhead();
     float* q = base + u * stride;
-    rotate(head_norm(src, g.q_norm, g.norm_eps, hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, hd, g.rot, q);
     for (int64_t st = 0; st < S; ++st) {
       std::memcpy(q + 2 * hd + 16 * st, q + 8 * st, 8 * sizeof(float));
       std::memcpy(q + 2 * hd + 16 * st + 8, q + 8 * st, 8 * sizeof(float));
     }
-    n[u] = g.start + t + 1;
   }
   auto scores = [&](int64_t u) { return base + u * stride + 4 * hd; };
   alignas(64) float kp[KB * hd];  // a block's keys, pairs interleaved (scores8_avx512)
