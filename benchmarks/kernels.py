@@ -14,7 +14,8 @@ llama.cpp runs before and after ours (the mean is its figure: this VM drifts).
   kernels, fp32 KV): greedy decode tok/s (``Engine.generate``, EOS ignored; also
   64 tokens after a 2048-token prompt), prefill
   of 512 tokens, and one forward of T = 1, 2, 4, 8, 16 rows at a fixed position (what a
-  DFlash verify block costs), as a ratio to one row.
+  DFlash verify block costs), as a ratio to one row (the row counts timed in turn, one forward
+  of each per round, medians: the VM's drift then moves them alike).
 
 Writes JSON (default ``benchmarks/results/kernels.json``) and prints a Markdown table.
 """
@@ -50,6 +51,21 @@ def timed(f, reps: int) -> float:
     return statistics.median(ts)
 
 
+def interleaved(fs: dict, reps: int) -> dict:
+    """Median time of each f in ``fs``, the calls taken in turn (one of each per round), so
+    that the machine's drift (this VM's speed moves ~2x within minutes) hits every key alike
+    and their ratios stay meaningful."""
+    for f in fs.values():
+        f()
+    ts = {k: [] for k in fs}
+    for _ in range(reps):
+        for k, f in fs.items():
+            t = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
 def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | None, depth: int = DEPTH,
                kv_dtype: str = "auto") -> dict:
     sys.path.insert(0, str(ROOT / "src"))
@@ -82,8 +98,8 @@ def bench_ours(label: str, threads: int, tokens: int, runs: int, model: str | No
     prefill = 512 / timed(lambda: (pipe.reset(), pipe.prefill(long, chunk=512)), runs)
     pipe.reset()
     pipe.prefill(long[:256], chunk=512)  # the verify rows attend to a 256-token context
-    per_rows = {t: timed(lambda t=t: pipe.forward(long[256:256 + t], 256, logits="all"), max(5, runs * 3))
-                for t in ROWS}
+    per_rows = interleaved({t: (lambda t=t: pipe.forward(long[256:256 + t], 256, logits="all")) for t in ROWS},
+                           max(10, runs * 6))
     return {"name": label, "decode_tok_s": decode, "pp512_tok_s": prefill, "depth": depth,
             "decode_at_depth_tok_s": at_depth,
             "forward_ms": {str(t): per_rows[t] * 1e3 for t in ROWS},
