@@ -5,8 +5,9 @@ a GPU (it also runs on ``--device cpu``, which is how it is tried where there is
     python benchmarks/gpu_check.py [--device cuda] [--max-tokens 64] [--out FILE]
 
 Checks (each one `dflash-server generate --json` in a fresh process, the built-in model,
-greedy): decode dense (`--quantize none`) and quantized (`auto`: on CUDA the GGUF's 4-bit
-layers through aten's int4 kernel), DFlash and DDTree with the shipped draft == plain, an in-process
+greedy): decode dense (`--quantize none`, bf16 and fp32) and quantized (`auto`: on CUDA the
+GGUF's 4-bit layers through aten's int4 kernel), with CUDA graphs (the default) and without
+(`--cuda-graphs off`: the eager step), DFlash and DDTree with the shipped draft == plain, an in-process
 split device + cpu == unsplit, the disk prefix cache (a second process restores what the
 first wrote: == the first's text, and less prefill), KV Flash (`--kvflash auto`) == plain, and the prefill speed of a ~3k-token document.
 A failing check is recorded (return code, the end of stderr) and the rest still run.
@@ -42,7 +43,8 @@ def run(device: str, max_tokens: int, *extra: str, prompt: str | None = PROMPT) 
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     out = {"args": list(extra), "rc": r.returncode, "wall_s": round(time.perf_counter() - t, 2),
-           "memory_line": next((ln for ln in r.stderr.splitlines() if "memory estimate" in ln), None)}
+           "memory_line": next((ln for ln in r.stderr.splitlines() if "memory estimate" in ln), None),
+           "graphs_line": next((ln for ln in r.stderr.splitlines() if "CUDA graphs" in ln), None)}
     if r.returncode != 0:
         out["stderr_tail"] = r.stderr[-3000:]
         return out
@@ -52,13 +54,28 @@ def run(device: str, max_tokens: int, *extra: str, prompt: str | None = PROMPT) 
     return out
 
 
-def same(a: dict, b: dict) -> dict | None:
-    """Whether two runs gave the same tokens, and how many leading tokens they share."""
-    if a.get("rc") or b.get("rc"):
+def same(a: dict | None, b: dict | None) -> dict | None:
+    """Whether two runs gave the same tokens, and how many leading tokens they share (None
+    where one did not run or failed)."""
+    if a is None or b is None or a.get("rc") or b.get("rc"):
         return None
     x, y = a.get("token_ids") or [], b.get("token_ids") or []
     common = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
     return {"equal": x == y, "common_prefix": common, "of": max(len(x), len(y))}
+
+
+def pair(checks: dict, a: str, b: str) -> dict | None:
+    return same(checks.get(a), checks.get(b))
+
+
+def write(out: str, dev: str, n: int, checks: dict, equal: dict | None = None) -> dict:
+    summary = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
+               "gpu": torch.cuda.get_device_name(0) if dev.startswith("cuda") and torch.cuda.is_available() else None,
+               "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"), "max_tokens": n,
+               "failed": [k for k, v in checks.items() if v.get("rc")], "equal": equal or {}, "checks": checks}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def main():
@@ -70,45 +87,46 @@ def main():
     ap.add_argument("--out", default=str(default_out))
     args = ap.parse_args()
     dev, n = args.device, args.max_tokens
-    checks: dict[str, dict] = {}
     fp32 = ("--quantize", "none", "--dtype", "fp32")
     second = f"{dev},cpu" if dev != "cpu" else "cpu,cpu"
-    checks["decode_quantized"] = run(dev, n)
-    checks["decode_dense"] = run(dev, n, "--quantize", "none")
-    checks["decode_dense_fp32"] = run(dev, n, *fp32)
-    checks["dflash"] = run(dev, n, "--draft", "default")
-    checks["dflash_fp32"] = run(dev, n, "--draft", "default", *fp32)
-    checks["ddtree"] = run(dev, n, "--draft", "default", "--ddtree")
-    checks["split"] = run(dev, n, "--target-devices", second)
-    checks["split_fp32"] = run(dev, n, "--target-devices", second, *fp32)
-    with tempfile.TemporaryDirectory() as cache:
-        checks["prefix_cache_write"] = run(dev, n, "--kv-cache-dir", cache)
-        checks["prefix_cache_restore"] = run(dev, n, "--kv-cache-dir", cache)
-    checks["kvflash"] = run(dev, n, "--kvflash", "auto")
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as doc:   # prefill speed: a ~3k-token document
-        doc.write("Summarise this report in one line.\n\n" + LONG_TEXT * 24)
-        doc.flush()
-        checks["prefill_long"] = run(dev, 16, "--chat-file", doc.name, prompt=None)
-    checks["compile_quantized"] = run(dev, n, "--compile")
-    checks["compile_dense"] = run(dev, n, "--compile", "--quantize", "none")
+    cache = tempfile.mkdtemp()
+    doc = Path(tempfile.mkdtemp()) / "doc.txt"   # prefill speed: a ~3k-token document
+    doc.write_text("Summarise this report in one line.\n\n" + LONG_TEXT * 24)
+    plan = {"decode_quantized": (n,), "decode_quantized_no_graphs": (n, "--cuda-graphs", "off"),
+            "decode_dense": (n, "--quantize", "none"), "decode_dense_fp32": (n, *fp32),
+            "decode_dense_fp32_no_graphs": (n, *fp32, "--cuda-graphs", "off"),
+            "dflash": (n, "--draft", "default"), "dflash_fp32": (n, "--draft", "default", *fp32),
+            "ddtree": (n, "--draft", "default", "--ddtree"),
+            "split": (n, "--target-devices", second), "split_fp32": (n, "--target-devices", second, *fp32),
+            "prefix_cache_write": (n, "--kv-cache-dir", cache), "prefix_cache_restore": (n, "--kv-cache-dir", cache),
+            "kvflash": (n, "--kvflash", "auto"), "prefill_long": (16, "--chat-file", str(doc)),
+            "compile_quantized": (n, "--compile"), "compile_dense": (n, "--compile", "--quantize", "none")}
+    only = [k for k in os.environ.get("GPU_CHECK_RUNS", "").split(",") if k]   # a subset, by name
+    unknown = [k for k in only if k not in plan]
+    if unknown:
+        sys.exit(f"GPU_CHECK_RUNS: unknown runs {unknown}; known: {', '.join(plan)}")
+    checks: dict[str, dict] = {}
+    for name, (tokens, *extra) in plan.items():
+        if only and name not in only:
+            continue
+        checks[name] = run(dev, tokens, *extra, prompt=None if name == "prefill_long" else PROMPT)
+        write(args.out, dev, n, checks)   # after each run: a check cut short keeps what it ran
     c = checks
     # On a GPU, kernels are not row-invariant (cuBLAS picks by shape): bf16 verify blocks and
     # plain steps may part after many tokens, so each pair also says how far they agree.
-    equal = {"dflash == plain (default)": same(c["dflash"], c["decode_quantized"]),
-             "dflash == plain (fp32)": same(c["dflash_fp32"], c["decode_dense_fp32"]),
-             "ddtree == plain (default)": same(c["ddtree"], c["decode_quantized"]),
-             "split == unsplit (default)": same(c["split"], c["decode_quantized"]),
-             "split == unsplit (fp32)": same(c["split_fp32"], c["decode_dense_fp32"]),
-             "restart from disk == first run": same(c["prefix_cache_restore"], c["prefix_cache_write"]),
-             "kvflash == plain": same(c["kvflash"], c["decode_quantized"]),
-             "compile == eager (default)": same(c["compile_quantized"], c["decode_quantized"]),
-             "compile == eager (dense)": same(c["compile_dense"], c["decode_dense"])}
-    summary = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
-               "gpu": torch.cuda.get_device_name(0) if dev.startswith("cuda") and torch.cuda.is_available() else None,
-               "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"), "max_tokens": n,
-               "failed": [k for k, v in checks.items() if v.get("rc")], "equal": equal, "checks": checks}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
+    pairs = {"graphs == no graphs (default)": pair(c, "decode_quantized", "decode_quantized_no_graphs"),
+             "graphs == no graphs (fp32)": pair(c, "decode_dense_fp32", "decode_dense_fp32_no_graphs"),
+             "dflash == plain (default)": pair(c, "dflash", "decode_quantized"),
+             "dflash == plain (fp32)": pair(c, "dflash_fp32", "decode_dense_fp32"),
+             "ddtree == plain (default)": pair(c, "ddtree", "decode_quantized"),
+             "split == unsplit (default)": pair(c, "split", "decode_quantized"),
+             "split == unsplit (fp32)": pair(c, "split_fp32", "decode_dense_fp32"),
+             "restart from disk == first run": pair(c, "prefix_cache_restore", "prefix_cache_write"),
+             "kvflash == plain": pair(c, "kvflash", "decode_quantized"),
+             "compile == eager (default)": pair(c, "compile_quantized", "decode_quantized"),
+             "compile == eager (dense)": pair(c, "compile_dense", "decode_dense")}
+    equal = {k: v for k, v in pairs.items() if v is not None}
+    summary = write(args.out, dev, n, checks, equal)
     for k, v in checks.items():
         tm = v.get("timings") or {}
         print(f"{k:24s} rc={v['rc']} decode_tok_s={tm.get('decode_tokens_per_s')} "

@@ -67,6 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size in tokens")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
+    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
+                   help="replay the single-token decode step of GPU stages as CUDA graphs (auto: where the "
+                        "stage allows it: attention-only layers, no KV Flash, no --compile)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--kernels", choices=["native", "aten"], default=None,
                    help="CPU kernels of quantized linears, RMSNorm and decode/verify attention: 'native' (default; "
@@ -222,6 +225,13 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
         raise UserError(str(e)) from None
     if cfg.compile:
         pipeline.compile_decode()
+    elif cfg.cuda_graphs == "auto":
+        import sys
+
+        for label, why in pipeline.use_cuda_graphs().items():
+            if progress:
+                print(f"dflash-server: CUDA graphs on {label}: {'off (' + why + ')' if why else 'on'}",
+                      file=sys.stderr)
     proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0]) if draft_path else None
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
                 "family": mcfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],

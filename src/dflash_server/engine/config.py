@@ -41,6 +41,7 @@ class EngineConfig:
     kv_dtype: str = "auto"  # the KV cache's element type: auto, f32, f16, bf16
     chunk: int = 512
     compile: bool = False
+    cuda_graphs: str = "auto"  # "auto" (on where a GPU stage allows) | "off"
     threads: int | None = None
     kernels: str | None = None  # "native" | "aten" | None (the environment's choice)
     # shard workers
@@ -96,6 +97,7 @@ class EngineConfig:
         _choice("--quantize", self.quantize, QUANTIZE)
         _choice("--kv-dtype", self.kv_dtype, ("auto", "f32", "f16", "bf16"))
         _choice("--kernels", self.kernels, ("native", "aten", None))
+        _choice("--cuda-graphs", self.cuda_graphs, ("auto", "off"))
         _choice("--shard-transport", self.shard_transport, ("auto", "shm", "inline"))
         _choice("--kvflash-policy", self.kvflash_policy, ("lru", "score"))
         _choice("--prefill-compression", self.prefill_compression, ("off", "auto", "always"))

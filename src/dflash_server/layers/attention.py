@@ -146,7 +146,8 @@ class Attention(nn.Module):
         differs in the last bits, so past NATIVE_PREFILL_CTX a hit can flip a near tie."""
         return (self.native and x.shape[0] == 1
                 and (x.shape[1] <= 64 or ctx.start + x.shape[1] <= NATIVE_PREFILL_CTX)
-                and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and state.k.dtype in CPU_NATIVE_CACHE
+                and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and ctx.graph_pos is None
+                and state.k.dtype in CPU_NATIVE_CACHE
                 and not torch.compiler.is_compiling())
 
     def native_rows_ok(self, x: torch.Tensor, bank: KVState) -> bool:
@@ -244,6 +245,23 @@ class Attention(nn.Module):
             outs.append(self._attend(qkv[:, b:b + 1], row, lane_kv, x.dtype))
         return self.o(self._gated(torch.cat(outs, dim=1), x))
 
+    def _attend_graph(self, q, k, v, gate, ctx: ForwardContext, state: KVState, dtype: torch.dtype) -> torch.Tensor:
+        """A CUDA-graph decode step's KV write and attention (one row, runtime.cuda_graph): the
+        row goes to the position tensor's cache row, the query attends over the step's fixed
+        span of rows under a mask. A KV head's query heads are taken as the rows of one query
+        block (no key repeated per head, no GQA support asked of the kernel)."""
+        B = q.shape[0]
+        if k is not None:
+            state.k.index_copy_(2, ctx.graph_pos, k.transpose(1, 2).to(state.k.dtype))
+            state.v.index_copy_(2, ctx.graph_pos, v.transpose(1, 2).to(state.v.dtype))
+        keys, values = state.k[:, :, :ctx.graph_span], state.v[:, :, :ctx.graph_span]
+        if keys.device.type == "cpu" and keys.dtype != torch.float32:
+            keys, values = keys.float(), values.float()
+        qg = q.to(keys.dtype).reshape(B, self.nkv, self.nh // self.nkv, self.hd)  # (B, 1, nh, hd) -> groups
+        out = sdpa(qg, keys, values, ctx.graph_mask(self.window), self.scale)
+        out = out.reshape(B, 1, self.nh * self.hd).to(dtype)
+        return out if gate is None else out * torch.sigmoid(gate)
+
     def _tail_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
                         acc: torch.Tensor) -> None:
         """acc (L, P) = max(acc, attention probabilities of the last L query rows over the
@@ -293,6 +311,8 @@ class Attention(nn.Module):
             v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.nkv, self.hd)
             if self.v_norm is not None:
                 v = self.v_norm(v)
+        if ctx.graph_pos is not None:
+            return self._attend_graph(q, k, v, gate, ctx, state, dtype)
         if ctx.slots is not None:  # KV Flash: rows live in pool slots (RoPE is already applied)
             if k is not None:
                 state.k.index_copy_(2, ctx.slots, k.transpose(1, 2).to(state.k.dtype))

@@ -49,6 +49,10 @@ class ForwardContext:
     # and attends to the cache before ``start`` and to its ancestors, itself included
     tree: tuple[int, ...] | None = None
     tree_parents: torch.Tensor | None = None
+    # a CUDA-graph decode step (runtime.cuda_graph): the position as a (1,) device tensor, and
+    # how many cache rows the step attends over (masked past the position)
+    graph_pos: torch.Tensor | None = None
+    graph_span: int = 0
     _masks: dict = field(default_factory=dict)
 
     def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +147,19 @@ class ForwardContext:
             order = torch.where(ok, key_pos, 1 << 62).argsort(dim=1, stable=True)[:, :L]
             got = self._masks[key] = (order.clamp(max=P - 1), counts)
         return got
+
+    def graph_mask(self, window: int | None = None) -> torch.Tensor:
+        """A CUDA-graph step's bool (1, graph_span) mask: the keys at or before the position
+        (and inside the window), computed on the device from the position tensor."""
+        key = ("graph", window)
+        m = self._masks.get(key)
+        if m is None:
+            k_pos = torch.arange(self.graph_span, device=self.graph_pos.device)
+            m = k_pos <= self.graph_pos
+            if window is not None:
+                m = m & (k_pos > self.graph_pos - window)
+            m = self._masks[key] = m[None, :]
+        return m
 
     def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:
         """Bool (T, end) mask, True = may attend; None when plain full attention over the

@@ -200,6 +200,12 @@ class TargetPipeline:
         for st in self.stages:
             st.compile_decode()
 
+    def use_cuda_graphs(self) -> dict[str, str | None]:
+        """CUDA graphs for the decode steps of this process's GPU stages: {stage: why not, or
+        None where they are on}."""
+        return {st.label: st.use_cuda_graphs() for st in self.stages
+                if not st.is_remote and st.device.type == "cuda"}
+
     def embed(self, ids: torch.Tensor, raw: bool = False) -> torch.Tensor:
         """Target token embeddings (the draft borrows them): (1, T) -> (1, T, H). ``raw``:
         the embedding rows themselves, without a family's scale (Gemma's sqrt(hidden))."""

@@ -7,6 +7,7 @@ at ``start`` writes positions ``[start, start+T)``; ``length`` is how far the ca
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from ..layers.linear import Linear
 from ..layers.rope import rope_tables
 from ..layers.stack import NativeStack
 from .kv_pool import KvPool
+
+log = logging.getLogger("dflash_server")
 
 
 COMPILED_MAX_ROWS = 32  # verify blocks of up to this many positions run the compiled graph (--compile)
@@ -178,6 +181,7 @@ class LocalStage:
                       for i, states in enumerate(per_lane)]
         self.lane = 0
         self._decode_fn = None
+        self._graphs = None  # DecodeGraphs (use_cuda_graphs)
         self._stack: NativeStack | None | bool = False  # _native_stack(): False until decided
         self._compiled_verify_rows = 0  # verify blocks up to this length run the compiled graph
         self._snapshots: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -250,8 +254,38 @@ class LocalStage:
         if self.device.type == "cpu":
             options["cpp_wrapper"] = True
         self._decode_fn = torch.compile(run_layers, dynamic=None, options=options)
+        self._graphs = None
         recurrent = any(s.kind == "recurrent" for s in self.states)
         self._compiled_verify_rows = 0 if recurrent else COMPILED_MAX_ROWS
+
+    def use_cuda_graphs(self, record: bool = True) -> str | None:
+        """Run single-token steps through CUDA graphs (runtime.cuda_graph) where this stage
+        allows; returns why not, or None. ``record=False``: the graphs' step without recording
+        (tests on a machine without a GPU)."""
+        from .cuda_graph import DecodeGraphs, unsupported
+
+        why = unsupported(self)
+        if why is None and record and self.device.type != "cuda":
+            why = f"device {self.device}"
+        if why is None and self._decode_fn is not None:
+            why = "--compile"
+        self._graphs = None if why else DecodeGraphs(self, record=record)
+        return why
+
+    def _graph_step(self, x: torch.Tensor, start: int, logits: str, capture) -> StageOutput | None:
+        """A single-token step through the stage's CUDA graphs, or None where they are off
+        (a failed recording turns them off for good, with a warning, and the step runs eagerly)."""
+        try:
+            h, caps, head = self._graphs.step(x, start, capture)
+        except RuntimeError as e:
+            log.warning("CUDA graphs off on %s: %s", self.label, str(e).strip().splitlines()[0])
+            self._graphs = None
+            return None
+        self.length = start + 1
+        out = StageOutput(hidden=h, captures=caps)
+        if self.is_last and logits != "none":
+            out.head_logits, out.hidden = head[0], None
+        return out
 
     def _linears(self):
         mods = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
@@ -326,6 +360,9 @@ class LocalStage:
         if start + T > self.max_ctx:
             raise ValueError(f"positions up to {start + T} exceed the context size {self.max_ctx}")
         x = x.to(self.device)
+        if (self._graphs is not None and T == 1 and tree is None and self._ckpt_length is None and not carry
+                and (out := self._graph_step(x, start, logits, capture)) is not None):
+            return out
         if tree is not None:
             tree = tuple(int(p) for p in tree)
             if len(tree) != T or self._ckpt_length is None or self.batch != 1:

@@ -1,0 +1,137 @@
+"""CUDA graphs for a stage's single-token decode step.
+
+An eager decode step of the default model on an H200 took 15.5 ms for 4.3 ms of GPU work
+(882 kernels launched from Python per token, ``benchmarks/gpu_profile.py``): the host is the
+bottleneck. A CUDA graph launches a recorded step as one unit. A recorded step may not read
+a Python number that changes between calls, and every tensor it touches must stay where it
+was at recording. So the graph's step takes the token (or the hidden state) and the position
+as device tensors: it writes K/V with ``index_copy_`` at that position, takes the RoPE rows
+and the causal mask from it, and attends over a fixed span of the cache (the smallest power
+of two of at least ``MIN_SPAN`` rows past the position, at most the context), masked past the
+position. One graph per (sequence slot, span), recorded the first time a step needs it after
+two eager runs of the same step on a side stream (they write the rows the replay writes
+again), all in one memory pool. Outputs are copied out of the graph's buffers, so a caller
+may keep them across steps.
+
+Used for single-token steps outside a checkpoint (plain decoding, DFlash's plain steps), on
+a stage whose layers all attend (the Gated DeltaNet state update and MoE routing are not
+recorded), with no KV Flash pool, one sequence per slot, nothing carried between stages
+(Gemma 4's per-layer inputs and split KV sharing), and without ``--compile``. Elsewhere the
+step runs eagerly as before. ``record=False`` runs the graph's step without recording it:
+how its positions, masks and spans are tested on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import Attention
+from ..layers.context import ForwardContext
+from ..layers.mlp import SwiGLU
+
+log = logging.getLogger("dflash_server")
+
+MIN_SPAN = 256  # the smallest span of cache rows a recorded step attends over
+
+
+def unsupported(stage) -> str | None:
+    """Why ``stage``'s decode step cannot be recorded, or None if it can."""
+    if stage.batch != 1:
+        return "a lockstep batch"
+    if any(lane.pool is not None for lane in stage.lanes):
+        return "KV Flash pools"
+    for layer in stage.layers:
+        if not isinstance(layer.mixer, Attention):
+            return "recurrent (Gated DeltaNet) layers"
+        if layer.mixer.kv_role == "mirror":
+            return "KV-shared layers split from their source"
+        if not isinstance(layer.mlp, SwiGLU):
+            return "mixture-of-experts layers"
+    if stage._exports or stage.config.per_layer_input_size:
+        return "state carried between stages (per-layer inputs, shared KV)"
+    return None
+
+
+@dataclass
+class _Graph:
+    span: int
+    inp: torch.Tensor          # (1, 1) token id, or (1, 1, H) hidden state
+    pos: torch.Tensor          # (1,) the position
+    ptrs: tuple[int, ...]      # the state tensors' addresses when recorded
+    graph: object | None = None
+    outs: tuple | None = None  # the recorded step's outputs (h, layer outputs, logits)
+
+
+class DecodeGraphs:
+    def __init__(self, stage, record: bool = True, min_span: int = MIN_SPAN):
+        self.stage, self.record, self.min_span = stage, record, min_span
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if record else None
+        self.recorded = 0
+        self.replays = 0
+
+    def span(self, pos: int) -> int:
+        s = self.min_span
+        while s <= pos:
+            s *= 2
+        return min(s, self.stage.max_ctx)
+
+    def _ptrs(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for s in self.stage.states if s.kind == "kv" for t in (s.k, s.v))
+
+    def _step(self, inp: torch.Tensor, pos: torch.Tensor, span: int):
+        """The decode step with its position as a tensor (what is recorded)."""
+        st = self.stage
+        ctx = ForwardContext(0, 1, st.rope.cos.index_select(0, pos), st.rope.sin.index_select(0, pos))
+        ctx.graph_pos, ctx.graph_span = pos, span
+        if st.rope_local is not None:
+            ctx.cos_local = st.rope_local.cos.index_select(0, pos)
+            ctx.sin_local = st.rope_local.sin.index_select(0, pos)
+        h = st._inputs(inp, ctx, None)
+        outs = []
+        for layer, state in zip(st.layers, st.states):
+            h = layer(h, ctx, state)
+            outs.append(h)
+        logits = st._head(st.final_norm(h)) if st.is_last else None
+        return h, outs, logits
+
+    def _new(self, span: int, x: torch.Tensor, start: int, ptrs: tuple[int, ...]) -> _Graph:
+        st = self.stage
+        g = _Graph(span, torch.empty(x.shape, dtype=torch.long if st.is_first else st.dtype, device=st.device),
+                   torch.full((1,), start, dtype=torch.long, device=st.device), ptrs)
+        if not self.record:
+            return g
+        g.inp.copy_(x)
+        side = torch.cuda.Stream(st.device)
+        side.wait_stream(torch.cuda.current_stream(st.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(g.inp, g.pos, span)
+        torch.cuda.current_stream(st.device).wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        # (thread_local: another thread's CUDA work, e.g. a disk-cache write, does not break it)
+        with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+            g.outs = self._step(g.inp, g.pos, span)
+        self.recorded += 1
+        return g
+
+    def step(self, x: torch.Tensor, start: int, capture=()):
+        """One token at ``start`` (x: (1, 1) ids or (1, 1, H) hidden, on the stage's device):
+        (hidden (1, 1, H), {layer id: output} for ``capture``, logits (1, 1, V) or None)."""
+        key = (self.stage.lane, self.span(start))
+        ptrs = self._ptrs()
+        g = self.graphs.get(key)
+        if g is None or g.ptrs != ptrs:  # (a state tensor that moved: record again)
+            g = self.graphs[key] = self._new(key[1], x, start, ptrs)
+        g.inp.copy_(x)
+        g.pos.fill_(start)
+        if g.graph is None:
+            h, outs, logits = self._step(g.inp, g.pos, g.span)
+        else:
+            g.graph.replay()
+            self.replays += 1
+            h, outs, logits = g.outs
+        caps = {layer.index: o.clone() for layer, o in zip(self.stage.layers, outs) if layer.index in capture}
+        return h.clone(), caps, None if logits is None else logits.clone()

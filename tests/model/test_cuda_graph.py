@@ -1,0 +1,120 @@
+"""The CUDA-graph decode step (runtime.cuda_graph), run here without recording: its position
+tensor, KV writes, masks, RoPE rows and cache spans against the eager step. Recording itself
+needs a GPU (tests/model/test_cuda.py)."""
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.runtime.cuda_graph import unsupported
+from dflash_server.runtime.kv_pager import KvFlashConfig
+from dflash_server.runtime.pipeline import build_pipeline
+from dflash_server.runtime.placement import plan_placement
+from dflash_server.spec.proposer import DFlashProposer
+from dflash_server.weights.loader import open_model
+from helpers.build import greedy, pipeline, prompt_ids
+
+from .test_dflash import random_draft
+
+
+def graphed(path, min_span=8, **kw):
+    """A pipeline whose stages run the graphs' step (not recorded), with spans from
+    ``min_span`` rows so that a short decode crosses several."""
+    pipe = pipeline(path, **kw)
+    for st in pipe.stages:
+        assert st.use_cuda_graphs(record=False) is None
+        st._graphs.min_span = min_span
+    return pipe
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_graph_step_equals_eager_decode(tiny_dir, family):
+    """Logits of each step close to the eager step's, and the same greedy tokens, over spans
+    8..64 (gemma3: sliding-window layers with their own RoPE rows)."""
+    path = tiny_dir(family)
+    eager, graph = pipeline(path), graphed(path)
+    ids = prompt_ids(eager, 5)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    tok = 7
+    for i in range(40):
+        a = eager.forward([tok], len(ids) + i, logits="last")
+        b = graph.forward([tok], len(ids) + i, logits="last")
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4), i
+        tok = int(a.logits[-1].argmax())
+    g = graph.stages[0]._graphs
+    assert sorted(span for _, span in g.graphs) == [8, 16, 32, 64]
+    assert greedy(graph, ids, max_tokens=24) == greedy(eager, ids, max_tokens=24)
+
+
+def test_graph_step_captures_split_and_rewrite(tiny_dir):
+    """Two stages (the second's input a hidden state), captured layer outputs as eager's, and
+    a step repeated at the same position (DFlash rewrites rows) equal to the first time."""
+    path = tiny_dir("llama")
+    eager, graph = pipeline(path, stages=2), graphed(path, stages=2)
+    ids = prompt_ids(eager, 9)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    for i, tok in enumerate((5, 17, 3, 99)):
+        capture = (1, 2) if i % 2 else ()
+        a = eager.forward([tok], len(ids) + i, logits="last", capture=capture)
+        other = graph.forward([tok], len(ids) + i, logits="last", capture=(1, 2))
+        b = graph.forward([tok], len(ids) + i, logits="last", capture=capture)
+        assert torch.equal(b.logits, other.logits)
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+        assert sorted(b.captures) == list(capture)
+        for k in capture:
+            assert torch.allclose(a.captures[k], b.captures[k], atol=1e-4, rtol=1e-4)
+
+
+def test_graphs_with_dflash_prefix_cache_and_slots(tiny_dir):
+    """What runs around the graph step: DFlash (plain steps with taps, verify blocks eager,
+    rollbacks) == plain decoding; a prefix-cache hit (restored state) == a miss; two sequence
+    slots decoded in turn keep one graph each and their own tokens."""
+    path = tiny_dir("llama")
+    eager = pipeline(path)
+    ids = prompt_ids(eager, 20)
+    ref = greedy(eager, ids, max_tokens=30)
+    graph = graphed(path)
+    prop = DFlashProposer(random_draft(graph, block_size=4), graph, block_size=4)
+    res = Engine(graph, proposer=prop).generate(GenerationRequest(tuple(ids), max_tokens=30, ignore_eos=True))
+    assert res.token_ids == ref and res.extra["spec"]["steps"] > 0
+    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "The sea?"}]
+    tok = eager.tokenizer
+    more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
+                                    {"role": "user", "content": "Why is it salty?"}])
+    warm = Engine(graphed(path), prefix_slots=4)
+    warm.generate(GenerationRequest(tuple(tok.encode_chat(turns)), max_tokens=8, ignore_eos=True))
+    hit = warm.generate(GenerationRequest(tuple(more), max_tokens=16, ignore_eos=True))
+    assert hit.cached_tokens > 0 and hit.token_ids == greedy(eager, more, max_tokens=16)
+    two = graphed(path, lanes=2)
+    st = two.stages[0]
+    other = prompt_ids(two, 12, seed=3)
+    out = {0: [], 1: []}
+    for lane, prompt in ((0, ids), (1, other)):
+        st.select(lane)
+        st.reset()
+        out[lane].append(int(two.forward(prompt, 0, logits="last").logits[-1].argmax()))
+    for i in range(12):
+        for lane, prompt in ((0, ids), (1, other)):
+            st.select(lane)
+            nxt = two.forward([out[lane][-1]], len(prompt) + i, logits="last")
+            out[lane].append(int(nxt.logits[-1].argmax()))
+    assert out[0] == ref[:13] and out[1] == greedy(eager, other, max_tokens=13)
+    assert {lane for lane, _ in st._graphs.graphs} == {0, 1}
+
+
+def test_stages_the_graphs_do_not_take(tiny_dir):
+    assert "recurrent" in unsupported(pipeline(tiny_dir("qwen3_5")).stages[0])
+    assert "mixture-of-experts" in unsupported(pipeline(tiny_dir("laguna")).stages[0])
+    src = open_model(tiny_dir("llama"))
+    shards = plan_placement(src.config.num_layers, ["cpu"], together=src.config.kv_groups())
+    kv = build_pipeline(src, shards, dtype=torch.float32, max_ctx=256, progress=False,
+                        kvflash=KvFlashConfig(64, chunk=16, policy="lru", tau=64))
+    assert unsupported(kv.stages[0]) == "KV Flash pools"
+    # recording needs a GPU; the stage says so and keeps its eager step
+    plain = pipeline(tiny_dir("llama"))
+    assert plain.stages[0].use_cuda_graphs() == "device cpu" and plain.stages[0]._graphs is None
+    plain.compile_decode()
+    assert plain.stages[0].use_cuda_graphs(record=False) == "--compile"
