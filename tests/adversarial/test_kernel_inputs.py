@@ -37,6 +37,12 @@ def test_bad_kernels_flag_is_a_usage_error():
     assert r.returncode == 2 and "invalid choice: 'fast'" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bad_cuda_graphs_flag_is_a_usage_error():
+    r = subprocess.run([sys.executable, "-m", "dflash_server", "generate", "--cuda-graphs", "on", "--prompt", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "invalid choice: 'on'" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("ne0", [100, 300, 257])
 def test_rows_that_are_not_whole_blocks_are_refused(tmp_path, ne0):
     """Q4_K rows of 100 / 300 / 257 values: a clean load error naming the tensor (they used

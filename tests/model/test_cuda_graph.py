@@ -118,3 +118,22 @@ def test_stages_the_graphs_do_not_take(tiny_dir):
     assert plain.stages[0].use_cuda_graphs() == "device cpu" and plain.stages[0]._graphs is None
     plain.compile_decode()
     assert plain.stages[0].use_cuda_graphs(record=False) == "--compile"
+
+
+def test_graph_step_refuses_what_the_eager_step_refuses(tiny_dir):
+    """A position past the cached length or the context is the same clear error with graphs
+    on, and leaves the state as it was (the next valid step still equals eager)."""
+    path = tiny_dir("llama")
+    eager, graph = pipeline(path, max_ctx=16), graphed(path, max_ctx=16)
+    ids = prompt_ids(eager, 14)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    with pytest.raises(ValueError, match="gap"):
+        graph.forward([3], 15, logits="last")
+    for pos in (14, 15):
+        a, b = eager.forward([3], pos, logits="last"), graph.forward([3], pos, logits="last")
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="exceed the context"):
+        graph.forward([3], 16, logits="last")
+    assert graph.stages[0].length == 16

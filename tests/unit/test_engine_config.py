@@ -50,6 +50,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     ({"kvflash": "lots"}, "--kvflash"), ({"parallel": "many"}, "--parallel"), ({"parallel": "0"}, "--parallel"),
     ({"disk_prefix_cache": "sometimes"}, "--disk-prefix-cache"), ({"disk_prefix_cache": "-4"}, "--disk-prefix-cache"),
     ({"block_size": "big"}, "--block-size"), ({"ddtree": True}, "--ddtree"),
+    ({"cuda_graphs": "on"}, "--cuda-graphs"), ({"cuda_graphs": None}, "--cuda-graphs"),
     ({"ddtree_budget": 8, "draft": "default", "no_draft": True}, "--ddtree"),
 ])
 def test_bad_values_are_refused_naming_the_flag(kw, flag):
