@@ -76,7 +76,8 @@ def test_ddtree_with_a_draft_vocabulary(tiny_dir):
 def test_cuda_graphs_equal_eager(tiny_dir, family):
     """Recorded decode steps (runtime.cuda_graph) against the eager step, fp32: logits close
     over 300 steps (spans 256 and 512, each recorded once), outputs not overwritten by later
-    replays, the same greedy tokens, DFlash lossless with graphs (gemma3: sliding windows)."""
+    replays, the same greedy tokens, DFlash lossless with graphs for its plain steps and its
+    verify blocks of 2, 4 and 8 rows (gemma3: sliding windows)."""
     path = tiny_dir(family)
     eager, graph = pipeline(path, devices=[GPU]), pipeline(path, devices=[GPU])
     st = graph.stages[0]
@@ -97,8 +98,12 @@ def test_cuda_graphs_equal_eager(tiny_dir, family):
     assert st._graphs.recorded == 2 and st._graphs.replays == 300
     ref = gen(eager, ids).token_ids
     assert gen(graph, ids).token_ids == ref
-    assert gen(graph, ids, proposer=DFlashProposer(gpu_draft(graph), graph)).token_ids == ref
     assert st._graphs.recorded == 2
+    for block in (2, 4, 8):   # verify blocks: a graph per block size
+        prop = DFlashProposer(gpu_draft(graph, 8), graph, block_size=block)
+        res = gen(graph, ids, proposer=prop)
+        assert res.token_ids == ref and res.extra["spec"]["steps"] > 0, block
+    assert st._graphs is not None and {t for _, _, t in st._graphs.graphs} >= {1, 2, 4, 8}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

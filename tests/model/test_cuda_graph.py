@@ -43,7 +43,7 @@ def test_graph_step_equals_eager_decode(tiny_dir, family):
         assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4), i
         tok = int(a.logits[-1].argmax())
     g = graph.stages[0]._graphs
-    assert sorted(span for _, span in g.graphs) == [8, 16, 32, 64]
+    assert sorted(g.graphs) == [(0, 8, 1), (0, 16, 1), (0, 32, 1), (0, 64, 1)]
     assert greedy(graph, ids, max_tokens=24) == greedy(eager, ids, max_tokens=24)
 
 
@@ -66,6 +66,39 @@ def test_graph_step_captures_split_and_rewrite(tiny_dir):
         assert sorted(b.captures) == list(capture)
         for k in capture:
             assert torch.allclose(a.captures[k], b.captures[k], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_graph_verify_blocks_equal_eager(tiny_dir, family):
+    """Verify blocks under a checkpoint (DFlash): each row's logits and captures as eager's,
+    across span boundaries and block sizes, then a rollback keeping part of the block; blocks
+    over ``max_rows`` run eagerly. The kept rows equal what eager kept (the next step agrees)."""
+    path = tiny_dir(family)
+    eager, graph = pipeline(path), graphed(path)
+    graph.stages[0]._graphs.max_rows = 6
+    ids = prompt_ids(eager, 5)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    pos, g = len(ids), torch.Generator().manual_seed(0)
+    for block in (2, 3, 4, 8, 5, 6, 2, 7):
+        toks = torch.randint(0, 500, (block,), generator=g).tolist()
+        out = []
+        for p in (eager, graph):
+            p.checkpoint()
+            out.append(p.forward(toks, pos, logits="all", capture=(1,)))
+        a, b = out
+        assert b.logits.shape == a.logits.shape == (block, a.logits.shape[1])
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4), block
+        assert torch.allclose(a.captures[1], b.captures[1], atol=1e-4, rtol=1e-4)
+        keep = pos + 1 + block // 2
+        for p in (eager, graph):
+            p.rollback(keep)
+        pos = keep
+    a, b = eager.forward([9], pos, logits="last"), graph.forward([9], pos, logits="last")
+    assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    rows = {t for _, _, t in graph.stages[0]._graphs.graphs}
+    assert rows == {1, 2, 3, 4, 5, 6}   # 7 and 8 rows: over max_rows, eager
 
 
 def test_graphs_with_dflash_prefix_cache_and_slots(tiny_dir):
@@ -102,7 +135,7 @@ def test_graphs_with_dflash_prefix_cache_and_slots(tiny_dir):
             nxt = two.forward([out[lane][-1]], len(prompt) + i, logits="last")
             out[lane].append(int(nxt.logits[-1].argmax()))
     assert out[0] == ref[:13] and out[1] == greedy(eager, other, max_tokens=13)
-    assert {lane for lane, _ in st._graphs.graphs} == {0, 1}
+    assert {lane for lane, _, _ in st._graphs.graphs} == {0, 1}
 
 
 def test_stages_the_graphs_do_not_take(tiny_dir):

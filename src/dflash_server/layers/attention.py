@@ -246,20 +246,23 @@ class Attention(nn.Module):
         return self.o(self._gated(torch.cat(outs, dim=1), x))
 
     def _attend_graph(self, q, k, v, gate, ctx: ForwardContext, state: KVState, dtype: torch.dtype) -> torch.Tensor:
-        """A CUDA-graph decode step's KV write and attention (one row, runtime.cuda_graph): the
-        row goes to the position tensor's cache row, the query attends over the step's fixed
-        span of rows under a mask. A KV head's query heads are taken as the rows of one query
-        block (no key repeated per head, no GQA support asked of the kernel)."""
-        B = q.shape[0]
+        """A CUDA-graph step's KV write and attention (runtime.cuda_graph): the rows go to the
+        cache rows of the position tensor, each query attends over the step's fixed span of
+        rows under its mask. A KV head's query heads are taken as rows of one query block (no
+        key repeated per head, no GQA support asked of the kernel)."""
+        B, T = q.shape[:2]
+        g = self.nh // self.nkv
         if k is not None:
             state.k.index_copy_(2, ctx.graph_pos, k.transpose(1, 2).to(state.k.dtype))
             state.v.index_copy_(2, ctx.graph_pos, v.transpose(1, 2).to(state.v.dtype))
         keys, values = state.k[:, :, :ctx.graph_span], state.v[:, :, :ctx.graph_span]
         if keys.device.type == "cpu" and keys.dtype != torch.float32:
             keys, values = keys.float(), values.float()
-        qg = q.to(keys.dtype).reshape(B, self.nkv, self.nh // self.nkv, self.hd)  # (B, 1, nh, hd) -> groups
-        out = sdpa(qg, keys, values, ctx.graph_mask(self.window), self.scale)
-        out = out.reshape(B, 1, self.nh * self.hd).to(dtype)
+        # (B, T, nh, hd) -> (B, nkv, g * T, hd): a KV head's query heads, each with its T rows
+        qg = q.to(keys.dtype).reshape(B, T, self.nkv, g, self.hd).permute(0, 2, 3, 1, 4).reshape(B, self.nkv, g * T, -1)
+        mask = ctx.graph_mask(self.window)
+        out = sdpa(qg, keys, values, mask if g == 1 else mask.repeat(g, 1), self.scale)
+        out = out.reshape(B, self.nkv, g, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.nh * self.hd).to(dtype)
         return out if gate is None else out * torch.sigmoid(gate)
 
     def _tail_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,

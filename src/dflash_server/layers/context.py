@@ -49,8 +49,8 @@ class ForwardContext:
     # and attends to the cache before ``start`` and to its ancestors, itself included
     tree: tuple[int, ...] | None = None
     tree_parents: torch.Tensor | None = None
-    # a CUDA-graph decode step (runtime.cuda_graph): the position as a (1,) device tensor, and
-    # how many cache rows the step attends over (masked past the position)
+    # a CUDA-graph step (runtime.cuda_graph): the rows' positions as a (T,) device tensor,
+    # and how many cache rows the step attends over (masked past each row's position)
     graph_pos: torch.Tensor | None = None
     graph_span: int = 0
     _masks: dict = field(default_factory=dict)
@@ -149,16 +149,17 @@ class ForwardContext:
         return got
 
     def graph_mask(self, window: int | None = None) -> torch.Tensor:
-        """A CUDA-graph step's bool (1, graph_span) mask: the keys at or before the position
-        (and inside the window), computed on the device from the position tensor."""
+        """A CUDA-graph step's bool (T, graph_span) mask: for each row the keys at or before
+        its position (and inside the window), computed on the device from the positions."""
         key = ("graph", window)
         m = self._masks.get(key)
         if m is None:
-            k_pos = torch.arange(self.graph_span, device=self.graph_pos.device)
-            m = k_pos <= self.graph_pos
+            k_pos = torch.arange(self.graph_span, device=self.graph_pos.device)[None, :]
+            q_pos = self.graph_pos[:, None]
+            m = k_pos <= q_pos
             if window is not None:
-                m = m & (k_pos > self.graph_pos - window)
-            m = self._masks[key] = m[None, :]
+                m = m & (k_pos > q_pos - window)
+            self._masks[key] = m
         return m
 
     def causal_mask(self, device: torch.device, window: int | None = None) -> torch.Tensor | None:

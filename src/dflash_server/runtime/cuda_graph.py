@@ -1,24 +1,26 @@
-"""CUDA graphs for a stage's single-token decode step.
+"""CUDA graphs for a stage's decode steps and DFlash verify blocks.
 
 An eager decode step of the default model on an H200 took 15.5 ms for 4.3 ms of GPU work
 (882 kernels launched from Python per token, ``benchmarks/gpu_profile.py``): the host is the
 bottleneck. A CUDA graph launches a recorded step as one unit. A recorded step may not read
 a Python number that changes between calls, and every tensor it touches must stay where it
-was at recording. So the graph's step takes the token (or the hidden state) and the position
-as device tensors: it writes K/V with ``index_copy_`` at that position, takes the RoPE rows
-and the causal mask from it, and attends over a fixed span of the cache (the smallest power
-of two of at least ``MIN_SPAN`` rows past the position, at most the context), masked past the
-position. One graph per (sequence slot, span), recorded the first time a step needs it after
-two eager runs of the same step on a side stream (they write the rows the replay writes
-again), all in one memory pool. Outputs are copied out of the graph's buffers, so a caller
-may keep them across steps.
+was at recording. So the graph's step takes the tokens (or hidden states) and their
+positions as device tensors: it writes K/V with ``index_copy_`` at those positions, takes the
+RoPE rows and the causal mask from them, and attends over a fixed span of the cache (the
+smallest power of two of at least ``MIN_SPAN`` rows holding the block, at most the context),
+masked past each row's position. One graph per (sequence slot, span, rows), recorded the
+first time a step needs it after two eager runs of the same step on a side stream (they
+write the rows the replay writes again), all in one memory pool. Outputs are copied out of
+the graph's buffers, so a caller may keep them across steps.
 
-Used for single-token steps outside a checkpoint (plain decoding, DFlash's plain steps), on
-a stage whose layers all attend (the Gated DeltaNet state update and MoE routing are not
-recorded), with no KV Flash pool, one sequence per slot, nothing carried between stages
-(Gemma 4's per-layer inputs and split KV sharing), and without ``--compile``. Elsewhere the
-step runs eagerly as before. ``record=False`` runs the graph's step without recording it:
-how its positions, masks and spans are tested on a machine without a GPU.
+Used for single-token steps (plain decoding, DFlash's plain steps) and for verify blocks of
+up to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are dropped by
+moving the length back, as in the eager step), not for DDTree's tree blocks; on a stage whose
+layers all attend (the Gated DeltaNet state update and MoE routing are not recorded), with
+no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
+inputs and split KV sharing), and without ``--compile``. Elsewhere the step runs eagerly as
+before. ``record=False`` runs the graph's step without recording it: how its positions,
+masks and spans are tested on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from ..layers.mlp import SwiGLU
 log = logging.getLogger("dflash_server")
 
 MIN_SPAN = 256  # the smallest span of cache rows a recorded step attends over
+MAX_ROWS = 32   # verify blocks up to this many rows are recorded
 
 
 def unsupported(stage) -> str | None:
@@ -57,8 +60,9 @@ def unsupported(stage) -> str | None:
 @dataclass
 class _Graph:
     span: int
-    inp: torch.Tensor          # (1, 1) token id, or (1, 1, H) hidden state
-    pos: torch.Tensor          # (1,) the position
+    inp: torch.Tensor          # (1, T) token ids, or (1, T, H) hidden states
+    pos: torch.Tensor          # (T,) the rows' positions
+    rows: torch.Tensor         # (T,) 0..T-1
     ptrs: tuple[int, ...]      # the state tensors' addresses when recorded
     graph: object | None = None
     outs: tuple | None = None  # the recorded step's outputs (h, layer outputs, logits)
@@ -66,15 +70,16 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, stage, record: bool = True, min_span: int = MIN_SPAN):
-        self.stage, self.record, self.min_span = stage, record, min_span
+        self.stage, self.record, self.min_span, self.max_rows = stage, record, min_span, MAX_ROWS
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if record else None
         self.recorded = 0
         self.replays = 0
 
-    def span(self, pos: int) -> int:
+    def span(self, end: int) -> int:
+        """The cache rows a block ending before ``end`` attends over."""
         s = self.min_span
-        while s <= pos:
+        while s < end:
             s *= 2
         return min(s, self.stage.max_ctx)
 
@@ -82,9 +87,9 @@ class DecodeGraphs:
         return tuple(t.data_ptr() for s in self.stage.states if s.kind == "kv" for t in (s.k, s.v))
 
     def _step(self, inp: torch.Tensor, pos: torch.Tensor, span: int):
-        """The decode step with its position as a tensor (what is recorded)."""
+        """The step with its positions as a tensor (what is recorded)."""
         st = self.stage
-        ctx = ForwardContext(0, 1, st.rope.cos.index_select(0, pos), st.rope.sin.index_select(0, pos))
+        ctx = ForwardContext(0, pos.shape[0], st.rope.cos.index_select(0, pos), st.rope.sin.index_select(0, pos))
         ctx.graph_pos, ctx.graph_span = pos, span
         if st.rope_local is not None:
             ctx.cos_local = st.rope_local.cos.index_select(0, pos)
@@ -99,8 +104,9 @@ class DecodeGraphs:
 
     def _new(self, span: int, x: torch.Tensor, start: int, ptrs: tuple[int, ...]) -> _Graph:
         st = self.stage
+        rows = torch.arange(x.shape[1], device=st.device)
         g = _Graph(span, torch.empty(x.shape, dtype=torch.long if st.is_first else st.dtype, device=st.device),
-                   torch.full((1,), start, dtype=torch.long, device=st.device), ptrs)
+                   rows + start, rows, ptrs)
         if not self.record:
             return g
         g.inp.copy_(x)
@@ -118,15 +124,16 @@ class DecodeGraphs:
         return g
 
     def step(self, x: torch.Tensor, start: int, capture=()):
-        """One token at ``start`` (x: (1, 1) ids or (1, 1, H) hidden, on the stage's device):
-        (hidden (1, 1, H), {layer id: output} for ``capture``, logits (1, 1, V) or None)."""
-        key = (self.stage.lane, self.span(start))
+        """T rows at ``start`` (x: (1, T) ids or (1, T, H) hidden, on the stage's device):
+        (hidden (1, T, H), {layer id: output} for ``capture``, logits (1, T, V) or None)."""
+        T = x.shape[1]
+        key = (self.stage.lane, self.span(start + T), T)
         ptrs = self._ptrs()
         g = self.graphs.get(key)
         if g is None or g.ptrs != ptrs:  # (a state tensor that moved: record again)
             g = self.graphs[key] = self._new(key[1], x, start, ptrs)
         g.inp.copy_(x)
-        g.pos.fill_(start)
+        torch.add(g.rows, start, out=g.pos)
         if g.graph is None:
             h, outs, logits = self._step(g.inp, g.pos, g.span)
         else:

@@ -273,18 +273,19 @@ class LocalStage:
         return why
 
     def _graph_step(self, x: torch.Tensor, start: int, logits: str, capture) -> StageOutput | None:
-        """A single-token step through the stage's CUDA graphs, or None where they are off
-        (a failed recording turns them off for good, with a warning, and the step runs eagerly)."""
+        """A step (one token, or a verify block under a checkpoint) through the stage's CUDA
+        graphs, or None where they are off (a failed recording turns them off for good, with a
+        warning, and the step runs eagerly)."""
         try:
             h, caps, head = self._graphs.step(x, start, capture)
         except RuntimeError as e:
             log.warning("CUDA graphs off on %s: %s", self.label, str(e).strip().splitlines()[0])
             self._graphs = None
             return None
-        self.length = start + 1
+        self.length = start + x.shape[1]
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
-            out.head_logits, out.hidden = head[0], None
+            out.head_logits, out.hidden = (head[0, -1:] if logits == "last" else head[0]), None
         return out
 
     def _linears(self):
@@ -360,7 +361,8 @@ class LocalStage:
         if start + T > self.max_ctx:
             raise ValueError(f"positions up to {start + T} exceed the context size {self.max_ctx}")
         x = x.to(self.device)
-        if (self._graphs is not None and T == 1 and tree is None and self._ckpt_length is None and not carry
+        if (self._graphs is not None and tree is None and not carry
+                and (T == 1 or (self._ckpt_length is not None and T <= self._graphs.max_rows))
                 and (out := self._graph_step(x, start, logits, capture)) is not None):
             return out
         if tree is not None:
