@@ -170,3 +170,46 @@ def test_graph_step_refuses_what_the_eager_step_refuses(tiny_dir):
     with pytest.raises(ValueError, match="exceed the context"):
         graph.forward([3], 16, logits="last")
     assert graph.stages[0].length == 16
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_graph_rows_of_several_slots_equal_eager(tiny_dir, family):
+    """Decode rows of several slots (continuous batching) through the graphs' step: the
+    rows in any order and any set of slots (consecutive slots read the bank as a view, others
+    gather), each row's logits and captures as the eager rows forward's, the banks equal after
+    (no write into a slot that sat out), and a set past the graphs' limit runs eagerly."""
+    path = tiny_dir(family)
+    eager, graph = pipeline(path, lanes=4), graphed(path, lanes=4)
+    prompts = [prompt_ids(eager, n, seed=n) for n in (5, 17, 9, 12)]
+    pos, toks = [], []
+    for p in (eager, graph):
+        for lane, ids in enumerate(prompts):
+            p.select(lane)
+            p.reset()
+            last = p.forward(ids, 0, logits="last")
+            if p is eager:
+                pos.append(len(ids))
+                toks.append(int(last.logits[-1].argmax()))
+    sets = ([0, 1, 2, 3], [2, 0], [1, 2], [3, 1, 0], [0, 1, 2, 3], [3, 2], [1, 3, 2])
+    st = graph.stages[0]
+    for step, active in enumerate(sets):
+        if step == 5:
+            st._graphs.graphs = {k: g for k, g in st._graphs.graphs.items() if k[0] != "rows"}
+            import dflash_server.runtime.cuda_graph as cg
+            limit, cg.MAX_ROW_SETS = cg.MAX_ROW_SETS, 0   # no room: eager
+        try:
+            a = eager.forward_rows([toks[i] for i in active], active, [pos[i] for i in active], capture=(1,))
+            b = graph.forward_rows([toks[i] for i in active], active, [pos[i] for i in active], capture=(1,))
+        finally:
+            if step == 5:
+                cg.MAX_ROW_SETS = limit
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4), (step, active)
+        assert torch.allclose(a.captures[1], b.captures[1], atol=1e-4, rtol=1e-4)
+        for r, i in enumerate(active):
+            toks[i] = int(a.logits[r].argmax())
+            pos[i] += 1
+    for be, bg in zip(eager.stages[0].banks, st.banks):
+        assert torch.allclose(be.k, bg.k, atol=1e-5) and torch.allclose(be.v, bg.v, atol=1e-5)
+    assert [s.length for s in st.lanes] == pos
+    rows = sorted(k[1] for k in st._graphs.graphs if k[0] == "rows")
+    assert rows == [(1, 2, 3)]   # the sets were cleared at step 5 (then eager), then one recorded

@@ -252,6 +252,8 @@ class Attention(nn.Module):
         key repeated per head, no GQA support asked of the kernel)."""
         B, T = q.shape[:2]
         g = self.nh // self.nkv
+        if ctx.graph_lanes is not None:
+            return self._attend_graph_rows(q, k, v, gate, ctx, state, dtype)
         if k is not None:
             state.k.index_copy_(2, ctx.graph_pos, k.transpose(1, 2).to(state.k.dtype))
             state.v.index_copy_(2, ctx.graph_pos, v.transpose(1, 2).to(state.v.dtype))
@@ -263,6 +265,33 @@ class Attention(nn.Module):
         mask = ctx.graph_mask(self.window)
         out = sdpa(qg, keys, values, mask if g == 1 else mask.repeat(g, 1), self.scale)
         out = out.reshape(B, self.nkv, g, T, self.hd).permute(0, 3, 1, 2, 4).reshape(B, T, self.nh * self.hd).to(dtype)
+        return out if gate is None else out * torch.sigmoid(gate)
+
+    def _attend_graph_rows(self, q, k, v, gate, ctx: ForwardContext, bank: KVState,
+                           dtype: torch.dtype) -> torch.Tensor:
+        """A CUDA-graph step over decode rows of several slots: row b (of the (1, T) rows)
+        writes its K/V into slot ``ctx.graph_lanes[b]`` of the bank (slots, nkv, ctx, hd) at
+        its position and attends over that slot's first span rows up to its position; each
+        row is a batch of its own for the attention kernel."""
+        T, nkv, hd = q.shape[1], self.nkv, self.hd
+        C = bank.k.shape[2]
+        lanes = ctx.graph_lane_ids
+        if k is not None:  # flat rows of the bank: ((slot * nkv + head) * C + position)
+            heads = torch.arange(nkv, device=lanes.device)
+            rows = ((lanes[:, None] * nkv + heads[None, :]) * C + ctx.graph_pos[:, None]).reshape(-1)
+            bank.k.view(-1, hd).index_copy_(0, rows, k.reshape(T * nkv, hd).to(bank.k.dtype))
+            bank.v.view(-1, hd).index_copy_(0, rows, v.reshape(T * nkv, hd).to(bank.v.dtype))
+        first = ctx.graph_lanes[0]
+        if ctx.graph_lanes == tuple(range(first, first + T)):  # consecutive slots: a view
+            keys, values = bank.k[first:first + T, :, :ctx.graph_span], bank.v[first:first + T, :, :ctx.graph_span]
+        else:
+            keys = bank.k[:, :, :ctx.graph_span].index_select(0, lanes)
+            values = bank.v[:, :, :ctx.graph_span].index_select(0, lanes)
+        if keys.device.type == "cpu" and keys.dtype != torch.float32:
+            keys, values = keys.float(), values.float()
+        qg = q.to(keys.dtype).reshape(T, nkv, self.nh // nkv, hd)   # (1, T, nh, hd): row b a batch
+        mask = ctx.graph_mask(self.window)[:, None, None, :]          # (T, 1, 1, span)
+        out = sdpa(qg, keys, values, mask, self.scale).reshape(1, T, self.nh * hd).to(dtype)
         return out if gate is None else out * torch.sigmoid(gate)
 
     def _tail_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,

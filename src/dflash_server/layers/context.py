@@ -53,6 +53,10 @@ class ForwardContext:
     # and how many cache rows the step attends over (masked past each row's position)
     graph_pos: torch.Tensor | None = None
     graph_span: int = 0
+    # a CUDA-graph step over decode rows of several slots: row b's slot (ascending), as a tuple
+    # and a (T,) device tensor; the layers' states are then the KV banks of all slots
+    graph_lanes: tuple[int, ...] | None = None
+    graph_lane_ids: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def rope(self, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

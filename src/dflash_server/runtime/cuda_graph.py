@@ -13,9 +13,12 @@ first time a step needs it after two eager runs of the same step on a side strea
 write the rows the replay writes again), all in one memory pool. Outputs are copied out of
 the graph's buffers, so a caller may keep them across steps.
 
-Used for single-token steps (plain decoding, DFlash's plain steps) and for verify blocks of
-up to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are dropped by
-moving the length back, as in the eager step), not for DDTree's tree blocks; on a stage whose
+Used for single-token steps (plain decoding, DFlash's plain steps), for verify blocks of up
+to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are dropped by
+moving the length back, as in the eager step), and for the decode rows of several sequence
+slots (continuous batching, ``forward_rows``: row b in slot lanes[b] at positions[b]; one
+graph per set of slots and span, at most ``MAX_ROW_SETS`` sets, rows ordered by slot); not
+for DDTree's tree blocks. On a stage whose
 layers all attend (the Gated DeltaNet state update and MoE routing are not recorded), with
 no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
 inputs and split KV sharing), and without ``--compile``. Elsewhere the step runs eagerly as
@@ -37,6 +40,7 @@ log = logging.getLogger("dflash_server")
 
 MIN_SPAN = 256  # the smallest span of cache rows a recorded step attends over
 MAX_ROWS = 32   # verify blocks up to this many rows are recorded
+MAX_ROW_SETS = 64  # sets of sequence slots whose batched decode rows get graphs (others: eager)
 
 
 def unsupported(stage) -> str | None:
@@ -63,6 +67,7 @@ class _Graph:
     inp: torch.Tensor          # (1, T) token ids, or (1, T, H) hidden states
     pos: torch.Tensor          # (T,) the rows' positions
     rows: torch.Tensor         # (T,) 0..T-1
+    lanes: tuple[int, ...] | None  # rows of several slots: each row's slot (ascending)
     ptrs: tuple[int, ...]      # the state tensors' addresses when recorded
     graph: object | None = None
     outs: tuple | None = None  # the recorded step's outputs (h, layer outputs, logits)
@@ -71,7 +76,7 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, stage, record: bool = True, min_span: int = MIN_SPAN):
         self.stage, self.record, self.min_span, self.max_rows = stage, record, min_span, MAX_ROWS
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if record else None
         self.recorded = 0
         self.replays = 0
@@ -83,30 +88,38 @@ class DecodeGraphs:
             s *= 2
         return min(s, self.stage.max_ctx)
 
-    def _ptrs(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for s in self.stage.states if s.kind == "kv" for t in (s.k, s.v))
+    def _states(self, lanes) -> list:
+        """What the layers write: the selected slot's states, or (rows of several slots) the
+        KV banks of all slots."""
+        return self.stage.states if lanes is None else self.stage.banks
 
-    def _step(self, inp: torch.Tensor, pos: torch.Tensor, span: int):
+    def _ptrs(self, lanes=None) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for s in self._states(lanes) if s is not None and s.kind == "kv" for t in (s.k, s.v))
+
+    def _step(self, inp: torch.Tensor, pos: torch.Tensor, span: int, lanes: tuple[int, ...] | None = None):
         """The step with its positions as a tensor (what is recorded)."""
         st = self.stage
         ctx = ForwardContext(0, pos.shape[0], st.rope.cos.index_select(0, pos), st.rope.sin.index_select(0, pos))
         ctx.graph_pos, ctx.graph_span = pos, span
+        if lanes is not None:
+            ctx.graph_lanes = lanes
+            ctx.graph_lane_ids = torch.tensor(lanes, device=pos.device)
         if st.rope_local is not None:
             ctx.cos_local = st.rope_local.cos.index_select(0, pos)
             ctx.sin_local = st.rope_local.sin.index_select(0, pos)
         h = st._inputs(inp, ctx, None)
         outs = []
-        for layer, state in zip(st.layers, st.states):
+        for layer, state in zip(st.layers, self._states(lanes)):
             h = layer(h, ctx, state)
             outs.append(h)
         logits = st._head(st.final_norm(h)) if st.is_last else None
         return h, outs, logits
 
-    def _new(self, span: int, x: torch.Tensor, start: int, ptrs: tuple[int, ...]) -> _Graph:
+    def _new(self, span: int, x: torch.Tensor, pos: torch.Tensor, ptrs: tuple[int, ...], lanes=None) -> _Graph:
         st = self.stage
         rows = torch.arange(x.shape[1], device=st.device)
         g = _Graph(span, torch.empty(x.shape, dtype=torch.long if st.is_first else st.dtype, device=st.device),
-                   rows + start, rows, ptrs)
+                   pos.clone(), rows, lanes, ptrs)
         if not self.record:
             return g
         g.inp.copy_(x)
@@ -114,14 +127,21 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(st.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(g.inp, g.pos, span)
+                self._step(g.inp, g.pos, span, lanes)
         torch.cuda.current_stream(st.device).wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
         # (thread_local: another thread's CUDA work, e.g. a disk-cache write, does not break it)
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-            g.outs = self._step(g.inp, g.pos, span)
+            g.outs = self._step(g.inp, g.pos, span, lanes)
         self.recorded += 1
         return g
+
+    def _run(self, g: _Graph):
+        if g.graph is None:
+            return self._step(g.inp, g.pos, g.span, g.lanes)
+        g.graph.replay()
+        self.replays += 1
+        return g.outs
 
     def step(self, x: torch.Tensor, start: int, capture=()):
         """T rows at ``start`` (x: (1, T) ids or (1, T, H) hidden, on the stage's device):
@@ -131,14 +151,34 @@ class DecodeGraphs:
         ptrs = self._ptrs()
         g = self.graphs.get(key)
         if g is None or g.ptrs != ptrs:  # (a state tensor that moved: record again)
-            g = self.graphs[key] = self._new(key[1], x, start, ptrs)
+            pos = torch.arange(start, start + T, device=self.stage.device)
+            g = self.graphs[key] = self._new(key[1], x, pos, ptrs)
         g.inp.copy_(x)
         torch.add(g.rows, start, out=g.pos)
-        if g.graph is None:
-            h, outs, logits = self._step(g.inp, g.pos, g.span)
-        else:
-            g.graph.replay()
-            self.replays += 1
-            h, outs, logits = g.outs
+        h, outs, logits = self._run(g)
         caps = {layer.index: o.clone() for layer, o in zip(self.stage.layers, outs) if layer.index in capture}
         return h.clone(), caps, None if logits is None else logits.clone()
+
+    def step_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int], capture=()):
+        """One decode row in each of several slots (``LocalStage.forward_rows``), or None
+        where this set of slots has no graph and no room for one (the caller runs it eagerly).
+        Rows run ordered by slot; the results come back in the caller's order."""
+        order = sorted(range(len(lanes)), key=lanes.__getitem__)
+        key_lanes = tuple(lanes[i] for i in order)
+        key = ("rows", key_lanes, self.span(max(positions) + 1))
+        ptrs = self._ptrs(key_lanes)
+        g = self.graphs.get(key)
+        if g is None or g.ptrs != ptrs:
+            if g is None and sum(k[0] == "rows" for k in self.graphs) >= MAX_ROW_SETS:
+                return None
+            pos = torch.tensor([positions[i] for i in order], device=self.stage.device)
+            g = self.graphs[key] = self._new(key[2], x[:, order], pos, ptrs, key_lanes)
+        perm = torch.tensor(order, device=x.device)
+        g.inp.copy_(x.index_select(1, perm))
+        g.pos.copy_(torch.tensor([positions[i] for i in order]))
+        h, outs, logits = self._run(g)
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(len(order), device=perm.device)
+        caps = {layer.index: o.index_select(1, back) for layer, o in zip(self.stage.layers, outs)
+                if layer.index in capture}
+        return h.index_select(1, back), caps, None if logits is None else logits.index_select(1, back)

@@ -288,6 +288,23 @@ class LocalStage:
             out.head_logits, out.hidden = (head[0, -1:] if logits == "last" else head[0]), None
         return out
 
+    def _graph_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int], capture) -> StageOutput | None:
+        """``forward_rows`` through the stage's CUDA graphs, or None (eagerly then)."""
+        try:
+            got = self._graphs.step_rows(x, lanes, positions, capture)
+        except RuntimeError as e:
+            log.warning("CUDA graphs off on %s: %s", self.label, str(e).strip().splitlines()[0])
+            self._graphs = None
+            return None
+        if got is None:
+            return None
+        h, caps, head = got
+        for lane, pos in zip(lanes, positions):
+            self.lanes[lane].length = pos + 1
+        if self.is_last:
+            return StageOutput(hidden=None, head_logits=head[0], captures=caps)
+        return StageOutput(hidden=h, captures=caps)
+
     def _linears(self):
         mods = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
         return mods + ([self.lm_head] if self.lm_head is not None else [])
@@ -434,6 +451,8 @@ class LocalStage:
         if self.lanes[0].pool is not None:
             return self._rows_one_by_one(x, lanes, positions, capture, carry)
         x = x.to(self.device)
+        if self._graphs is not None and not carry and (out := self._graph_rows(x, lanes, positions, capture)):
+            return out
         idx = torch.tensor(positions, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
                              positions=tuple(positions))
