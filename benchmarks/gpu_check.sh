@@ -11,10 +11,11 @@
 # the wheels into /tmp/site (beside the image's torch), runs the tests that need CUDA
 # (tests/model/test_cuda.py and the Gated DeltaNet op test; the native CPU kernels are built
 # inside their time, ~1 min), benchmarks/gpu_check.py (decode with and without CUDA graphs,
-# DFlash, DDTree, split, prefix cache, KV Flash, --compile through the CLI) and
+# DFlash, DDTree, split, prefix cache, KV Flash, --compile through the CLI),
+# benchmarks/gpu_batch.py (batched decoding of 4 requests, graphs vs eager) and
 # benchmarks/gpu_profile.py (where an eager decode step's time goes), leaving JSON and logs
 # in $OUT. Limits and subsets by environment: TESTS_S / TESTS_K (pytest -k), CHECK_S /
-# GPU_CHECK_RUNS (names of gpu_check.py's runs), PROFILE_S (0 skips the profile). The whole
+# GPU_CHECK_RUNS (names of gpu_check.py's runs), BATCH_S and PROFILE_S (0 skips them). The whole
 # check takes ~8 min; a second round on a fresh machine needs --stash again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +65,11 @@ timeout ${TESTS_S:-240} python3 -m pytest -q -rs -p no:cacheprovider -k "${TESTS
   tests/model/test_cuda.py \
   "tests/model/test_gdn_ops.py::test_cuda_matches_cpu" 2>&1 | tee "$OUT/tests.txt" | tail -40
 timeout ${CHECK_S:-420} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
+# batched decoding (--parallel 4), graphs vs eager: fp32 (tokens must match) and the default dtype
+if [ "${BATCH_S:-120}" != 0 ]; then
+  timeout ${BATCH_S:-120} python3 benchmarks/gpu_batch.py --device cuda --out "$OUT/gpu_batch.json" 2>&1 | tail -3
+  timeout ${BATCH_S:-120} python3 benchmarks/gpu_batch.py --device cuda --dtype auto --out "$OUT/gpu_batch_bf16.json" 2>&1 | tail -3
+fi
 # (whole log to the file: a `| head` after tee would cut the file short when head exits)
 if [ "${PROFILE_S:-60}" != 0 ]; then
   timeout ${PROFILE_S:-60} python3 benchmarks/gpu_profile.py --device cuda --out "$OUT/gpu_profile.json" \
