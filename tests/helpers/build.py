@@ -33,3 +33,17 @@ def prompt_ids(pipe, n: int, seed: int = 0) -> list[int]:
     while len(ids) < n:
         ids.append(int(torch.randint(0, 1000, (1,), generator=g)))
     return ids
+
+
+def start_slots(pipes, prompts) -> tuple[list[int], list[int]]:
+    """Prefill ``prompts[i]`` into slot i of each pipeline; (positions, the first pipeline's
+    greedy next token per slot)."""
+    toks = []
+    for p in pipes:
+        for lane, ids in enumerate(prompts):
+            p.select(lane)
+            p.reset()
+            last = p.forward(ids, 0, logits="last")
+            if p is pipes[0]:
+                toks.append(int(last.logits[-1].argmax()))
+    return [len(ids) for ids in prompts], toks

@@ -16,7 +16,7 @@ from dflash_server.runtime.placement import plan_placement
 from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.weights.loader import open_model
-from helpers.build import pipeline, prompt_ids
+from helpers.build import pipeline, prompt_ids, start_slots
 
 from .test_dflash import random_draft
 
@@ -115,14 +115,7 @@ def test_cuda_graphs_for_rows_of_several_slots(tiny_dir):
     st = graph.stages[0]
     assert st.use_cuda_graphs() is None
     prompts = [prompt_ids(eager, n, seed=n) for n in (5, 17, 9, 12)]
-    pos, toks = [len(p) for p in prompts], []
-    for p in (eager, graph):
-        for lane, ids in enumerate(prompts):
-            p.select(lane)
-            p.reset()
-            last = p.forward(ids, 0, logits="last")
-            if p is eager:
-                toks.append(int(last.logits[-1].argmax()))
+    pos, toks = start_slots((eager, graph), prompts)
     kept = []
     for step in range(40):
         active = ([0, 1, 2, 3], [2, 0], [1, 2], [3, 1, 0])[step % 4]

@@ -11,7 +11,7 @@ from dflash_server.runtime.pipeline import build_pipeline
 from dflash_server.runtime.placement import plan_placement
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.weights.loader import open_model
-from helpers.build import greedy, pipeline, prompt_ids
+from helpers.build import greedy, pipeline, prompt_ids, start_slots
 
 from .test_dflash import random_draft
 
@@ -181,15 +181,7 @@ def test_graph_rows_of_several_slots_equal_eager(tiny_dir, family):
     path = tiny_dir(family)
     eager, graph = pipeline(path, lanes=4), graphed(path, lanes=4)
     prompts = [prompt_ids(eager, n, seed=n) for n in (5, 17, 9, 12)]
-    pos, toks = [], []
-    for p in (eager, graph):
-        for lane, ids in enumerate(prompts):
-            p.select(lane)
-            p.reset()
-            last = p.forward(ids, 0, logits="last")
-            if p is eager:
-                pos.append(len(ids))
-                toks.append(int(last.logits[-1].argmax()))
+    pos, toks = start_slots((eager, graph), prompts)
     sets = ([0, 1, 2, 3], [2, 0], [1, 2], [3, 1, 0], [0, 1, 2, 3], [3, 2], [1, 3, 2])
     st = graph.stages[0]
     for step, active in enumerate(sets):
