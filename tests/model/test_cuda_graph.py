@@ -205,3 +205,23 @@ def test_graph_rows_of_several_slots_equal_eager(tiny_dir, family):
     assert [s.length for s in st.lanes] == pos
     rows = sorted(k[1] for k in st._graphs.graphs if k[0] == "rows")
     assert rows == [(1, 2, 3)]   # the sets were cleared at step 5 (then eager), then one recorded
+
+
+def test_a_failed_recording_turns_graphs_off_and_the_step_runs_eagerly(tiny_dir, monkeypatch, caplog):
+    path = tiny_dir("llama")
+    eager, graph = pipeline(path, lanes=2), graphed(path, lanes=2)
+    ids = prompt_ids(eager, 7)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    st = graph.stages[0]
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(st._graphs, "step", broken)
+    with caplog.at_level("WARNING", logger="dflash_server"):
+        b = graph.forward([5], len(ids), logits="last")
+    a = eager.forward([5], len(ids), logits="last")
+    assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4) and st._graphs is None
+    assert "CUDA graphs off on cpu: operation not permitted" in caplog.text
+    assert graph.stages[0].length == len(ids) + 1

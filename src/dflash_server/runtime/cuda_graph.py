@@ -27,7 +27,6 @@ masks and spans are tested on a machine without a GPU.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +34,6 @@ import torch
 from ..layers.attention import Attention
 from ..layers.context import ForwardContext
 from ..layers.mlp import SwiGLU
-
-log = logging.getLogger("dflash_server")
 
 MIN_SPAN = 256  # the smallest span of cache rows a recorded step attends over
 MAX_ROWS = 32   # verify blocks up to this many rows are recorded

@@ -259,8 +259,8 @@ class LocalStage:
         self._compiled_verify_rows = 0 if recurrent else COMPILED_MAX_ROWS
 
     def use_cuda_graphs(self, record: bool = True) -> str | None:
-        """Run single-token steps through CUDA graphs (runtime.cuda_graph) where this stage
-        allows; returns why not, or None. ``record=False``: the graphs' step without recording
+        """Run decode steps, verify blocks and batched decode rows through CUDA graphs
+        (runtime.cuda_graph) where this stage allows; returns why not, or None. ``record=False``: the graphs' step without recording
         (tests on a machine without a GPU)."""
         from .cuda_graph import DecodeGraphs, unsupported
 
@@ -272,16 +272,22 @@ class LocalStage:
         self._graphs = None if why else DecodeGraphs(self, record=record)
         return why
 
-    def _graph_step(self, x: torch.Tensor, start: int, logits: str, capture) -> StageOutput | None:
-        """A step (one token, or a verify block under a checkpoint) through the stage's CUDA
-        graphs, or None where they are off (a failed recording turns them off for good, with a
-        warning, and the step runs eagerly)."""
+    def _graphed(self, run):
+        """``run(graphs)``; a failed recording turns the stage's CUDA graphs off for good, with
+        a warning, and returns None (the step then runs eagerly)."""
         try:
-            h, caps, head = self._graphs.step(x, start, capture)
+            return run(self._graphs)
         except RuntimeError as e:
             log.warning("CUDA graphs off on %s: %s", self.label, str(e).strip().splitlines()[0])
             self._graphs = None
             return None
+
+    def _graph_step(self, x: torch.Tensor, start: int, logits: str, capture) -> StageOutput | None:
+        """A step (one token, or a verify block under a checkpoint) through the CUDA graphs."""
+        got = self._graphed(lambda g: g.step(x, start, capture))
+        if got is None:
+            return None
+        h, caps, head = got
         self.length = start + x.shape[1]
         out = StageOutput(hidden=h, captures=caps)
         if self.is_last and logits != "none":
@@ -289,13 +295,8 @@ class LocalStage:
         return out
 
     def _graph_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int], capture) -> StageOutput | None:
-        """``forward_rows`` through the stage's CUDA graphs, or None (eagerly then)."""
-        try:
-            got = self._graphs.step_rows(x, lanes, positions, capture)
-        except RuntimeError as e:
-            log.warning("CUDA graphs off on %s: %s", self.label, str(e).strip().splitlines()[0])
-            self._graphs = None
-            return None
+        """``forward_rows`` through the CUDA graphs, or None (a set of slots with no room)."""
+        got = self._graphed(lambda g: g.step_rows(x, lanes, positions, capture))
         if got is None:
             return None
         h, caps, head = got
