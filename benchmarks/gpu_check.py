@@ -43,14 +43,13 @@ def run(device: str, max_tokens: int, *extra: str, prompt: str | None = PROMPT) 
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     out = {"args": list(extra), "rc": r.returncode, "wall_s": round(time.perf_counter() - t, 2),
-           "memory_line": next((ln for ln in r.stderr.splitlines() if "memory estimate" in ln), None),
-           "graphs_line": next((ln for ln in r.stderr.splitlines() if "CUDA graphs" in ln), None)}
+           "memory_line": next((ln for ln in r.stderr.splitlines() if "memory estimate" in ln), None)}
     if r.returncode != 0:
         out["stderr_tail"] = r.stderr[-3000:]
         return out
     res = json.loads(r.stdout.strip().splitlines()[-1])
     out.update(text=res.get("text"), token_ids=res.get("token_ids"), timings=res.get("timings"),
-               spec=res.get("spec") or res.get("extra", {}).get("spec"))
+               spec=res.get("spec") or res.get("extra", {}).get("spec"), cuda_graphs=res.get("cuda_graphs"))
     return out
 
 
@@ -130,7 +129,7 @@ def main():
     for k, v in checks.items():
         tm = v.get("timings") or {}
         print(f"{k:24s} rc={v['rc']} decode_tok_s={tm.get('decode_tokens_per_s')} "
-              f"prefill_s={tm.get('prefill_s')}")
+              f"prefill_s={tm.get('prefill_s')} graphs={v.get('cuda_graphs')}")
     print(json.dumps(equal))
     sys.exit(1 if summary["failed"] else 0)
 

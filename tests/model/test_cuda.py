@@ -96,6 +96,7 @@ def test_cuda_graphs_equal_eager(tiny_dir, family):
         tok = int(a.logits[-1].argmax())
     assert all(torch.equal(x, y) for x, y in kept)
     assert st._graphs.recorded == 2 and st._graphs.replays == 300
+    assert graph.cuda_graph_stats() == {GPU: {"recorded": 2, "replays": 300}} and eager.cuda_graph_stats() == {GPU: None}
     ref = gen(eager, ids).token_ids
     assert gen(graph, ids).token_ids == ref
     assert st._graphs.recorded == 2

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
                           "completion_tokens": res.completion_tokens, "finish_reason": res.finish_reason,
                           "timings": res.timings(), "spec": res.extra.get("spec"),
-                          "pflash": res.extra.get("pflash")}))
+                          "pflash": res.extra.get("pflash"), "cuda_graphs": pipeline.cuda_graph_stats() or None}))
     else:
         sys.stdout.write("\n")
         t = res.timings()

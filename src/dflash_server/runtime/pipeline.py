@@ -206,6 +206,13 @@ class TargetPipeline:
         return {st.label: st.use_cuda_graphs() for st in self.stages
                 if not st.is_remote and st.device.type == "cuda"}
 
+    def cuda_graph_stats(self) -> dict[str, dict | None]:
+        """Per GPU stage of this process: graphs recorded and replayed, or None where they
+        are off (never on, or turned off by a failed recording)."""
+        return {st.label: None if st._graphs is None else {"recorded": st._graphs.recorded,
+                                                           "replays": st._graphs.replays}
+                for st in self.stages if not st.is_remote and st.device.type == "cuda"}
+
     def embed(self, ids: torch.Tensor, raw: bool = False) -> torch.Tensor:
         """Target token embeddings (the draft borrows them): (1, T) -> (1, T, H). ``raw``:
         the embedding rows themselves, without a family's scale (Gemma's sqrt(hidden))."""
