@@ -50,6 +50,21 @@ class StepCosts:
         """Candidates not yet measured twice (each is tried twice before it is judged)."""
         return [b for b in self.candidates if self.samples.get(b, 0) < 2]
 
+    def worth_exploring(self, bound_tokens: float, rates: dict[int, float]) -> int | None:
+        """The smallest candidate not yet judged, if measuring it may pay, else None.
+        Candidates are explored from the smallest up; a larger one costs at least the largest
+        judged smaller one, and is taken to commit at most ``bound_tokens`` (the caller's
+        estimate for the largest candidate), so once that rate is below the best judged one
+        (``rates``), the rest stay unmeasured until the estimate rises."""
+        fresh = self.fresh()
+        if not fresh:
+            return None
+        nxt = fresh[0]
+        floor = max((self.cost[b] for b in rates if b < nxt), default=0.0)
+        if not floor or bound_tokens / floor > max(rates.values()):
+            return nxt
+        return None
+
     def measure(self, b: int, seconds: float) -> None:
         if b not in self.candidates:
             return
@@ -133,16 +148,13 @@ class BlockSizer(StepCosts):
     def choose(self) -> int:
         acc = self.acceptance()
         fresh = self.fresh()
-        judged = [b for b in self.candidates if b not in fresh]
-        rate = {b: self.expected_tokens(b, acc) / self.cost[b] for b in judged}
-        if fresh:
-            nxt = fresh[0]
-            floor = max((self.cost[b] for b in judged if b < nxt), default=0.0)
-            if not floor or self.expected_tokens(self.max_block, acc) / floor > max(rate.values()):
-                return nxt
+        rate = {b: self.expected_tokens(b, acc) / self.cost[b] for b in self.candidates if b not in fresh}
+        nxt = self.worth_exploring(self.expected_tokens(self.max_block, acc), rate)
+        if nxt is not None:
+            return nxt
         if self.steps % self.explore_every == self.explore_every - 1:
-            return min(judged, key=lambda b: self.measured[b])
-        return max(judged, key=rate.__getitem__)
+            return min(rate, key=lambda b: self.measured[b])
+        return max(rate, key=rate.__getitem__)
 
     def observe(self, block: int, accepted: int | None, seconds: float) -> None:
         """A step with ``block`` rows took ``seconds``; ``accepted`` drafts matched (None when
