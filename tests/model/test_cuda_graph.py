@@ -225,3 +225,30 @@ def test_a_failed_recording_turns_graphs_off_and_the_step_runs_eagerly(tiny_dir,
     assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4) and st._graphs is None
     assert "CUDA graphs off on cpu: operation not permitted" in caplog.text
     assert graph.stages[0].length == len(ids) + 1
+
+
+def test_graphs_kept_are_bounded_least_recently_used_first(tiny_dir, monkeypatch):
+    """Past MAX_GRAPHS the least recently used graph is dropped (a key used again moves to
+    the back), and a dropped key is simply recorded again when needed: results unchanged."""
+    import dflash_server.runtime.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "MAX_GRAPHS", 3)
+    path = tiny_dir("llama")
+    eager, graph = pipeline(path), graphed(path)
+    ids = prompt_ids(eager, 5)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    g = graph.stages[0]._graphs
+    pos = len(ids)
+    for block in (2, 3, 1, 2, 4, 1, 3):   # rows 1..4 at span 8, then 16
+        toks = list(range(7, 7 + block))
+        for p in (eager, graph):
+            p.checkpoint()
+        a, b = eager.forward(toks, pos, logits="all"), graph.forward(toks, pos, logits="all")
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+        assert len(g.graphs) <= 3
+        for p in (eager, graph):
+            p.rollback(pos + 1)
+        pos += 1
+    assert list(g.graphs) == [(0, 16, 4), (0, 16, 1), (0, 16, 3)]

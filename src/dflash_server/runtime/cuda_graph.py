@@ -18,7 +18,8 @@ to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are
 moving the length back, as in the eager step), and for the decode rows of several sequence
 slots (continuous batching, ``forward_rows``: row b in slot lanes[b] at positions[b]; one
 graph per set of slots and span, at most ``MAX_ROW_SETS`` sets, rows ordered by slot); not
-for DDTree's tree blocks. On a stage whose
+for DDTree's tree blocks. At most ``MAX_GRAPHS`` graphs are kept, the least recently used
+dropped first (its memory goes back to the pool for the next recording). On a stage whose
 layers all attend (the Gated DeltaNet state update and MoE routing are not recorded), with
 no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
 inputs and split KV sharing), and without ``--compile``. Elsewhere the step runs eagerly as
@@ -38,6 +39,10 @@ from ..layers.mlp import SwiGLU
 MIN_SPAN = 256  # the smallest span of cache rows a recorded step attends over
 MAX_ROWS = 32   # verify blocks up to this many rows are recorded
 MAX_ROW_SETS = 64  # sets of sequence slots whose batched decode rows get graphs (others: eager)
+# graphs kept at once, least recently used dropped first: each holds its outputs (a verify
+# block's logits are rows x vocabulary), and block sizes near a request's end, spans and slots
+# multiply the keys
+MAX_GRAPHS = 96
 
 
 def unsupported(stage) -> str | None:
@@ -133,6 +138,19 @@ class DecodeGraphs:
         self.recorded += 1
         return g
 
+    def _get(self, key) -> _Graph | None:
+        """The graph of ``key``, now the most recently used."""
+        g = self.graphs.pop(key, None)
+        if g is not None:
+            self.graphs[key] = g
+        return g
+
+    def _put(self, key, g: _Graph) -> _Graph:
+        self.graphs[key] = g
+        while len(self.graphs) > MAX_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
+        return g
+
     def _run(self, g: _Graph):
         if g.graph is None:
             return self._step(g.inp, g.pos, g.span, g.lanes)
@@ -146,10 +164,10 @@ class DecodeGraphs:
         T = x.shape[1]
         key = (self.stage.lane, self.span(start + T), T)
         ptrs = self._ptrs()
-        g = self.graphs.get(key)
+        g = self._get(key)
         if g is None or g.ptrs != ptrs:  # (a state tensor that moved: record again)
             pos = torch.arange(start, start + T, device=self.stage.device)
-            g = self.graphs[key] = self._new(key[1], x, pos, ptrs)
+            g = self._put(key, self._new(key[1], x, pos, ptrs))
         g.inp.copy_(x)
         torch.add(g.rows, start, out=g.pos)
         h, outs, logits = self._run(g)
@@ -164,12 +182,12 @@ class DecodeGraphs:
         key_lanes = tuple(lanes[i] for i in order)
         key = ("rows", key_lanes, self.span(max(positions) + 1))
         ptrs = self._ptrs(key_lanes)
-        g = self.graphs.get(key)
+        g = self._get(key)
         if g is None or g.ptrs != ptrs:
             if g is None and sum(k[0] == "rows" for k in self.graphs) >= MAX_ROW_SETS:
                 return None
             pos = torch.tensor([positions[i] for i in order], device=self.stage.device)
-            g = self.graphs[key] = self._new(key[2], x[:, order], pos, ptrs, key_lanes)
+            g = self._put(key, self._new(key[2], x[:, order], pos, ptrs, key_lanes))
         perm = torch.tensor(order, device=x.device)
         g.inp.copy_(x.index_select(1, perm))
         g.pos.copy_(torch.tensor([positions[i] for i in order]))
