@@ -11,7 +11,9 @@ smallest power of two of at least ``MIN_SPAN`` rows holding the block, at most t
 masked past each row's position. One graph per (sequence slot, span, rows), recorded the
 first time a step needs it after two eager runs of the same step on a side stream (they
 write the rows the replay writes again), all in one memory pool. Outputs are copied out of
-the graph's buffers, so a caller may keep them across steps.
+the graph's buffers right after each replay: graphs sharing a pool may use one another's
+output memory as scratch, so another graph's replay may overwrite them (inputs and the KV
+caches live outside the pool).
 
 Used for single-token steps (plain decoding, DFlash's plain steps), for verify blocks of up
 to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are dropped by
