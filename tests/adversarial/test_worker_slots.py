@@ -136,3 +136,16 @@ def test_bad_layer_ranges_are_refused_and_the_worker_loads_after(worker):
     assert _call(worker, "load", worker.load_args)[0]["ok"]
     h, out = _call(worker, "forward", {"start": 0, "logits": "last"}, _x(worker, 2))
     assert h["ok"] and out["logits"].shape[-1] > 0
+
+
+def test_cuda_graphs_op_before_load_and_with_junk_arguments(worker):
+    """The CUDA-graphs op: a clear value error before any layers are loaded; junk arguments
+    are ignored (it takes none); a CPU worker's stages take no graphs; the worker serves on."""
+    fresh = authed_worker(SECRET)
+    h, _ = _call(fresh, "cuda_graphs")
+    assert not h["ok"] and h["error"]["kind"] == "value" and "no layers loaded" in h["error"]["message"], h
+    for junk in ({}, {"lane": 0}, {"stages": "all"}, {"x": [1, 2, 3]}):
+        h, _ = _call(worker, "cuda_graphs", junk)
+        assert h["ok"] and h["result"]["stages"] == {}, (junk, h)
+    assert _call(worker, "reset")[0]["ok"]
+    assert _call(worker, "forward", {"start": 0}, _x(worker, 3))[0]["ok"]

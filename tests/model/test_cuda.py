@@ -134,6 +134,21 @@ def test_cuda_graphs_for_rows_of_several_slots(tiny_dir):
     assert st._graphs.recorded == 4 and st._graphs.replays == 40
 
 
+def test_cuda_graphs_in_a_shard_worker_on_the_gpu(tiny_dir):
+    """A GPU stage here and one in a shard worker on the same GPU, both with graphs: the same
+    greedy tokens as the unsplit pipeline without graphs."""
+    path = tiny_dir("llama")
+    whole = pipeline(path, devices=[GPU])
+    split = pipeline(path, devices=[GPU, "remote:" + GPU])
+    try:
+        assert split.use_cuda_graphs() == {GPU: None, "remote:" + GPU: None}
+        ids = prompt_ids(whole, 30)
+        assert gen(split, ids).token_ids == gen(whole, ids).token_ids
+        assert split.cuda_graph_stats()[GPU]["replays"] > 0
+    finally:
+        split.close()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_split_gpu_cpu_equals_unsplit(tiny_dir, family):
     whole = pipeline(tiny_dir(family), devices=[GPU])

@@ -252,3 +252,17 @@ def test_graphs_kept_are_bounded_least_recently_used_first(tiny_dir, monkeypatch
             p.rollback(pos + 1)
         pos += 1
     assert list(g.graphs) == [(0, 16, 4), (0, 16, 1), (0, 16, 3)]
+
+
+def test_shard_worker_answers_for_its_stages(tiny_dir):
+    """A split into a shard worker: the pipeline asks the worker too (its op is kept for a
+    restart); a CPU worker's stages take no graphs, and decoding is unchanged."""
+    path = tiny_dir("llama")
+    pipe = pipeline(path, devices=["cpu", "remote:cpu"])
+    try:
+        assert pipe.use_cuda_graphs() == {}
+        assert ("cuda_graphs", {}) in pipe.stages[-1].link.setup
+        ids = prompt_ids(pipe, 12)
+        assert greedy(pipe, ids, max_tokens=8) == greedy(pipeline(path), ids, max_tokens=8)
+    finally:
+        pipe.close()

@@ -201,10 +201,12 @@ class TargetPipeline:
             st.compile_decode()
 
     def use_cuda_graphs(self) -> dict[str, str | None]:
-        """CUDA graphs for the decode steps of this process's GPU stages: {stage: why not, or
-        None where they are on}."""
-        return {st.label: st.use_cuda_graphs() for st in self.stages
-                if not st.is_remote and st.device.type == "cuda"}
+        """CUDA graphs for the decode steps of the GPU stages, here and in shard workers:
+        {stage: why not, or None where they are on}."""
+        out: dict[str, str | None] = {}
+        for st in self.stages:
+            out.update(st.cuda_graphs())
+        return out
 
     def cuda_graph_stats(self) -> dict[str, dict | None]:
         """Per GPU stage of this process: graphs recorded and replayed, or None where they

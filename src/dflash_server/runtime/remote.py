@@ -94,6 +94,15 @@ class RemoteStage:
             self.link.setup.append(("compile", {}))  # again after a restart
         self._call("compile")
 
+    def cuda_graphs(self) -> dict[str, str | None]:
+        """The worker's GPU stages with CUDA graphs (again after a restart): {remote:label:
+        why not, or None}."""
+        if ("cuda_graphs", {}) not in self.link.setup:
+            self.link.setup.append(("cuda_graphs", {}))
+        res, _ = self._call("cuda_graphs")
+        got = res.get("stages")
+        return {f"remote:{k}": v for k, v in got.items()} if isinstance(got, dict) else {}
+
     def weight_bytes(self) -> int:
         return int(self.link.setup_results[0].get("weight_bytes", 0)) if self.link.setup_results else 0
 

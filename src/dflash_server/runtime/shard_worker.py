@@ -194,6 +194,9 @@ class ShardWorker:
     def op_compile(self, a, t):
         return self._each("compile_decode")
 
+    def op_cuda_graphs(self, a, t):
+        return {"stages": self._need().use_cuda_graphs()}, {}
+
     def op_reset(self, a, t):
         self._select(a)
         return self._each("reset")

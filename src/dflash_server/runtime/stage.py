@@ -272,6 +272,11 @@ class LocalStage:
         self._graphs = None if why else DecodeGraphs(self, record=record)
         return why
 
+    def cuda_graphs(self) -> dict[str, str | None]:
+        """CUDA graphs on a GPU stage (``use_cuda_graphs``): {label: why not, or None}; {} on
+        other devices."""
+        return {self.label: self.use_cuda_graphs()} if self.device.type == "cuda" else {}
+
     def _graphed(self, run):
         """``run(graphs)``; a failed recording turns the stage's CUDA graphs off for good, with
         a warning, and returns None (the step then runs eagerly)."""
