@@ -134,6 +134,23 @@ def test_cuda_graphs_for_rows_of_several_slots(tiny_dir):
     assert st._graphs.recorded == 4 and st._graphs.replays == 40
 
 
+def test_cuda_graphs_on_a_gated_deltanet_model(tiny_dir):
+    """Qwen3.5 on the GPU with graphs, fp32: single-token steps recorded with the recurrent
+    state updated in place (the warm-ups' updates put back), the same greedy tokens as without
+    graphs; with DFlash (verify blocks eager, the state rebound, then copied back onto the
+    pinned tensors) still lossless."""
+    path = tiny_dir("qwen3_5")
+    eager, graph = pipeline(path, devices=[GPU]), pipeline(path, devices=[GPU])
+    assert graph.use_cuda_graphs() == {GPU: None}
+    ids = prompt_ids(eager, 30)
+    ref = gen(eager, ids).token_ids
+    assert gen(graph, ids).token_ids == ref
+    st = graph.stages[0]
+    assert st._graphs is not None and st._graphs.replays > 0, "recording failed (see the warning)"
+    res = gen(graph, ids, proposer=DFlashProposer(gpu_draft(graph, 8), graph, block_size=4))
+    assert res.token_ids == ref and res.extra["spec"]["steps"] > 0
+
+
 def test_cuda_graphs_in_a_shard_worker_on_the_gpu(tiny_dir):
     """A GPU stage here and one in a shard worker on the same GPU, both with graphs: the same
     greedy tokens as the unsplit pipeline without graphs."""

@@ -26,10 +26,11 @@ def graphed(path, min_span=8, **kw):
     return pipe
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_5"])
 def test_graph_step_equals_eager_decode(tiny_dir, family):
     """Logits of each step close to the eager step's, and the same greedy tokens, over spans
-    8..64 (gemma3: sliding-window layers with their own RoPE rows)."""
+    8..64 (gemma3: sliding-window layers with their own RoPE rows; qwen3_5: Gated DeltaNet
+    layers updating their state in place, put back after each recording's warm-ups)."""
     path = tiny_dir(family)
     eager, graph = pipeline(path), graphed(path)
     ids = prompt_ids(eager, 5)
@@ -138,8 +139,37 @@ def test_graphs_with_dflash_prefix_cache_and_slots(tiny_dir):
     assert {lane for lane, _, _ in st._graphs.graphs} == {0, 1}
 
 
+def test_graphs_on_a_gated_deltanet_model_around_dflash_snapshots_and_trees(tiny_dir):
+    """Qwen3.5 (Gated DeltaNet + attention): plain steps through the graphs' step, while DFlash
+    verify blocks, rollbacks, DDTree trees and a prefix-cache restore run eagerly and rebind
+    the recurrent state (copied back onto the pinned tensors before the next step): the same
+    tokens as plain decoding; batched rows of several slots stay eager."""
+    path = tiny_dir("qwen3_5")
+    eager = pipeline(path)
+    ids = prompt_ids(eager, 20)
+    ref = greedy(eager, ids, max_tokens=24)
+    graph = graphed(path)
+    st = graph.stages[0]
+    assert st._graphs.recurrent and st._graphs.max_rows == 1
+    assert greedy(graph, ids, max_tokens=24) == ref
+    for kw in ({"block_size": 4}, {"tree_budget": 6}):
+        prop = DFlashProposer(random_draft(graph, block_size=4), graph, **kw)
+        res = Engine(graph, proposer=prop).generate(GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True))
+        assert res.token_ids == ref and res.extra["spec"]["steps"] > 0, kw
+    assert {t for _, _, t in st._graphs.graphs} == {1}
+    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "The sea?"}]
+    tok = eager.tokenizer
+    more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
+                                    {"role": "user", "content": "Why is it salty?"}])
+    warm = Engine(graphed(path), prefix_slots=4)
+    warm.generate(GenerationRequest(tuple(tok.encode_chat(turns)), max_tokens=8, ignore_eos=True))
+    hit = warm.generate(GenerationRequest(tuple(more), max_tokens=16, ignore_eos=True))
+    assert hit.cached_tokens > 0 and hit.token_ids == greedy(eager, more, max_tokens=16)
+    two = graphed(path, lanes=2)
+    assert two.stages[0]._graphs.step_rows(torch.tensor([[1, 2]]), [0, 1], [3, 3]) is None
+
+
 def test_stages_the_graphs_do_not_take(tiny_dir):
-    assert "recurrent" in unsupported(pipeline(tiny_dir("qwen3_5")).stages[0])
     assert "mixture-of-experts" in unsupported(pipeline(tiny_dir("laguna")).stages[0])
     src = open_model(tiny_dir("llama"))
     shards = plan_placement(src.config.num_layers, ["cpu"], together=src.config.kv_groups())

@@ -69,7 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the single-token decode step (slow first start, faster decode)")
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
                    help="replay GPU stages' decode steps, DFlash verify blocks and batched decode rows as CUDA "
-                        "graphs (auto: where the stage allows it: attention-only layers, no KV Flash, no --compile)")
+                        "graphs (auto: where the stage allows it: no MoE layers, no KV Flash, no --compile)")
     g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--kernels", choices=["native", "aten"], default=None,
                    help="CPU kernels of quantized linears, RMSNorm and decode/verify attention: 'native' (default; "

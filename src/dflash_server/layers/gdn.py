@@ -143,15 +143,21 @@ class GatedDeltaNet(nn.Module):
         if ctx.tree is not None:
             return self._tree(x, ctx, state)
         mixed = self.in_proj(x)
-        if self.native_ok(x):
+        if ctx.graph_pos is None and self.native_ok(x):
             if ctx.record:
                 state.records.append(("native", mixed, self._replay))
             o, state.conv, state.ssm = self._native(mixed, state.conv, state.ssm)
             return self.out_proj(o)
         qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         qkv_t = qkv.transpose(1, 2)  # (B, C, T)
+        conv0, ssm0 = state.conv, state.ssm
         y, state.conv = causal_conv1d(qkv_t, state.conv, self.conv_weight)
-        return self.out_proj(self._mix(x, y, z, b, a, ctx, state, qkv_t))
+        out = self._mix(x, y, z, b, a, ctx, state, qkv_t)
+        if ctx.graph_pos is not None:  # a CUDA-graph step: the new state into the tensors it read
+            conv0.copy_(state.conv)
+            ssm0.copy_(state.ssm)
+            state.conv, state.ssm = conv0, ssm0
+        return self.out_proj(out)
 
     def _tree(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
         """DDTree verify rows: each row is one decode step from its parent row's state (the

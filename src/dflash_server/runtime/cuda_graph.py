@@ -10,10 +10,14 @@ RoPE rows and the causal mask from them, and attends over a fixed span of the ca
 smallest power of two of at least ``MIN_SPAN`` rows holding the block, at most the context),
 masked past each row's position. One graph per (sequence slot, span, rows), recorded the
 first time a step needs it after two eager runs of the same step on a side stream (they
-write the rows the replay writes again), all in one memory pool. Outputs are copied out of
+write the rows the replay writes again; recurrent states are put back after them), all in
+one memory pool (``record=False`` runs the warm-ups too). Outputs are copied out of
 the graph's buffers right after each replay: graphs sharing a pool may use one another's
 output memory as scratch, so another graph's replay may overwrite them (inputs and the KV
 caches live outside the pool).
+
+Gated DeltaNet layers update their recurrent state in place in a recorded step (on tensors
+pinned per slot); their stages record single-token steps outside a checkpoint only.
 
 Used for single-token steps (plain decoding, DFlash's plain steps), for verify blocks of up
 to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are dropped by
@@ -21,21 +25,22 @@ moving the length back, as in the eager step), and for the decode rows of severa
 slots (continuous batching, ``forward_rows``: row b in slot lanes[b] at positions[b]; one
 graph per set of slots and span, at most ``MAX_ROW_SETS`` sets, rows ordered by slot); not
 for DDTree's tree blocks. At most ``MAX_GRAPHS`` graphs are kept, the least recently used
-dropped first (its memory goes back to the pool for the next recording). On a stage whose
-layers all attend (the Gated DeltaNet state update and MoE routing are not recorded), with
-no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
+dropped first (its memory goes back to the pool for the next recording). On a stage without MoE
+layers (their routing is not recorded), with no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
 inputs and split KV sharing), and without ``--compile``. Elsewhere the step runs eagerly as
 before. ``record=False`` runs the graph's step without recording it: how its positions,
 masks and spans are tested on a machine without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from ..layers.attention import Attention
 from ..layers.context import ForwardContext
+from ..layers.gdn import GatedDeltaNet
 from ..layers.mlp import SwiGLU
 
 MIN_SPAN = 256  # the smallest span of cache rows a recorded step attends over
@@ -54,8 +59,12 @@ def unsupported(stage) -> str | None:
     if any(lane.pool is not None for lane in stage.lanes):
         return "KV Flash pools"
     for layer in stage.layers:
+        if isinstance(layer.mixer, GatedDeltaNet):
+            if not isinstance(layer.mlp, SwiGLU):
+                return "mixture-of-experts layers"
+            continue
         if not isinstance(layer.mixer, Attention):
-            return "recurrent (Gated DeltaNet) layers"
+            return f"{type(layer.mixer).__name__} layers"
         if layer.mixer.kv_role == "mirror":
             return "KV-shared layers split from their source"
         if not isinstance(layer.mlp, SwiGLU):
@@ -79,7 +88,14 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, stage, record: bool = True, min_span: int = MIN_SPAN):
-        self.stage, self.record, self.min_span, self.max_rows = stage, record, min_span, MAX_ROWS
+        self.stage, self.record, self.min_span = stage, record, min_span
+        # Gated DeltaNet layers: single-token steps outside a checkpoint only (their verify
+        # blocks record what a rollback replays; batched rows keep a state per slot), on state
+        # tensors pinned per slot: a step updates them in place, and a state rebound since
+        # (rollback, restore, tree) is copied back into them before the next step
+        self.recurrent = any(s.kind == "recurrent" for s in stage.states)
+        self.max_rows = 1 if self.recurrent else MAX_ROWS
+        self.pins: dict[int, list] = {}
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if record else None
         self.recorded = 0
@@ -98,7 +114,20 @@ class DecodeGraphs:
         return self.stage.states if lanes is None else self.stage.banks
 
     def _ptrs(self, lanes=None) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for s in self._states(lanes) if s is not None and s.kind == "kv" for t in (s.k, s.v))
+        return tuple(t.data_ptr() for s in self._states(lanes) if s is not None
+                     for t in ((s.k, s.v) if s.kind == "kv" else (s.conv, s.ssm) if s.kind == "recurrent" else ()))
+
+    def _pin(self) -> None:
+        """The selected slot's recurrent states on their pinned tensors (the first ones seen)."""
+        rec = [s for s in self.stage.states if s.kind == "recurrent"]
+        pins = self.pins.setdefault(self.stage.lane, [(s.conv, s.ssm) for s in rec])
+        for s, (conv, ssm) in zip(rec, pins):
+            if s.conv is not conv:
+                conv.copy_(s.conv)
+                s.conv = conv
+            if s.ssm is not ssm:
+                ssm.copy_(s.ssm)
+                s.ssm = ssm
 
     def _step(self, inp: torch.Tensor, pos: torch.Tensor, span: int, lanes: tuple[int, ...] | None = None):
         """The step with its positions as a tensor (what is recorded)."""
@@ -124,15 +153,24 @@ class DecodeGraphs:
         rows = torch.arange(x.shape[1], device=st.device)
         g = _Graph(span, torch.empty(x.shape, dtype=torch.long if st.is_first else st.dtype, device=st.device),
                    pos.clone(), rows, lanes, ptrs)
-        if not self.record:
-            return g
         g.inp.copy_(x)
-        side = torch.cuda.Stream(st.device)
-        side.wait_stream(torch.cuda.current_stream(st.device))
-        with torch.cuda.stream(side):
+        # two warm-up runs (on a side stream where recorded): they write the K/V rows the step
+        # writes anyway, and advance recurrent states, which are put back after them
+        rec = [s for s in self._states(lanes) if s is not None and s.kind == "recurrent"]
+        saved = [(s.conv.clone(), s.ssm.clone()) for s in rec]
+        side = torch.cuda.Stream(st.device) if self.record else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(st.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for _ in range(2):
                 self._step(g.inp, g.pos, span, lanes)
-        torch.cuda.current_stream(st.device).wait_stream(side)
+        if side is not None:
+            torch.cuda.current_stream(st.device).wait_stream(side)
+        for s, (conv, ssm) in zip(rec, saved):
+            s.conv.copy_(conv)
+            s.ssm.copy_(ssm)
+        if not self.record:
+            return g
         g.graph = torch.cuda.CUDAGraph()
         # (thread_local: another thread's CUDA work, e.g. a disk-cache write, does not break it)
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
@@ -165,6 +203,8 @@ class DecodeGraphs:
         (hidden (1, T, H), {layer id: output} for ``capture``, logits (1, T, V) or None)."""
         T = x.shape[1]
         key = (self.stage.lane, self.span(start + T), T)
+        if self.recurrent:
+            self._pin()
         ptrs = self._ptrs()
         g = self._get(key)
         if g is None or g.ptrs != ptrs:  # (a state tensor that moved: record again)
@@ -180,6 +220,8 @@ class DecodeGraphs:
         """One decode row in each of several slots (``LocalStage.forward_rows``), or None
         where this set of slots has no graph and no room for one (the caller runs it eagerly).
         Rows run ordered by slot; the results come back in the caller's order."""
+        if self.recurrent:
+            return None
         order = sorted(range(len(lanes)), key=lanes.__getitem__)
         key_lanes = tuple(lanes[i] for i in order)
         key = ("rows", key_lanes, self.span(max(positions) + 1))

@@ -385,7 +385,8 @@ class LocalStage:
             raise ValueError(f"positions up to {start + T} exceed the context size {self.max_ctx}")
         x = x.to(self.device)
         if (self._graphs is not None and tree is None and not carry
-                and (T == 1 or (self._ckpt_length is not None and T <= self._graphs.max_rows))
+                and (T == 1 if self._ckpt_length is None else
+                     (not self._graphs.recurrent and T <= self._graphs.max_rows))
                 and (out := self._graph_step(x, start, logits, capture)) is not None):
             return out
         if tree is not None:
