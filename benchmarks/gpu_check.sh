@@ -16,7 +16,8 @@
 # benchmarks/gpu_profile.py (where an eager decode step's time goes), leaving JSON and logs
 # in $OUT. Limits and subsets by environment: TESTS_S / TESTS_K (pytest -k), CHECK_S /
 # GPU_CHECK_RUNS (names of gpu_check.py's runs), BATCH_S and PROFILE_S (0 skips them). The whole
-# check takes ~8 min; a second round on a fresh machine needs --stash again.
+# check takes ~9-10 min (run it with timeout_s 590: gpu_check.json is written after every CLI run,
+# so a cut-short check keeps what it ran); a second round on a fresh machine needs --stash again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STASH=/tmp/dflash-gpu
