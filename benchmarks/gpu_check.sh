@@ -65,15 +65,15 @@ export PYTHONPATH=$SITE:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 DFLASH_KERNELS_CA
 timeout ${TESTS_S:-240} python3 -m pytest -q -rs -p no:cacheprovider -k "${TESTS_K:-}" \
   tests/model/test_cuda.py \
   "tests/model/test_gdn_ops.py::test_cuda_matches_cpu" 2>&1 | tee "$OUT/tests.txt" | tail -40
-timeout ${CHECK_S:-420} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
+timeout ${CHECK_S:-330} python3 benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.txt"
 # batched decoding (--parallel 4), graphs vs eager: fp32 (tokens must match) and the default dtype
-if [ "${BATCH_S:-120}" != 0 ]; then
-  timeout ${BATCH_S:-120} python3 benchmarks/gpu_batch.py --device cuda --out "$OUT/gpu_batch.json" 2>&1 | tail -3
-  timeout ${BATCH_S:-120} python3 benchmarks/gpu_batch.py --device cuda --dtype auto --out "$OUT/gpu_batch_bf16.json" 2>&1 | tail -3
+if [ "${BATCH_S:-60}" != 0 ]; then
+  timeout ${BATCH_S:-60} python3 benchmarks/gpu_batch.py --device cuda --out "$OUT/gpu_batch.json" 2>&1 | tail -3
+  timeout ${BATCH_S:-60} python3 benchmarks/gpu_batch.py --device cuda --dtype auto --out "$OUT/gpu_batch_bf16.json" 2>&1 | tail -3
 fi
 # (whole log to the file: a `| head` after tee would cut the file short when head exits)
-if [ "${PROFILE_S:-60}" != 0 ]; then
-  timeout ${PROFILE_S:-60} python3 benchmarks/gpu_profile.py --device cuda --out "$OUT/gpu_profile.json" \
+if [ "${PROFILE_S:-30}" != 0 ]; then
+  timeout ${PROFILE_S:-30} python3 benchmarks/gpu_profile.py --device cuda --out "$OUT/gpu_profile.json" \
     > "$OUT/gpu_profile.txt" 2>&1
   grep -m1 '"step_ms"' "$OUT/gpu_profile.txt"
 fi
