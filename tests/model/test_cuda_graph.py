@@ -26,6 +26,19 @@ def graphed(path, min_span=8, **kw):
     return pipe
 
 
+def check_prefix_hit(path, eager):
+    """A second chat turn through the graphs' step restores the first turn's snapshot (a
+    prefix-cache hit) and gives what eager decoding of the whole conversation gives."""
+    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "The sea?"}]
+    tok = eager.tokenizer
+    more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
+                                    {"role": "user", "content": "Why is it salty?"}])
+    warm = Engine(graphed(path), prefix_slots=4)
+    warm.generate(GenerationRequest(tuple(tok.encode_chat(turns)), max_tokens=8, ignore_eos=True))
+    hit = warm.generate(GenerationRequest(tuple(more), max_tokens=16, ignore_eos=True))
+    assert hit.cached_tokens > 0 and hit.token_ids == greedy(eager, more, max_tokens=16)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_5"])
 def test_graph_step_equals_eager_decode(tiny_dir, family):
     """Logits of each step close to the eager step's, and the same greedy tokens, over spans
@@ -114,14 +127,7 @@ def test_graphs_with_dflash_prefix_cache_and_slots(tiny_dir):
     prop = DFlashProposer(random_draft(graph, block_size=4), graph, block_size=4)
     res = Engine(graph, proposer=prop).generate(GenerationRequest(tuple(ids), max_tokens=30, ignore_eos=True))
     assert res.token_ids == ref and res.extra["spec"]["steps"] > 0
-    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "The sea?"}]
-    tok = eager.tokenizer
-    more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
-                                    {"role": "user", "content": "Why is it salty?"}])
-    warm = Engine(graphed(path), prefix_slots=4)
-    warm.generate(GenerationRequest(tuple(tok.encode_chat(turns)), max_tokens=8, ignore_eos=True))
-    hit = warm.generate(GenerationRequest(tuple(more), max_tokens=16, ignore_eos=True))
-    assert hit.cached_tokens > 0 and hit.token_ids == greedy(eager, more, max_tokens=16)
+    check_prefix_hit(path, eager)
     two = graphed(path, lanes=2)
     st = two.stages[0]
     other = prompt_ids(two, 12, seed=3)
@@ -157,14 +163,7 @@ def test_graphs_on_a_gated_deltanet_model_around_dflash_snapshots_and_trees(tiny
         res = Engine(graph, proposer=prop).generate(GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True))
         assert res.token_ids == ref and res.extra["spec"]["steps"] > 0, kw
     assert {t for _, _, t in st._graphs.graphs} == {1}
-    turns = [{"role": "system", "content": "You are terse. " * 6}, {"role": "user", "content": "The sea?"}]
-    tok = eager.tokenizer
-    more = tok.encode_chat(turns + [{"role": "assistant", "content": "It is wet."},
-                                    {"role": "user", "content": "Why is it salty?"}])
-    warm = Engine(graphed(path), prefix_slots=4)
-    warm.generate(GenerationRequest(tuple(tok.encode_chat(turns)), max_tokens=8, ignore_eos=True))
-    hit = warm.generate(GenerationRequest(tuple(more), max_tokens=16, ignore_eos=True))
-    assert hit.cached_tokens > 0 and hit.token_ids == greedy(eager, more, max_tokens=16)
+    check_prefix_hit(path, eager)
     two = graphed(path, lanes=2)
     assert two.stages[0]._graphs.step_rows(torch.tensor([[1, 2]]), [0, 1], [3, 3]) is None
 
