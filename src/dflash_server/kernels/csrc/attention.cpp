@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <immintrin.h>
@@ -529,11 +528,8 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
 bool has_avx512() {
   static const bool ok = [] {
     __builtin_cpu_init();
-    // DFLASH_KERNELS_ISA below AVX-512 (a name of kernels.ISAS) keeps the AVX2 form, as it caps qmm
-    const char* cap = std::getenv("DFLASH_KERNELS_ISA");
-    for (const char* below : {"portable", "avx2", "avx-vnni"})
-      if (cap != nullptr && std::strcmp(cap, below) == 0) return false;
-    return dflash::simd::has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+    // DFLASH_KERNELS_ISA below AVX-512 keeps the AVX2 form, as it caps qmm
+    return dflash::simd::isa_cap() >= 3 && dflash::simd::has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
   }();
   return ok;
 }

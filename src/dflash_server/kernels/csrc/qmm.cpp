@@ -407,11 +407,7 @@ bool supported(Isa isa) {
 // the best path this CPU runs, or at most DFLASH_KERNELS_ISA's (a name of kernels.ISAS: for
 // benchmarks and for machines where a path misbehaves)
 Isa detect() {
-  static const char* names[] = {"portable", "avx2", "avx-vnni", "avx512-vnni", "amx"};
-  int cap = 4;
-  if (const char* want = std::getenv("DFLASH_KERNELS_ISA"))
-    for (int i = 0; i < 5; ++i)
-      if (std::strcmp(want, names[i]) == 0) cap = i;
+  const int cap = dflash::simd::isa_cap();
   for (Isa isa : {Isa::AMX, Isa::AVX512VNNI, Isa::AVXVNNI, Isa::AVX2})
     if (static_cast<int>(isa) <= cap && supported(isa)) return isa;
   return Isa::Portable;

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #define DFLASH_SIMD_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -22,6 +23,20 @@ inline bool has_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();
   return ok;
+}
+
+// the highest path DFLASH_KERNELS_ISA allows, as an index of kernels.ISAS (portable, avx2,
+// avx-vnni, avx512-vnni, amx): for benchmarks and for machines where a path misbehaves; 4 when
+// unset or not one of those names. Read once.
+inline int isa_cap() {
+  static const int cap = [] {
+    static const char* names[] = {"portable", "avx2", "avx-vnni", "avx512-vnni", "amx"};
+    if (const char* want = std::getenv("DFLASH_KERNELS_ISA"))
+      for (int i = 0; i < 5; ++i)
+        if (std::strcmp(want, names[i]) == 0) return i;
+    return 4;
+  }();
+  return cap;
 }
 
 DFLASH_SIMD_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
