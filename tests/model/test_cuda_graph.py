@@ -26,6 +26,17 @@ def graphed(path, min_span=8, **kw):
     return pipe
 
 
+def twins(path, n: int, **kw):
+    """An eager pipeline and a graphed one (``graphed``), each with the same n-token prompt
+    prefilled: (eager, graph, prompt ids)."""
+    eager, graph = pipeline(path, **kw), graphed(path, **kw)
+    ids = prompt_ids(eager, n)
+    for p in (eager, graph):
+        p.reset()
+        p.forward(ids, 0, logits="last")
+    return eager, graph, ids
+
+
 def check_prefix_hit(path, eager):
     """A second chat turn through the graphs' step restores the first turn's snapshot (a
     prefix-cache hit) and gives what eager decoding of the whole conversation gives."""
@@ -45,11 +56,7 @@ def test_graph_step_equals_eager_decode(tiny_dir, family):
     8..64 (gemma3: sliding-window layers with their own RoPE rows; qwen3_5: Gated DeltaNet
     layers updating their state in place, put back after each recording's warm-ups)."""
     path = tiny_dir(family)
-    eager, graph = pipeline(path), graphed(path)
-    ids = prompt_ids(eager, 5)
-    for p in (eager, graph):
-        p.reset()
-        p.forward(ids, 0, logits="last")
+    eager, graph, ids = twins(path, 5)
     tok = 7
     for i in range(40):
         a = eager.forward([tok], len(ids) + i, logits="last")
@@ -65,11 +72,7 @@ def test_graph_step_captures_split_and_rewrite(tiny_dir):
     """Two stages (the second's input a hidden state), captured layer outputs as eager's, and
     a step repeated at the same position (DFlash rewrites rows) equal to the first time."""
     path = tiny_dir("llama")
-    eager, graph = pipeline(path, stages=2), graphed(path, stages=2)
-    ids = prompt_ids(eager, 9)
-    for p in (eager, graph):
-        p.reset()
-        p.forward(ids, 0, logits="last")
+    eager, graph, ids = twins(path, 9, stages=2)
     for i, tok in enumerate((5, 17, 3, 99)):
         capture = (1, 2) if i % 2 else ()
         a = eager.forward([tok], len(ids) + i, logits="last", capture=capture)
@@ -186,11 +189,7 @@ def test_graph_step_refuses_what_the_eager_step_refuses(tiny_dir):
     """A position past the cached length or the context is the same clear error with graphs
     on, and leaves the state as it was (the next valid step still equals eager)."""
     path = tiny_dir("llama")
-    eager, graph = pipeline(path, max_ctx=16), graphed(path, max_ctx=16)
-    ids = prompt_ids(eager, 14)
-    for p in (eager, graph):
-        p.reset()
-        p.forward(ids, 0, logits="last")
+    eager, graph, ids = twins(path, 14, max_ctx=16)
     with pytest.raises(ValueError, match="gap"):
         graph.forward([3], 15, logits="last")
     for pos in (14, 15):
@@ -238,11 +237,7 @@ def test_graph_rows_of_several_slots_equal_eager(tiny_dir, family):
 
 def test_a_failed_recording_turns_graphs_off_and_the_step_runs_eagerly(tiny_dir, monkeypatch, caplog):
     path = tiny_dir("llama")
-    eager, graph = pipeline(path, lanes=2), graphed(path, lanes=2)
-    ids = prompt_ids(eager, 7)
-    for p in (eager, graph):
-        p.reset()
-        p.forward(ids, 0, logits="last")
+    eager, graph, ids = twins(path, 7, lanes=2)
     st = graph.stages[0]
 
     def broken(*a, **k):
@@ -263,11 +258,7 @@ def test_graphs_kept_are_bounded_least_recently_used_first(tiny_dir, monkeypatch
 
     monkeypatch.setattr(cg, "MAX_GRAPHS", 3)
     path = tiny_dir("llama")
-    eager, graph = pipeline(path), graphed(path)
-    ids = prompt_ids(eager, 5)
-    for p in (eager, graph):
-        p.reset()
-        p.forward(ids, 0, logits="last")
+    eager, graph, ids = twins(path, 5)
     g = graph.stages[0]._graphs
     pos = len(ids)
     for block in (2, 3, 1, 2, 4, 1, 3):   # rows 1..4 at span 8, then 16

@@ -59,16 +59,12 @@ def unsupported(stage) -> str | None:
     if any(lane.pool is not None for lane in stage.lanes):
         return "KV Flash pools"
     for layer in stage.layers:
-        if isinstance(layer.mixer, GatedDeltaNet):
-            if not isinstance(layer.mlp, SwiGLU):
-                return "mixture-of-experts layers"
-            continue
-        if not isinstance(layer.mixer, Attention):
-            return f"{type(layer.mixer).__name__} layers"
-        if layer.mixer.kv_role == "mirror":
-            return "KV-shared layers split from their source"
         if not isinstance(layer.mlp, SwiGLU):
             return "mixture-of-experts layers"
+        if not isinstance(layer.mixer, (Attention, GatedDeltaNet)):
+            return f"{type(layer.mixer).__name__} layers"
+        if getattr(layer.mixer, "kv_role", "") == "mirror":
+            return "KV-shared layers split from their source"
     if stage._exports or stage.config.per_layer_input_size:
         return "state carried between stages (per-layer inputs, shared KV)"
     return None
