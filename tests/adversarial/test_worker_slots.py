@@ -39,14 +39,16 @@ def test_bad_lane_in_state_operations(worker, lane):
 
 
 @pytest.mark.parametrize("lanes, positions, rows, why", [
-    ([0, 0], [0, 1], 2, "one row per lane"),
+    ([0, 0], [0, 2], 2, "does not extend"),  # a slot's rows leave a gap
+    ([0, 0], [0, 0], 2, "does not extend"),  # the same position twice
+    ([0, 0], [1, 0], 2, "does not extend"),  # out of order
     ([0, 5], [0, 0], 2, "outside"),
     ([0, 1], [0], 2, "one position per row"),
     ([0], [3], 1, "does not extend"),          # a gap after the slot's length
     ([0], [64], 1, "does not extend"),         # past the context
     ("0", [0], 1, "lists of integers"),
     ([0], [True], 1, "lists of integers"),
-    ([0, 1], [0, 0], 3, "one row per lane"),   # rows in x and in the lists disagree
+    ([0, 1], [0, 0], 3, "one lane and one position per row"),   # rows in x and in the lists disagree
 ])
 def test_bad_rows(worker, lanes, positions, rows, why):
     h, _ = _call(worker, "forward_rows", {"lanes": lanes, "positions": positions}, _x(worker, rows))
@@ -149,3 +151,25 @@ def test_cuda_graphs_op_before_load_and_with_junk_arguments(worker):
         assert h["ok"] and h["result"]["stages"] == {}, (junk, h)
     assert _call(worker, "reset")[0]["ok"]
     assert _call(worker, "forward", {"start": 0}, _x(worker, 3))[0]["ok"]
+
+
+def test_ragged_rows_only_where_the_worker_says(tiny_dir):
+    """A worker whose layers are attention-only reports ``can_ragged`` at load (several rows
+    of a slot in one ``forward_rows``: verify blocks of several sequences); one holding Gated
+    DeltaNet layers reports false and refuses such rows with a value error, slots unchanged."""
+    for family, ragged in (("llama", True), ("qwen3_5", False)):
+        w = authed_worker(SECRET)
+        path = tiny_dir(family)
+        n = open_model(path).config.num_layers
+        h, _ = _call(w, "load", {"model": str(path), "shards": [["cpu", 1, n]], "dtype": "f32", "max_ctx": 64,
+                                 "quantize": ["dense", "dense"], "lanes": 2})
+        assert h["ok"] and h["result"]["can_ragged"] is ragged, h
+        hidden = open_model(path).config.hidden_size
+        h, _ = _call(w, "forward_rows", {"lanes": [0, 0, 1], "positions": [0, 1, 0]},
+                     {"x": torch.randn(1, 3, hidden)})
+        if ragged:
+            assert h["ok"] and h["result"]["lengths"] == [2, 2, 1], h
+        else:
+            assert not h["ok"] and "one row per slot" in h["error"]["message"], h
+            h, _ = _call(w, "forward_rows", {"lanes": [0, 1], "positions": [0, 0]}, {"x": torch.randn(1, 2, hidden)})
+            assert h["ok"] and h["result"]["lengths"] == [1, 1], h

@@ -87,3 +87,96 @@ def test_rows_validate(tiny_dir):
         pipe.select(5)
     pipe.forward_rows([4, 7], [0, 1], [3, 0])
     assert [st.length for st in pipe.stages[0].lanes] == [4, 1]
+
+
+def _blocks(pipe, prompts, sizes):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(6, pipe.config.vocab_size, (n,), generator=g).tolist() for n in sizes]
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("gemma3", 1), ("gemma4_e", 1),
+                                           ("laguna", 1)])
+def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages):
+    """Ragged rows: verify blocks of several slots (a slot's rows at consecutive positions,
+    the slot checkpointed; a block of one next to them) in one ``forward_rows`` give each row
+    what that slot's own verify forward gives; rolling each slot back crops it, and the next
+    rows continue as after the slot's own rollback."""
+    path = tiny_dir(family)
+    pipe, ref = _pipe(path, 3, stages=stages), _pipe(path, 1, stages=stages)
+    assert pipe.supports_ragged
+    prompts = [prompt_ids(pipe, n, seed=n) for n in (11, 6, 20)]
+    blocks = _blocks(pipe, prompts, (4, 1, 3))
+    keep = (2, 1, 3)                                   # positions kept of each block
+    want, after = [], []
+    for p, blk, k in zip(prompts, blocks, keep):       # each slot alone: verify, roll back, one more row
+        ref.reset()
+        ref.prefill(p)
+        ref.checkpoint()
+        out = ref.forward(blk, len(p), logits="all", capture=TAPS)
+        want.append((out.logits, out.captures))
+        ref.rollback(len(p) + k)
+        after.append(ref.forward([9], len(p) + k, capture=TAPS).logits[-1])
+    for lane, p in enumerate(prompts):
+        pipe.select(lane)
+        pipe.reset()
+        pipe.prefill(p)
+        if len(blocks[lane]) > 1:
+            pipe.checkpoint()
+    lanes = [lane for lane, blk in enumerate(blocks) for _ in blk]
+    positions = [len(prompts[lane]) + t for lane, blk in enumerate(blocks) for t in range(len(blk))]
+    out = pipe.forward_rows([t for blk in blocks for t in blk], lanes, positions, capture=TAPS)
+    assert [st.length for st in pipe.stages[-1].lanes] == [len(p) + len(b) for p, b in zip(prompts, blocks)]
+    exact = kernels.enabled() and kernels.load()
+    check = (torch.equal if exact else
+             lambda a, b: torch.allclose(a.float(), b.float(), rtol=0, atol=2e-2))
+    row = 0
+    for (logits, caps), blk in zip(want, blocks):
+        n = len(blk)
+        assert check(out.logits[row:row + n], logits)
+        for c in TAPS:
+            assert check(out.captures[c][:, row:row + n], caps[c])
+        row += n
+    for lane, (p, blk, k) in enumerate(zip(prompts, blocks, keep)):
+        pipe.select(lane)
+        if len(blk) > 1:
+            pipe.rollback(len(p) + k)
+        assert pipe.length == len(p) + k
+    nxt = pipe.forward_rows([9, 9, 9], [2, 0, 1], [len(p) + k for p, k in zip([prompts[2], prompts[0], prompts[1]],
+                                                                              [keep[2], keep[0], keep[1]])])
+    for r, lane in enumerate([2, 0, 1]):
+        assert check(nxt.logits[r], after[lane])
+
+
+def test_ragged_rows_validate(tiny_dir):
+    """Several rows of a slot: at consecutive positions from at most its length; a stage with
+    recurrent layers (Gated DeltaNet) takes one row per slot and no checkpointed slot."""
+    pipe = _pipe(tiny_dir("llama"), 2)
+    pipe.select(0)
+    pipe.prefill([1, 2, 3])
+    for toks, lanes, pos in (([4, 5], [0, 0], [3, 5]),      # a gap inside the slot's rows
+                             ([4, 5], [0, 0], [4, 3]),      # out of order
+                             ([4, 5, 6], [0, 1, 0], [3, 0, 3]),  # the same position twice
+                             ([4, 5], [0, 0], [4, 5])):     # starts past the slot's length
+        with pytest.raises(ValueError):
+            pipe.forward_rows(toks, lanes, pos)
+    assert [st.length for st in pipe.stages[0].lanes] == [3, 0]
+    pipe.forward_rows([4, 5, 6], [0, 0, 1], [3, 4, 0])
+    assert [st.length for st in pipe.stages[0].lanes] == [5, 1]
+    if kernels.enabled() and kernels.load():               # the op itself refuses a slot's rows out of order
+        bank = torch.zeros(2, 2, 16, 8)
+        qkv = torch.zeros(1, 2, (4 + 4) * 8)
+        cs = torch.zeros(2, 8)
+        with pytest.raises(RuntimeError, match="increasing positions"):
+            torch.ops.dflash.attention_rows(qkv, cs, cs, bank, bank.clone(), [0, 0], [3, 3], 4, 2, 1.0)
+    gdn = _pipe(tiny_dir("qwen3_5"), 2)
+    assert not gdn.supports_ragged
+    for lane in (0, 1):
+        gdn.select(lane)
+        gdn.prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="one row per slot"):
+        gdn.forward_rows([4, 5], [0, 0], [3, 4])
+    gdn.select(1)
+    gdn.checkpoint()
+    with pytest.raises(ValueError, match="one row per slot"):
+        gdn.forward_rows([4, 5], [0, 1], [3, 3])
+    assert [st.length for st in gdn.stages[0].lanes] == [3, 3]

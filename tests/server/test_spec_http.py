@@ -36,6 +36,7 @@ def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp
         assert props["enabled"] and props["adaptive_block_size"] and props["block_size"] == 4
         assert props["draft_vocab_size"] == 16384
         assert props["block_sizer"]["candidates"] == [1, 2, 3, 4] and props["block_sizer"]["cost_ms"]
+        assert props["batch_verify"] is True and "cost_ms" in props["batch_sizer"]   # llama: attention-only
         metrics = httpx.get(srv.url + "/metrics").text
         assert "dflash_spec_plain_steps_total" in metrics and "dflash_spec_verify_steps_total" in metrics
     finally:

@@ -17,8 +17,13 @@ def speculative(proposer) -> dict:
     # DDTree: the node budget of each step's draft tree (0: chains); active where the
     # pipeline can verify trees (one sequence per forward)
     out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
+    # several running sequences verify their blocks in one target forward where the stages
+    # take a slot's rows together (attention-only layers, no KV Flash pools, chains)
+    out["batch_verify"] = bool(proposer.pipeline.supports_ragged and not proposer.uses_tree(proposer.pipeline))
     if proposer.sizer is not None:
         out["block_sizer"] = proposer.sizer.to_dict()
+    if proposer.batch_sizer is not None:
+        out["batch_sizer"] = proposer.batch_sizer.to_dict()
     return out
 
 

@@ -3,9 +3,10 @@
 Callers see ``GenerationRequest`` -> ``TokenEvent``s -> ``GenerationResult``. ``submit``
 queues a request as a ``Sequence``; each ``step`` lets the scheduler (``batching``) admit
 waiting sequences into free slots, runs one prefill forward (bounded by the step's token
-budget) and one decode step of every running sequence: all plain rows in one batched
-forward, a DFlash draft + verify for a drafting sequence. ``generate`` is one sequence
-driven to its end (the CLI); the server drives ``step`` from its worker thread. Speculative
+budget) and one decode step of every running sequence: all rows in one batched forward
+(with a draft, each sequence's verify block among them), or a DFlash draft + verify for a
+sequence decoding alone. ``generate`` is one sequence driven to its end (the CLI); the
+server drives ``step`` from its worker thread. Speculative
 decoding and prefix caching plug in underneath. Not thread-safe: one thread drives it.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .grammar import GrammarCompiler
 from .output import TokenEvent
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .speculative import SpecStats, spec_begin, spec_end, speculative_step
+from .speculative import SpecStats, spec_begin, spec_end, speculative_rows, speculative_step
 
 if TYPE_CHECKING:
     from ..spec.proposer_protocol import Proposer
@@ -180,10 +181,14 @@ class Engine:
         rows = [s for s in plan.decode if not s.done]
         if rows:
             # with a draft, a sequence decoding alone speculates (draft + verify); several
-            # decode plainly in one batched forward, which also feeds each one's draft context
-            # (on a CPU a row in a batch costs a fraction of a verify block)
+            # verify their blocks in one forward where the stages take a slot's rows together
+            # (attention-only layers), else decode plainly in one batched forward, which also
+            # feeds each one's draft context
             if self.proposer is not None and len(rows) == 1:
                 self._speculate(rows[0], ended)
+            elif self.proposer is not None and self.pipeline.supports_ragged \
+                    and not self.proposer.uses_tree(self.pipeline):
+                self._speculate_rows(rows, ended)
             else:
                 self._decode(rows, ended)
             self.batch_sizes[len(rows)] = self.batch_sizes.get(len(rows), 0) + 1
@@ -309,6 +314,18 @@ class Engine:
         if finish is not None:
             self._end(seq, finish, ended)
 
+    def _speculate_rows(self, rows: list[Sequence], ended: list) -> None:
+        for seq in [s for s in rows if s.pos >= self.pipeline.max_ctx]:
+            self._end(seq, "length", ended)
+        rows = [s for s in rows if not s.done]
+        if not rows:
+            return
+        for seq, outcome in speculative_rows(self.pipeline, self.proposer, rows, self._select):
+            if isinstance(outcome, BaseException):
+                self._fail(seq, outcome, ended)
+            elif outcome is not None:
+                self._end(seq, outcome, ended)
+
     def abort(self, e: BaseException) -> list[Sequence]:
         """Fail every sequence the engine holds with ``e`` (after an unexpected error in a
         step, whose state is then unknown); returns them."""
@@ -394,6 +411,8 @@ class Engine:
                                               ignore_eos=True, cache_scope="off"))
         if self.proposer is not None and self.proposer.sizer is not None:
             self.proposer.sizer.reset()   # its step times included the compiles
+        if self.proposer is not None and self.proposer.batch_sizer is not None:
+            self.proposer.batch_sizer.reset()
         return res
 
     def close(self) -> None:

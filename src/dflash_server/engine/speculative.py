@@ -105,26 +105,11 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     if block < 1:
         return "length"
     t0 = time.perf_counter()
-    # greedy: the draft's argmax, kept where it equals the target's; sampled: tokens drawn
-    # from the draft's distribution q, kept by rejection sampling against the target's p
-    if proposer.rejection_sampling(seq.req.sampling):
-        drafts, q = proposer.propose_sampled(anchor, pos, block, seq.req.sampling,
-                                             seq.sampler.generator)
-    else:
-        drafts, q = proposer.propose(anchor, pos, block), None
+    drafts, q = draft_block(proposer, seq, block)
     if block > 1:                               # a plain step (block 1) has nothing to roll back
         pipe.checkpoint()
     verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=proposer.taps)
-    acc, done = 0, False
-    for i in range(block):
-        if q is not None and i < block - 1 and not seq.think.would_force():
-            done, kept = seq.commit_draft(verify.logits[i], drafts[i], q[i])
-        else:
-            done = seq.commit(verify.logits[i])
-            kept = i < block - 1 and drafts[i] == seq.last
-        if done or i == block - 1 or not kept:
-            break
-        acc += 1
+    acc, done = accept_block(seq, verify.logits, drafts, q)
     # positions pos .. pos+acc (anchor + accepted drafts) are committed
     if block > 1:
         pipe.rollback(pos + acc + 1)
@@ -138,6 +123,45 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     if seq.on_commit is not None:
         seq.on_commit(seq.pos, verify.logits[acc])
     return None
+
+
+def draft_block(proposer: Proposer, seq, block: int) -> tuple[list[int], torch.Tensor | None]:
+    """(drafts, q): the ``block - 1`` draft tokens after ``seq``'s anchor (its draft slot
+    selected). Greedy: the draft's argmax, kept where it equals the target's; sampled:
+    tokens drawn from the draft's distribution q, kept by rejection sampling against the
+    target's p (q None where drafts are kept by equality)."""
+    if proposer.rejection_sampling(seq.req.sampling):
+        return proposer.propose_sampled(seq.last, seq.pos, block, seq.req.sampling, seq.sampler.generator)
+    return proposer.propose(seq.last, seq.pos, block), None
+
+
+def accept_block(seq, logits, drafts: list[int], q) -> tuple[int, bool]:
+    """Commit the target's tokens of a verify block ``[anchor] + drafts`` (``logits``: its
+    rows' logits): token i, then on while draft i was kept. Returns (drafts accepted,
+    whether the sequence finished)."""
+    block = len(drafts) + 1
+    acc, done = 0, False
+    for i in range(block):
+        if q is not None and i < block - 1 and not seq.think.would_force():
+            done, kept = seq.commit_draft(logits[i], drafts[i], q[i])
+        else:
+            done = seq.commit(logits[i])
+            kept = i < block - 1 and drafts[i] == seq.last
+        if done or i == block - 1 or not kept:
+            break
+        acc += 1
+    return acc, done
+
+
+def batch_blocks(pipe, proposer: Proposer, seqs: list) -> list[int]:
+    """The verify block of each of ``seqs`` for one batched step (1: a plain decode row):
+    the batch sizer's joint choice, or the proposer's block, within each sequence's tokens
+    left and the context's room."""
+    caps = [max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos,
+                       pipe.max_spec_rows)) for s in seqs]
+    if proposer.batch_sizer is None:
+        return caps
+    return proposer.batch_sizer.choose([s.id for s in seqs], caps)
 
 
 def tree_step(pipe, proposer: Proposer, seq) -> str | None:
@@ -190,3 +214,89 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     if seq.on_commit is not None:
         seq.on_commit(seq.pos, logits)
     return None
+
+
+def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple]:
+    """One batched step of several sequences (continuous batching): each drafts its block
+    (``batch_blocks``; block 1 is a plain decode row), every block is verified in one
+    ``forward_rows`` (a slot's rows at consecutive positions, its slot checkpointed), then
+    each sequence commits and rolls back on its own, as ``speculative_step`` does alone.
+    ``select(seq)`` points the pipeline and the draft at ``seq``'s slot. Needs
+    ``pipe.supports_ragged``. Returns (seq, outcome) per sequence: None to go on, a finish
+    reason, or the exception that failed it (a failed forward fails every sequence in it)."""
+    out_of: list[tuple] = []
+    for seq in seqs:
+        select(seq)
+        spec_begin(proposer, seq)
+    blocks = batch_blocks(pipe, proposer, seqs)
+    t0 = time.perf_counter()
+    batch = []       # (seq, drafts, q)
+    for seq, block in zip(seqs, blocks):
+        select(seq)
+        try:
+            drafts, q = draft_block(proposer, seq, block)
+            if block > 1:
+                pipe.checkpoint()
+        except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+            out_of.append((seq, e))
+            continue
+        batch.append((seq, drafts, q))
+    if not batch:
+        return out_of
+    tokens, lanes, positions = [], [], []
+    for seq, drafts, _ in batch:
+        tokens += [seq.last] + drafts
+        lanes += [seq.lane] * (len(drafts) + 1)
+        positions += range(seq.pos, seq.pos + len(drafts) + 1)
+    try:
+        verify = pipe.forward_rows(tokens, lanes, positions, capture=proposer.taps)
+    except Exception as e:  # noqa: BLE001 - the rows of this forward fail
+        for seq, drafts, _ in batch:
+            _drop_checkpoint(pipe, select, seq, drafts)
+            out_of.append((seq, e))
+        return out_of
+    seconds = time.perf_counter() - t0
+    sizer, row = proposer.sizer, 0
+    for seq, drafts, q in batch:
+        block, pos = len(drafts) + 1, seq.pos
+        logits = verify.logits[row:row + block]
+        caps = {c: v[:, row:row + block] for c, v in verify.captures.items()}
+        row += block
+        select(seq)
+        try:
+            acc, done = accept_block(seq, logits, drafts, q)
+        except Exception as e:  # noqa: BLE001 - e.g. its grammar's: this sequence fails
+            _drop_checkpoint(pipe, select, seq, drafts)
+            out_of.append((seq, e))
+            continue
+        try:
+            if block > 1:
+                pipe.rollback(pos + acc + 1)
+            proposer.add_context(caps, pos, acc + 1, defer=block == 1)
+            seq.spec.record(block - 1, acc)
+            if sizer is not None:
+                sizer.select(seq.id)
+                sizer.learn(block, None if done else acc)
+            if done:
+                out_of.append((seq, seq.out.finish))
+                continue
+            seq.pos = pos + acc + 1
+            if seq.on_commit is not None:
+                seq.on_commit(seq.pos, logits[acc])
+        except Exception as e:  # noqa: BLE001
+            out_of.append((seq, e))
+            continue
+        out_of.append((seq, None))
+    if proposer.batch_sizer is not None:
+        proposer.batch_sizer.observe(row, seconds)
+    return out_of
+
+
+def _drop_checkpoint(pipe, select, seq, drafts) -> None:
+    """After a failure: back to the position before ``seq``'s block (its slot is freed next)."""
+    if drafts:
+        try:
+            select(seq)
+            pipe.rollback(seq.pos)
+        except Exception:  # noqa: BLE001 - the sequence fails anyway; its slot resets on reuse
+            pass

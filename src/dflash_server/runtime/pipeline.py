@@ -46,8 +46,9 @@ class TargetPipeline:
 
     def forward_rows(self, tokens: list[int], lanes: list[int], positions: list[int],
                      capture: tuple[int, ...] = ()) -> PipelineOutput:
-        """One decode token per sequence, each in its own slot: ``tokens[b]`` at
-        ``positions[b]`` of slot ``lanes[b]``. Returns the rows' logits (B, V) fp32 and the
+        """Decode rows of sequences, each in its own slot: ``tokens[b]`` at ``positions[b]``
+        of slot ``lanes[b]`` (where ``supports_ragged``, a slot may take several rows at
+        consecutive positions: a verify block). Returns the rows' logits (B, V) fp32 and the
         outputs (1, B, H) of the ``capture`` layers."""
         out = self.run_rows(torch.tensor([list(tokens)], dtype=torch.long), lanes, positions, capture)
         return PipelineOutput(out.logits, out.captures)
@@ -108,6 +109,12 @@ class TargetPipeline:
         """The most rows a verify block (chain or tree) may write: a KV Flash pool's chunk
         (its one spare chunk covers one new chunk per speculative forward)."""
         return min(st.max_spec_rows for st in self.stages)
+
+    @property
+    def supports_ragged(self) -> bool:
+        """Whether ``forward_rows`` takes several rows of a slot at consecutive positions and
+        slots holding a checkpoint (several sequences' verify blocks in one forward)."""
+        return all(st.can_ragged for st in self.stages)
 
     @property
     def supports_tree(self) -> bool:

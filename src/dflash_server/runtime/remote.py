@@ -120,6 +120,13 @@ class RemoteStage:
         return int(kv["chunk"]) if kv else 1 << 30
 
     @property
+    def can_ragged(self) -> bool:
+        """Whether the worker's stages take several rows of a slot in ``forward_rows`` (as
+        its load reported; see LocalStage.can_ragged)."""
+        res = self.link.setup_results[0] if self.link.setup_results else {}
+        return bool(res.get("can_ragged", False))
+
+    @property
     def can_tree(self) -> bool:
         """Tree verify runs on the worker's stages (protocol 2), KV Flash pools included."""
         return True

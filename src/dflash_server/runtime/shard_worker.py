@@ -121,7 +121,8 @@ class ShardWorker:
             self._each("select", lane)
             self._each("reset")
         self._each("select", 0)
-        return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid()}, {}
+        return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid(),
+                "can_ragged": all(s.can_ragged for s in self.stages)}, {}
 
     def _need(self):
         if self.pipeline is None:

@@ -438,27 +438,39 @@ class LocalStage:
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
                      capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
-        """One decode row in each of several lanes: row b is the token of the sequence in
-        ``lanes[b]`` at ``positions[b]`` (at most that lane's length; the lane's length
-        becomes ``positions[b] + 1``). x: token ids (1, B) on the first stage, else hidden
-        (1, B, H). The last stage returns the rows' logits (B, V). Each row's result equals
-        that sequence's own single-row ``forward`` where the ops are row-invariant (the
-        native kernels): the matmuls take all rows, attention reads each row's own lane.
-        ``capture``: global layer ids whose outputs (1, B, H) to return (a draft's taps)."""
+        """Decode rows of several lanes: row b is the token of the sequence in ``lanes[b]`` at
+        ``positions[b]`` (at most that lane's length; the lane's length becomes its last
+        row's position + 1). x: token ids (1, B) on the first stage, else hidden (1, B, H).
+        The last stage returns the rows' logits (B, V). Each row's result equals that
+        sequence's own single-row ``forward`` where the ops are row-invariant (the native
+        kernels): the matmuls take all rows, attention reads each row's own lane.
+        ``capture``: global layer ids whose outputs (1, B, H) to return (a draft's taps).
+        Where ``can_ragged``, a lane may take several rows at consecutive positions (a
+        speculative verify block next to other sequences' rows; row t of a lane attends to
+        its rows before t) and may hold a checkpoint (``rollback`` then crops it)."""
         B = x.shape[1]
-        if len(lanes) != B or len(positions) != B or len(set(lanes)) != B:
-            raise ValueError("forward_rows: one row per lane, one position per row")
+        if len(lanes) != B or len(positions) != B:
+            raise ValueError("forward_rows: one lane and one position per row")
+        ragged = len(set(lanes)) != B or any(self.lanes[lane].ckpt_length is not None
+                                             for lane in lanes if 0 <= lane < len(self.lanes))
+        if ragged and not self.can_ragged:
+            raise ValueError("forward_rows: one row per slot and no checkpoint here (recurrent layers or "
+                             "KV Flash pools verify a sequence at a time)")
+        nxt: dict[int, int] = {}
         for lane, pos in zip(lanes, positions):
             if not 0 <= lane < len(self.lanes):
                 raise ValueError(f"sequence slot {lane} outside [0, {len(self.lanes)})")
             st = self.lanes[lane]
-            if not 0 <= pos <= st.length or pos >= self.max_ctx or st.ckpt_length is not None:
-                raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} "
-                                 f"(length {st.length}, context {self.max_ctx}) or it holds a checkpoint")
+            want = nxt.get(lane)
+            if (not 0 <= pos <= st.length if want is None else pos != want) or pos >= self.max_ctx:
+                raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} (length "
+                                 f"{st.length}, context {self.max_ctx}; a slot's rows at consecutive positions)")
+            nxt[lane] = pos + 1
         if self.lanes[0].pool is not None:
             return self._rows_one_by_one(x, lanes, positions, capture, carry)
         x = x.to(self.device)
-        if self._graphs is not None and not carry and (out := self._graph_rows(x, lanes, positions, capture)):
+        if (self._graphs is not None and not carry and not ragged
+                and (out := self._graph_rows(x, lanes, positions, capture))):
             return out
         idx = torch.tensor(positions, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
@@ -611,6 +623,14 @@ class LocalStage:
         """Rows a speculative forward may write: with a KV Flash pool, one chunk (a verify
         block that enters two new chunks would evict before its rows' positions)."""
         return self.pool.pager.chunk if self.pool is not None else 1 << 30
+
+    @property
+    def can_ragged(self) -> bool:
+        """Whether ``forward_rows`` takes several rows of one slot and slots holding a
+        checkpoint (a batch of speculative verify blocks): attention-only layers (a crop
+        rolls them back) without KV Flash pools, one sequence per slot."""
+        return (self.batch == 1 and self.lanes[0].pool is None
+                and all(s.kind != "recurrent" for s in self.lanes[0].states))
 
     @property
     def can_tree(self) -> bool:

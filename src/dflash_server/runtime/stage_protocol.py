@@ -36,6 +36,8 @@ class Stage(Protocol):
     @property
     def can_tree(self) -> bool: ...            # forward(tree=...) / rollback_tree run here
     @property
+    def can_ragged(self) -> bool: ...          # forward_rows: several rows of a slot, checkpointed slots
+    @property
     def max_spec_rows(self) -> int: ...        # most rows of one speculative forward
 
     def select(self, lane: int) -> None: ...

@@ -161,6 +161,11 @@ class BlockSizer(StepCosts):
         the step ended early, e.g. at a stop string: acceptance not observed)."""
         self.steps += 1
         self.measure(block, seconds)
+        self.learn(block, accepted)
+
+    def learn(self, block: int, accepted: int | None) -> None:
+        """Count a verify of ``block`` rows that accepted ``accepted`` drafts (None: not
+        observed) towards the selected request's acceptance and its kind's history."""
         if accepted is None or block < 2:
             return
         for k in range(1, self.max_block):

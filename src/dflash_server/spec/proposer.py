@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch_sizer import BatchSizer
 from .block_sizer import BlockSizer
 from .ddtree import DraftTree, build_tree
 from .tree_sizer import TreeSizer
@@ -73,6 +74,8 @@ class DFlashProposer:
         self.sizer = None
         if adaptive:
             self.sizer = TreeSizer(self.tree_budget) if self.uses_tree(pipeline) else BlockSizer(self.block_size)
+        # several sequences speculating in one forward: their blocks chosen together
+        self.batch_sizer = BatchSizer(self.sizer) if isinstance(self.sizer, BlockSizer) else None
         self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
         self._pendings = {0: self._pending}                  # per sequence slot
         self.vocab = draft.vocab_ids                         # None: the whole vocabulary

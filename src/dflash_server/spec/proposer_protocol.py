@@ -16,6 +16,7 @@ class Proposer(Protocol):
     taps: tuple[int, ...]   # target layers whose outputs feed the draft
     block_size: int         # the draft's block (proposed tokens + 1)
     sizer: Any              # the adaptive block size / tree budget (BlockSizer, TreeSizer), or None
+    batch_sizer: Any        # blocks of several sequences verified in one forward (BatchSizer), or None
     tree_budget: int        # DDTree nodes per step (0: chains)
     sampled_verify: str     # "auto" | "exact" | "rejection"
     vocab: torch.Tensor | None  # the draft's own vocabulary (token ids), None: the target's

@@ -821,10 +821,13 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   return out;
 }
 
-// One decode row per sequence, each sequence in its own lane of a KV bank: row b is the next
-// token of the sequence in lane lanes[b], at position positions[b]. Each row runs exactly
-// what attention_step runs for that sequence's single-row step (the same Step with T = 1),
-// so a sequence's output does not depend on which others share the call.
+// Rows of several sequences, each sequence in its own lane of a KV bank: row b is a token of
+// the sequence in lane lanes[b], at position positions[b]. A lane may take several rows (a
+// speculative verify block among other sequences' rows), at increasing positions: every row's
+// K/V is written before any row attends, and row b attends over [0, positions[b]] of its lane,
+// so its later rows stay out of its view. Each row runs exactly what attention_step runs for
+// that sequence's single-row step (the same Step with T = 1), so a sequence's output does not
+// depend on which others share the call.
 at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions,
                           int64_t nh, int64_t nkv, double scale, bool portable,
@@ -843,13 +846,14 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   const int64_t B = qkv_in.size(1), n_lanes = k_bank.size(0), hd = k_bank.size(3), max_ctx = k_bank.size(2);
   TORCH_CHECK(static_cast<int64_t>(lanes.size()) == B && static_cast<int64_t>(positions.size()) == B,
               "dflash::attention_rows: one lane and one position per row");
-  std::vector<bool> used(n_lanes, false);
+  std::vector<int64_t> last(n_lanes, -1);  // each lane's latest row position so far
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lanes[b] >= 0 && lanes[b] < n_lanes, "dflash::attention_rows: lane out of range");
-    TORCH_CHECK(!used[lanes[b]], "dflash::attention_rows: two rows in one lane");
-    used[lanes[b]] = true;
     TORCH_CHECK(positions[b] >= 0 && positions[b] < max_ctx, "dflash::attention_rows: position past the cache");
+    TORCH_CHECK(positions[b] > last[lanes[b]],
+                "dflash::attention_rows: a lane's rows must come at increasing positions");
+    last[lanes[b]] = positions[b];
     longest = std::max(longest, positions[b] + 1);
   }
   at::Tensor qn, kn;

@@ -1,0 +1,92 @@
+"""Verify blocks for several speculating sequences in one forward (continuous batching).
+
+In a batch, one forward carries every sequence's rows, and what it costs depends on the
+total rows R rather than on any one block: on the 2-core CPU 4 rows cost ~1.3x one row, 8
+rows ~1.8x, 16 ~2.8x; on a GPU a few dozen rows cost about one. So the blocks are chosen
+together. For a total R, rows go where they are most likely to commit a token: sequence i's
+(b+1)-th row commits one more token only if its first b drafts are all accepted, a chance
+(``BlockSizer.acceptance``, per request) that falls with b, so handing the rows out one at a
+time to the largest such chance is optimal for that R. The R chosen maximises expected
+tokens per second, with c(R) the measured wall time of batch steps (draft passes included)
+of about R rows (``StepCosts``, R rounded up to a candidate). R = n (every block 1) is plain
+batched decoding, measured like the rest; larger totals are explored from the smallest up
+while they may pay (as ``BlockSizer`` explores block sizes). Output does not depend on the
+choice: every row verifies against the same target distribution.
+"""
+from __future__ import annotations
+
+from .block_sizer import BlockSizer, StepCosts
+
+ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class BatchSizer(StepCosts):
+    def __init__(self, blocks: BlockSizer, *, max_rows: int = 64, explore_every: int = 24,
+                 cost_alpha: float = 0.25):
+        """``blocks``: the proposer's BlockSizer, whose per-request acceptance estimates
+        (keyed by sequence) this reads and ``learn`` feeds; ``max_rows``: the most rows one
+        batch step verifies."""
+        self.blocks = blocks
+        self.candidates = tuple(r for r in ROW_CANDIDATES if r <= max_rows) or (1,)
+        self.explore_every, self.cost_alpha = explore_every, cost_alpha
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the measured step times (e.g. a warm-up's, which included compiles)."""
+        self.steps = 0
+        self.reset_costs()
+
+    def bucket(self, rows: int) -> int:
+        """The candidate a step of ``rows`` rows is counted under: the smallest >= it."""
+        return next((r for r in self.candidates if r >= rows), self.candidates[-1])
+
+    @staticmethod
+    def allocate(acceptances: list[list[float]], total: int, caps: list[int]) -> list[int]:
+        """Blocks (each >= 1, at most its cap) summing to at most ``total``: each row beyond
+        the first goes to the sequence whose next row is the likeliest to commit."""
+        blocks = [1] * len(caps)
+        reach = [1.0] * len(caps)   # chance that all of sequence i's drafts so far are accepted
+        for _ in range(max(0, total - len(caps))):
+            best, gain = None, -1.0
+            for i, (acc, b) in enumerate(zip(acceptances, blocks)):
+                if b < caps[i] and reach[i] * acc[b - 1] > gain:
+                    best, gain = i, reach[i] * acc[b - 1]
+            if best is None:
+                break
+            reach[best] *= acceptances[best][blocks[best] - 1]
+            blocks[best] += 1
+        return blocks
+
+    def choose(self, keys: list, caps: list[int]) -> list[int]:
+        """The blocks of the sequences ``keys`` (their BlockSizer requests), ``caps[i]`` the
+        largest block sequence i may take (>= 1)."""
+        n = len(keys)
+        acc = []
+        for k in keys:
+            self.blocks.select(k)
+            acc.append(self.blocks.acceptance())
+        top = min(sum(caps), self.candidates[-1])
+        totals = sorted({n} | {r for r in self.candidates if n < r <= top})
+        plans = {r: self.allocate(acc, r, caps) for r in totals}
+        tokens = {r: sum(self.blocks.expected_tokens(b, a) for b, a in zip(p, acc)) for r, p in plans.items()}
+        judged = {r: tokens[r] / self.cost[self.bucket(r)] for r in totals
+                  if self.samples.get(self.bucket(r), 0) >= 2}
+        for r in totals:                 # the smallest total not judged yet, while it may pay
+            if r in judged:
+                continue
+            floor = max((self.cost[self.bucket(j)] for j in judged if j < r), default=0.0)
+            if not floor or tokens[totals[-1]] / floor > max(judged.values()):
+                return plans[r]
+            break
+        if self.steps % self.explore_every == self.explore_every - 1:
+            return plans[min(judged, key=lambda r: self.measured[self.bucket(r)])]
+        return plans[max(judged, key=judged.__getitem__)]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A batch step of ``rows`` rows in all took ``seconds`` (drafting included)."""
+        self.steps += 1
+        self.measure(self.bucket(rows), seconds)
+
+    def to_dict(self) -> dict:
+        return {"row_candidates": list(self.candidates),
+                "cost_ms": {r: round(c * 1e3, 3) for r, c in sorted(self.cost.items())}}

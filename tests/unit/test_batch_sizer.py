@@ -1,0 +1,85 @@
+"""BatchSizer: the verify blocks of several sequences in one forward, chosen together."""
+import random
+
+from dflash_server.spec.batch_sizer import BatchSizer
+from dflash_server.spec.block_sizer import BlockSizer
+
+
+def _sizer(keys, max_block=8, **kw):
+    blocks = BlockSizer(max_block)
+    for k in keys:
+        blocks.begin_request(key=k)
+    return BatchSizer(blocks, **kw)
+
+
+def simulate(sizer, keys, q, cost, steps=300, seed=0):
+    """Sequences ``keys`` whose drafts are each accepted with chance ``q[key]``, on a machine
+    where a forward of R rows costs ``cost(R)``; returns the chosen blocks of every step."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        blocks = sizer.choose(keys, [8] * len(keys))
+        for k, b in zip(keys, blocks):
+            acc = 0
+            while acc < b - 1 and rng.random() < q[k]:
+                acc += 1
+            sizer.blocks.select(k)
+            sizer.blocks.learn(b, acc)
+        sizer.observe(sum(blocks), cost(sum(blocks)))
+        out.append(blocks)
+    return out
+
+
+def cpu(rows):     # the 2-core CPU's shape: 4 rows ~1.3x one, 8 ~1.8x, 16 ~2.8x
+    return 0.007 * (1 + 0.115 * (rows - 1))
+
+
+def gpu(rows):     # a GPU: a few dozen rows cost about one
+    return 0.004 * (1 + 0.005 * (rows - 1))
+
+
+def test_allocation_follows_the_acceptance():
+    # the next row goes where the chance that it commits a token is largest
+    acc = [[0.9] * 7, [0.2] * 7, [0.5] * 7]
+    assert BatchSizer.allocate(acc, 3, [8, 8, 8]) == [1, 1, 1]
+    assert BatchSizer.allocate(acc, 5, [8, 8, 8]) == [3, 1, 1]   # 0.9, 0.81 before 0.5
+    assert BatchSizer.allocate(acc, 7, [8, 8, 8]) == [5, 1, 1]   # 0.729, 0.656 before 0.5
+    assert BatchSizer.allocate(acc, 10, [8, 8, 8]) == [7, 1, 2]  # 0.59, 0.53, then 0.5 before 0.478
+    assert BatchSizer.allocate(acc, 30, [8, 2, 3]) == [8, 2, 3]  # caps hold; the rest stays unused
+    assert BatchSizer.allocate(acc, 2, [8, 8, 8]) == [1, 1, 1]   # never below a row each
+
+
+def test_starts_with_plain_rows_and_explores_upwards():
+    s = _sizer(["a", "b"], explore_every=1000)
+    order = [sum(simulate(s, ["a", "b"], {"a": 0.0, "b": 0.0}, cpu, steps=1)[0]) for _ in range(4)]
+    assert order == [2, 2, 3, 3]           # plain rows (every block 1) first, each total twice
+    assert s.bucket(5) == 6 and s.bucket(100) == 64
+
+
+def test_a_useless_draft_decodes_plainly_on_a_cpu():
+    keys = ["a", "b", "c", "d"]
+    s = _sizer(keys, explore_every=25)
+    picks = simulate(s, keys, dict.fromkeys(keys, 0.0), cpu)
+    tail = [sum(b) for b in picks[100:]]
+    assert tail.count(4) >= 0.9 * len(tail)   # plain batched rows, but an occasional re-measure
+    assert max(sum(b) for b in picks) <= 8    # larger totals cannot pay: never measured
+
+
+def test_a_good_draft_gets_the_rows_where_they_pay():
+    """One sequence the draft predicts well, one it does not: on the CPU the rows go to the
+    first (the second decodes plainly); on a GPU, where rows cost almost nothing, the first
+    takes whole blocks and the second a few rows too."""
+    keys = ["good", "poor"]
+    for cost, want in ((cpu, [7, 1]), (gpu, [8, 4])):
+        s = _sizer(keys, explore_every=1000)
+        picks = simulate(s, keys, {"good": 0.9, "poor": 0.1}, cost, steps=200)
+        assert all(b == want for b in picks[-50:]), cost.__name__
+
+
+def test_rows_cost_per_total_are_learned():
+    s = _sizer(["a"])
+    s.observe(3, 0.010)
+    s.observe(3, 0.011)
+    s.observe(5, 0.020)
+    assert s.cost == {3: 0.011, 6: 0.020} and s.samples == {3: 2, 6: 1}
+    assert s.to_dict()["cost_ms"] == {3: 11.0, 6: 20.0}
