@@ -456,3 +456,45 @@ def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, stages):
     finally:
         pipe.close()
         solo_pipe.close()
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_one_draft_pass_for_several_sequences(tiny_dir, sliding):
+    """``draft_ahead``: the blocks of several slots (contexts of different lengths) drafted
+    in one pass give each what its own pass gives (hidden states and logits, to fp32
+    rounding: the projections take other row counts), a causal sliding-window layer
+    included; ``propose`` takes the result once, and what is left is dropped."""
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.proposer import DFlashProposer
+
+    pipe = _pipe(tiny_dir("llama"), 3)
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1),
+                      num_target_layers=c.num_layers,
+                      layer_attention=((True, 5), (False, None)) if sliding else ())
+    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
+    prop = DFlashProposer(draft, pipe)
+    g = torch.Generator().manual_seed(0)
+    items = [(0, 17, 9, 6), (2, 40, 23, 3), (1, 8, 4, 5)]     # (slot, anchor, start, block)
+    for lane, _, start, _ in items:
+        prop.select(lane)
+        prop.add_context({t: torch.randn(1, start, c.hidden_size, generator=g) for t in (0, 1)}, 0)
+    alone = {}
+    for lane, anchor, start, block in items:
+        prop.select(lane)
+        alone[lane] = prop._draft_hidden_logits(anchor, start, block)
+    prop.draft_ahead(items)
+    assert prop._lane == 1 and draft.context is draft.contexts[1]
+    for lane, anchor, start, block in items:
+        prop.select(lane)
+        h, lg = prop._ahead[(lane, anchor, start, block)]
+        assert h.shape == (block - 1, c.hidden_size)
+        torch.testing.assert_close(h, alone[lane][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lg, alone[lane][1], rtol=1e-4, atol=1e-4)
+        assert prop.propose(anchor, start, block) == lg.float().argmax(-1).tolist()
+        assert (lane, anchor, start, block) not in prop._ahead           # taken once
+    prop.draft_ahead(items[:2])
+    prop.draft_ahead([])
+    assert prop._ahead == {}

@@ -83,3 +83,18 @@ def test_rows_cost_per_total_are_learned():
     s.observe(5, 0.020)
     assert s.cost == {3: 0.011, 6: 0.020} and s.samples == {3: 2, 6: 1}
     assert s.to_dict()["cost_ms"] == {3: 11.0, 6: 20.0}
+
+
+def test_remeasures_the_stalest_total_near_the_best_only():
+    keys = ["a", "b", "c", "d"]
+    s = _sizer(keys, explore_every=10, max_rows=16)
+    for k in keys:                       # a draft that is never right
+        s.blocks.select(k)
+        for _ in range(20):
+            s.blocks.learn(8, 0)
+    for r, ms, when in ((4, 10.0, 9), (6, 12.0, 5), (8, 30.0, 3), (12, 40.0, 2), (16, 50.0, 1)):
+        s.cost[r], s.samples[r], s.measured[r] = ms / 1e3, 2, when
+    s.steps = 10
+    assert sum(s.choose(keys, [8] * 4)) == 4            # plain rows pay best
+    s.steps = 19                                        # a re-measure step: the stalest total is 16,
+    assert sum(s.choose(keys, [8] * 4)) == 6            # but only 6 is within half the best rate

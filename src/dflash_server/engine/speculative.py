@@ -217,10 +217,11 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
 
 
 def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple]:
-    """One batched step of several sequences (continuous batching): each drafts its block
-    (``batch_blocks``; block 1 is a plain decode row), every block is verified in one
-    ``forward_rows`` (a slot's rows at consecutive positions, its slot checkpointed), then
-    each sequence commits and rolls back on its own, as ``speculative_step`` does alone.
+    """One batched step of several sequences (continuous batching): the drafting ones draft
+    their blocks in one draft pass (``batch_blocks``; block 1 is a plain decode row, no
+    draft), every block is verified in one ``forward_rows`` (a slot's rows at consecutive
+    positions, its slot checkpointed), then each sequence commits and rolls back on its own,
+    as ``speculative_step`` does alone.
     ``select(seq)`` points the pipeline and the draft at ``seq``'s slot. Needs
     ``pipe.supports_ragged``. Returns (seq, outcome) per sequence: None to go on, a finish
     reason, or the exception that failed it (a failed forward fails every sequence in it)."""
@@ -230,6 +231,10 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
         spec_begin(proposer, seq)
     blocks = batch_blocks(pipe, proposer, seqs)
     t0 = time.perf_counter()
+    try:             # one draft pass for every drafting sequence
+        proposer.draft_ahead([(s.lane, s.last, s.pos, b) for s, b in zip(seqs, blocks) if b > 1])
+    except Exception:  # noqa: BLE001 - each sequence then drafts on its own (and fails alone)
+        proposer.draft_ahead([])
     batch = []       # (seq, drafts, q)
     for seq, block in zip(seqs, blocks):
         select(seq)
@@ -241,6 +246,7 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
             out_of.append((seq, e))
             continue
         batch.append((seq, drafts, q))
+    proposer.draft_ahead([])
     if not batch:
         return out_of
     tokens, lanes, positions = [], [], []

@@ -112,16 +112,26 @@ class DraftLayer(nn.Module):
         k = apply_rope(self.k_norm(kv[:, :, :self.nkv]), cos[:, None], sin[:, None])
         return k.transpose(1, 2), kv[:, :, self.nkv:].transpose(1, 2)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, sizes: list[int] | None = None):
+        """``sizes``: x holds several blocks one after another (of several sequences, one
+        draft pass for all); block i attends over its context ``ctx_k[i]`` / ``ctx_v[i]``
+        and itself under ``mask[i]``, the projections and the MLP take all rows."""
         B, T, _ = x.shape
         h = self.input_layernorm(x)
         if self.attention_conv is not None:
             h, dyn = self.attention_conv.prepare(h)
         q = apply_rope(self.q_norm(self.q_proj(h).view(B, T, self.nh, self.hd)), cos[:, None], sin[:, None])
         k, v = self.project_kv(h, cos, sin)
-        keys = torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2)
-        values = torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2)
-        out = sdpa(q.transpose(1, 2).to(keys.dtype), keys, values, mask, gqa=self.nh != self.nkv)
+        q = q.transpose(1, 2)
+        if sizes is None:
+            sizes, ctx_k, ctx_v, mask = [T], [ctx_k], [ctx_v], [mask]
+        outs, a = [], 0
+        for n, ck, cv, m in zip(sizes, ctx_k, ctx_v, mask):
+            keys = torch.cat([ck, k[:, :, a:a + n].to(ck.dtype)], dim=2)
+            values = torch.cat([cv, v[:, :, a:a + n].to(cv.dtype)], dim=2)
+            outs.append(sdpa(q[:, :, a:a + n].to(keys.dtype), keys, values, m, gqa=self.nh != self.nkv))
+            a += n
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(x.dtype))
         if self.attention_conv is not None:
             out = self.attention_conv.finish(out, dyn)
@@ -389,23 +399,53 @@ class DFlashDraft(nn.Module):
         """block_embeds (1, B, H) = target embeddings of [anchor, MASK...] at positions
         [start, start+B) with the context covering [0, start). Returns the final-normed
         hidden states (1, B, H); position k predicts the token at start + k."""
-        S, B = self.context.length, block_embeds.shape[1]
-        if S != start:
-            raise ValueError(f"draft context covers {S} positions, block starts at {start}")
-        x = block_embeds.to(self.device, self.dtype)
-        cos, sin = self.rope.rows(start, B)
-        q_pos = torch.arange(start, start + B, device=self.device)
-        k_pos = torch.arange(0, start + B, device=self.device)
-        k_block = torch.cat([torch.full((S,), -1, device=self.device), torch.zeros(B, device=self.device,
-                                                                                   dtype=torch.long)])
-        masks = {}
-        for layer, k_cache, v_cache in zip(self.layers, self.context.k, self.context.v):
+        return self.draft_hidden_rows([(None, block_embeds, start)])[0]
+
+    @property
+    def batches_blocks(self) -> bool:
+        """Whether ``draft_hidden_rows`` runs several blocks in one pass (DFlash 2's
+        convolutions run along the rows, so its blocks go one at a time)."""
+        return not self.cfg.dflash2
+
+    @torch.inference_mode()
+    def draft_hidden_rows(self, blocks: list[tuple[int | None, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """``draft_hidden`` of several sequences' blocks: (slot, block_embeds, start) each
+        (slot None: the selected one), in one pass where ``batches_blocks`` (each block
+        attends over its own slot's context and itself; the projections and the MLP take
+        every block's rows together). Returns each block's hidden states (1, B_i, H); the
+        selected slot is the last block's afterwards."""
+        if len(blocks) > 1 and not self.batches_blocks:
+            return [self.draft_hidden_rows([b])[0] for b in blocks]
+        ctxs, sizes, cos, sin, masks = [], [], [], [], []
+        for lane, emb, start in blocks:
+            if lane is not None:
+                self.select(lane)
+            S, B = self.context.length, emb.shape[1]
+            if S != start:
+                raise ValueError(f"draft context covers {S} positions, block starts at {start}")
+            ctxs.append(self.context)
+            sizes.append(B)
+            c, s = self.rope.rows(start, B)
+            cos.append(c)
+            sin.append(s)
+            q_pos = torch.arange(start, start + B, device=self.device)
+            k_pos = torch.arange(0, start + B, device=self.device)
+            k_block = torch.cat([torch.full((S,), -1, device=self.device),
+                                 torch.zeros(B, device=self.device, dtype=torch.long)])
+            mask = {}
+            for layer in self.layers:
+                key = (layer.causal, layer.window)
+                if key not in mask:
+                    mask[key] = None if key == (False, None) else attention_mask(
+                        q_pos, torch.full_like(q_pos, start), torch.zeros_like(q_pos), k_pos, k_block, *key)
+            masks.append(mask)
+        x = torch.cat([emb.to(self.device, self.dtype) for _, emb, _ in blocks], dim=1)
+        cos, sin = torch.cat(cos), torch.cat(sin)
+        for i, layer in enumerate(self.layers):
             key = (layer.causal, layer.window)
-            if key not in masks:
-                masks[key] = None if key == (False, None) else attention_mask(
-                    q_pos, torch.full_like(q_pos, start), torch.zeros_like(q_pos), k_pos, k_block, *key)
-            x = layer(x, cos, sin, k_cache[:, :, :S], v_cache[:, :, :S], masks[key])
-        return self.norm(x)
+            x = layer(x, cos, sin, [c.k[i][:, :, :c.length] for c in ctxs], [c.v[i][:, :, :c.length] for c in ctxs],
+                      [m[key] for m in masks], sizes)
+        return list(self.norm(x).split(sizes, dim=1))
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

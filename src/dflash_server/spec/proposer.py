@@ -78,6 +78,8 @@ class DFlashProposer:
         self.batch_sizer = BatchSizer(self.sizer) if isinstance(self.sizer, BlockSizer) else None
         self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
         self._pendings = {0: self._pending}                  # per sequence slot
+        self._lane = 0                                       # the selected slot
+        self._ahead: dict[tuple, tuple] = {}                 # draft_ahead's results
         self.vocab = draft.vocab_ids                         # None: the whole vocabulary
         if fast_head is None:
             fast_head = pipeline.device.type == "cpu" and pipeline.stages[-1].dtype == torch.bfloat16
@@ -113,7 +115,31 @@ class DFlashProposer:
     def select(self, lane: int) -> None:
         """Act on sequence slot ``lane``'s draft context from now on (continuous batching)."""
         self.draft.select(lane)
+        self._lane = lane
         self._pending = self._pendings.setdefault(lane, [])
+
+    @torch.inference_mode()
+    def draft_ahead(self, items: list[tuple[int, int, int, int]]) -> None:
+        """Draft the next blocks of several sequences in one pass: ``items`` (slot, anchor,
+        start, block >= 2) each; the draft runs every block's rows together (each attending
+        over its own slot's context) and the head projects them in one call. Each
+        sequence's ``propose*`` then takes its result instead of a pass of its own; what is
+        not taken is dropped at the next call (``draft_ahead([])`` drops it now)."""
+        self._ahead = {}
+        if len(items) < 2:
+            return
+        for lane, *_ in items:
+            self.select(lane)
+            self.flush()
+        sizes = [block for *_, block in items]
+        ids = torch.tensor([[t for _, anchor, _, block in items for t in [anchor] + [self.mask_id] * (block - 1)]])
+        embeds = self.block_embeds(ids).split(sizes, dim=1)
+        hidden = self.draft.draft_hidden_rows([(lane, e, start) for (lane, _, start, _), e in zip(items, embeds)])
+        self._lane = items[-1][0]                        # the draft's selected slot now
+        self._pending = self._pendings.setdefault(self._lane, [])
+        logits = self._project(torch.cat([h[:, 1:] for h in hidden], dim=1)).split([b - 1 for b in sizes])
+        for (lane, anchor, start, block), h, lg in zip(items, hidden, logits):
+            self._ahead[(lane, anchor, start, block)] = (h[0, 1:], lg)
 
     def reset(self) -> None:
         self._pending.clear()
@@ -166,17 +192,25 @@ class DFlashProposer:
         return self._draft_hidden_logits(anchor, start, block)[1]
 
     def _draft_hidden_logits(self, anchor: int, start: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._ahead.pop((self._lane, anchor, start, block), None)
+        if got is not None:
+            return got
         self.flush()
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
         hidden = self.draft.draft_hidden(self.block_embeds(ids), start)
+        return hidden[0, 1:], self._project(hidden[:, 1:])
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft hidden rows (1, n, H) -> (n, rows) logits over the vocabulary, or over the
+        draft vocabulary's rows (``head_ids``)."""
         if self.head is not None:
             last = self.pipeline.stages[-1]
-            logits = self.head(hidden[:, 1:].to(last.device, last.dtype))
+            logits = self.head(hidden.to(last.device, last.dtype))
         else:
-            logits = self.pipeline.project(hidden[:, 1:])
+            logits = self.pipeline.project(hidden)
         logits = logits[0, :, :self.pipeline.config.vocab_size if self.vocab is None else len(self.vocab)]
         # (a padded head may have more rows than the vocabulary; int4 padding repeats leading rows)
-        return hidden[0, 1:], self.draft.cfg.shape_logits(logits)
+        return self.draft.cfg.shape_logits(logits)
 
     def _row_ids(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The token id of each logit row (None: row r is token r)."""

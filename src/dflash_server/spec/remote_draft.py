@@ -132,6 +132,16 @@ class RemoteDraft:
         return self._call("draft_hidden", {"start": int(start)}, {"embeds": block_embeds.to(self.dtype)})[1]["hidden"]\
             .to(self.device)
 
+    batches_blocks = False   # one worker call per block (DFlashDraft.draft_hidden_rows's loop)
+
+    def draft_hidden_rows(self, blocks: list[tuple[int | None, torch.Tensor, int]]) -> list[torch.Tensor]:
+        out = []
+        for lane, embeds, start in blocks:
+            if lane is not None:
+                self.select(lane)
+            out.append(self.draft_hidden(embeds, start))
+        return out
+
     def context_export(self) -> dict[str, torch.Tensor]:
         return self._call("draft_export")[1]
 
