@@ -3,8 +3,10 @@ process (the engine's step loop, as ``serve --parallel N`` drives it), default m
 its shipped draft, greedy, EOS ignored. With the draft, the running sequences' verify blocks
 go through one target forward (each sequence's block chosen by the batch sizer, a block of
 1 being a plain row); without it, one batched decode row each. Modes alternate round by
-round (the VM's speed drifts); reports aggregate tok/s per mode (medians), the draft's
-acceptance and mean block, and whether every request's tokens equal the plain run's.
+round (the VM's speed drifts), after one warm-up run each (kernels built, and the sizers'
+exploration done, as on a server past its first requests); reports aggregate tok/s per mode
+(medians), the draft's acceptance and mean block, and whether every request's tokens equal
+the plain run's.
 
     python benchmarks/batch_spec.py [--parallel 4] [--max-tokens 128] [--rounds 3]
                                     [--block-size auto] [--device cpu] [--out FILE]
@@ -65,8 +67,8 @@ def main():
     tok = source.tokenizer
     reqs = [GenerationRequest(tuple(tok.encode_chat(m)), max_tokens=a.max_tokens, ignore_eos=True)
             for m in prompts(a.parallel)]
-    for engine in engines.values():   # warm-up: kernels, the sizers' first measurements
-        run(engine, [GenerationRequest(r.prompt_ids, max_tokens=16, ignore_eos=True) for r in reqs])
+    for engine in engines.values():   # warm-up: kernels, and the sizers' exploration (a server's first requests)
+        run(engine, reqs)
     rounds = {m: [] for m in engines}
     tokens, spec = {}, None
     for r in range(a.rounds):
@@ -85,7 +87,7 @@ def main():
                "acceptance_length": [s and s["acceptance_length"] for s in spec],
                "mean_block_size": [s and s["mean_block_size"] for s in spec],
                "verify_steps": [s and s["steps"] for s in spec], "plain_steps": [s and s["plain_steps"] for s in spec],
-               "batch_sizer": (bs.to_dict() if (bs := engines["draft"].proposer.batch_sizer) else None)}
+               "batch_sizer": (bs.to_dict() if (bs := getattr(engines["draft"].proposer, "batch_sizer", None)) else None)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))

@@ -98,3 +98,19 @@ def test_remeasures_the_stalest_total_near_the_best_only():
     assert sum(s.choose(keys, [8] * 4)) == 4            # plain rows pay best
     s.steps = 19                                        # a re-measure step: the stalest total is 16,
     assert sum(s.choose(keys, [8] * 4)) == 6            # but only 6 is within half the best rate
+
+
+def test_each_grant_adds_its_chance_to_the_expected_tokens():
+    rng = random.Random(3)
+    s = _sizer(["a"])
+    for _ in range(20):
+        n = rng.randint(1, 5)
+        acc = [[rng.random() for _ in range(7)] for _ in range(n)]
+        caps = [rng.randint(1, 8) for _ in range(n)]
+        extra = rng.randint(0, 30)
+        order, gains = BatchSizer.grants(acc, caps, extra)
+        blocks = BatchSizer.allocate(acc, n + extra, caps)
+        assert sum(blocks) == n + len(order) and all(1 <= b <= c for b, c in zip(blocks, caps))
+        want = sum(s.blocks.expected_tokens(b, a) for b, a in zip(blocks, acc))
+        assert abs(n + sum(gains) - want) < 1e-9
+        assert gains == sorted(gains, reverse=True)     # the likeliest rows first

@@ -42,20 +42,34 @@ class BatchSizer(StepCosts):
         return next((r for r in self.candidates if r >= rows), self.candidates[-1])
 
     @staticmethod
-    def allocate(acceptances: list[list[float]], total: int, caps: list[int]) -> list[int]:
-        """Blocks (each >= 1, at most its cap) summing to at most ``total``: each row beyond
-        the first goes to the sequence whose next row is the likeliest to commit."""
+    def grants(acceptances: list[list[float]], caps: list[int], extra: int) -> tuple[list[int], list[float]]:
+        """Up to ``extra`` rows beyond one per sequence, in the order they are handed out: each
+        to the sequence whose next row is the likeliest to commit a token (at most its cap).
+        Returns (sequence of each row, its chance), the chance being what the row adds to the
+        expected tokens."""
         blocks = [1] * len(caps)
         reach = [1.0] * len(caps)   # chance that all of sequence i's drafts so far are accepted
-        for _ in range(max(0, total - len(caps))):
+        order, gains = [], []
+        for _ in range(max(0, extra)):
             best, gain = None, -1.0
             for i, (acc, b) in enumerate(zip(acceptances, blocks)):
                 if b < caps[i] and reach[i] * acc[b - 1] > gain:
                     best, gain = i, reach[i] * acc[b - 1]
             if best is None:
                 break
-            reach[best] *= acceptances[best][blocks[best] - 1]
+            reach[best] = gain
             blocks[best] += 1
+            order.append(best)
+            gains.append(gain)
+        return order, gains
+
+    @classmethod
+    def allocate(cls, acceptances: list[list[float]], total: int, caps: list[int]) -> list[int]:
+        """Blocks (each >= 1, at most its cap) summing to at most ``total``: the first
+        ``total - n`` grants."""
+        blocks = [1] * len(caps)
+        for i in cls.grants(acceptances, caps, total - len(caps))[0]:
+            blocks[i] += 1
         return blocks
 
     def choose(self, keys: list, caps: list[int]) -> list[int]:
@@ -67,9 +81,19 @@ class BatchSizer(StepCosts):
             self.blocks.select(k)
             acc.append(self.blocks.acceptance())
         top = min(sum(caps), self.candidates[-1])
+        order, gains = self.grants(acc, caps, top - n)
+        cum = [float(n)]
+        for g in gains:
+            cum.append(cum[-1] + g)
         totals = sorted({n} | {r for r in self.candidates if n < r <= top})
-        plans = {r: self.allocate(acc, r, caps) for r in totals}
-        tokens = {r: sum(self.blocks.expected_tokens(b, a) for b, a in zip(p, acc)) for r, p in plans.items()}
+        tokens = {r: cum[min(r - n, len(gains))] for r in totals}
+
+        def plan(r: int) -> list[int]:
+            blocks = [1] * n
+            for i in order[:max(0, r - n)]:
+                blocks[i] += 1
+            return blocks
+
         judged = {r: tokens[r] / self.cost[self.bucket(r)] for r in totals
                   if self.samples.get(self.bucket(r), 0) >= 2}
         for r in totals:                 # the smallest total not judged yet, while it may pay
@@ -77,7 +101,7 @@ class BatchSizer(StepCosts):
                 continue
             floor = max((self.cost[self.bucket(j)] for j in judged if j < r), default=0.0)
             if not floor or tokens[totals[-1]] / floor > max(judged.values()):
-                return plans[r]
+                return plan(r)
             break
         best = max(judged, key=judged.__getitem__)
         if self.steps % self.explore_every == self.explore_every - 1:
@@ -86,8 +110,8 @@ class BatchSizer(StepCosts):
             # two more than plain decoding, whose verify also observes the acceptance again,
             # not a costly total far behind
             near = [r for r in judged if judged[r] * 2 >= judged[best]]
-            return plans[min(near, key=lambda r: self.measured[self.bucket(r)])]
-        return plans[best]
+            return plan(min(near, key=lambda r: self.measured[self.bucket(r)]))
+        return plan(best)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A batch step of ``rows`` rows in all took ``seconds`` (drafting included)."""
