@@ -1,15 +1,17 @@
 """DFlash in the batch: N requests decoding together with and without the draft, in one
 process (the engine's step loop, as ``serve --parallel N`` drives it), default model and
 its shipped draft, greedy, EOS ignored. With the draft, the running sequences' verify blocks
-go through one target forward (each sequence's block chosen by the batch sizer, a block of
-1 being a plain row); without it, one batched decode row each. Modes alternate round by
-round (the VM's speed drifts), after one warm-up run each (kernels built, and the sizers'
-exploration done, as on a server past its first requests); reports aggregate tok/s per mode
-(medians), the draft's acceptance and mean block, and whether every request's tokens equal
-the plain run's.
+go through one target forward (and their drafts through one draft pass); ``auto``: each
+sequence's block chosen by the batch sizer (a block of 1 is a plain row), a number: that
+block for every sequence. Without it, one batched decode row each. The modes take turns
+round by round in rotating order (the VM's speed drifts), after one warm-up run each
+(kernels built, the sizers' exploration done, as on a server past its first requests);
+reports aggregate tok/s per mode (medians), each mode's median ratio to plain over the
+rounds (run back to back, so the drift between rounds cancels), the draft's acceptance and
+mean block, and whether every request's tokens equal the plain run's.
 
     python benchmarks/batch_spec.py [--parallel 4] [--max-tokens 128] [--rounds 3]
-                                    [--block-size auto] [--device cpu] [--out FILE]
+                                    [--modes plain,auto,2] [--device cpu] [--out FILE]
 """
 from __future__ import annotations
 
@@ -53,15 +55,17 @@ def main():
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--block-size", default="auto")
+    ap.add_argument("--modes", default="plain,auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", "benchmarks/results")) / "batch_spec.json"))
     a = ap.parse_args()
-    block = a.block_size if a.block_size == "auto" else int(a.block_size)
+    modes = a.modes.split(",")
+    if "plain" not in modes:
+        modes.insert(0, "plain")
     engines = {}
-    for mode in ("plain", "draft"):
-        cfg = EngineConfig(device=a.device, parallel=str(a.parallel), draft="default" if mode == "draft" else None,
-                           no_draft=mode == "plain", block_size=block)
+    for mode in modes:
+        cfg = EngineConfig(device=a.device, parallel=str(a.parallel), draft=None if mode == "plain" else "default",
+                           no_draft=mode == "plain", block_size="auto" if mode in ("plain", "auto") else int(mode))
         source, pipe, engine = load_engine(cfg, progress=False)
         engines[mode] = engine
     tok = source.tokenizer
@@ -69,28 +73,34 @@ def main():
             for m in prompts(a.parallel)]
     for engine in engines.values():   # warm-up: kernels, and the sizers' exploration (a server's first requests)
         run(engine, reqs)
-    rounds = {m: [] for m in engines}
-    tokens, spec = {}, None
+    rounds = {m: [] for m in modes}
+    tokens, spec = {}, {}
     for r in range(a.rounds):
-        for mode in (("plain", "draft") if r % 2 == 0 else ("draft", "plain")):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             wall, toks, sp = run(engines[mode], reqs)
             rounds[mode].append(sum(map(len, toks)) / wall)
             tokens.setdefault(mode, toks)
-            if mode == "draft":
-                spec = sp
-    med = {m: statistics.median(v) for m, v in rounds.items()}
-    summary = {"device": a.device, "parallel": a.parallel, "max_tokens": a.max_tokens, "block_size": a.block_size,
-               "plain_tok_s": round(med["plain"], 1), "draft_tok_s": round(med["draft"], 1),
-               "draft_vs_plain": round(med["draft"] / med["plain"], 3),
-               "rounds_tok_s": {m: [round(x, 1) for x in v] for m, v in rounds.items()},
-               "same_tokens": [x == y for x, y in zip(tokens["plain"], tokens["draft"])],
-               "acceptance_length": [s and s["acceptance_length"] for s in spec],
-               "mean_block_size": [s and s["mean_block_size"] for s in spec],
-               "verify_steps": [s and s["steps"] for s in spec], "plain_steps": [s and s["plain_steps"] for s in spec],
-               "batch_sizer": (bs.to_dict() if (bs := getattr(engines["draft"].proposer, "batch_sizer", None)) else None)}
+            spec[mode] = sp
+    out = {}
+    for mode in modes:
+        row = {"tok_s": round(statistics.median(rounds[mode]), 1), "rounds_tok_s": [round(x, 1) for x in rounds[mode]],
+               "vs_plain_by_round": round(statistics.median(x / p for x, p in zip(rounds[mode], rounds["plain"])), 3)}
+        if mode != "plain":
+            sp = spec[mode]
+            bs = engines[mode].proposer.batch_sizer
+            row.update({"same_tokens": [x == y for x, y in zip(tokens["plain"], tokens[mode])],
+                        "acceptance_length": [s["acceptance_length"] for s in sp],
+                        "mean_block_size": [s["mean_block_size"] for s in sp],
+                        "verify_steps": [s["steps"] for s in sp], "plain_steps": [s["plain_steps"] for s in sp],
+                        "batch_sizer": bs.to_dict() if bs is not None else None})
+        out[mode] = row
+    summary = {"device": a.device, "parallel": a.parallel, "max_tokens": a.max_tokens, "rounds": a.rounds,
+               "modes": out}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary))
+    print(json.dumps({m: {k: v for k, v in r.items() if k in ("tok_s", "vs_plain_by_round", "same_tokens",
+                                                             "acceptance_length", "mean_block_size")}
+                      for m, r in out.items()}))
 
 
 if __name__ == "__main__":

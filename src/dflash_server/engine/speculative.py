@@ -261,7 +261,6 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
             _drop_checkpoint(pipe, select, seq, drafts)
             out_of.append((seq, e))
         return out_of
-    seconds = time.perf_counter() - t0
     sizer, row = proposer.sizer, 0
     for seq, drafts, q in batch:
         block, pos = len(drafts) + 1, seq.pos
@@ -293,8 +292,8 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
             out_of.append((seq, e))
             continue
         out_of.append((seq, None))
-    if proposer.batch_sizer is not None:
-        proposer.batch_sizer.observe(row, seconds)
+    if proposer.batch_sizer is not None:   # the whole step: drafts, forward, commits, context
+        proposer.batch_sizer.observe(row, time.perf_counter() - t0)
     return out_of
 
 
