@@ -83,6 +83,12 @@ def test_rows_cost_per_total_are_learned():
     s.observe(5, 0.020)
     assert s.cost == {3: 0.011, 6: 0.020} and s.samples == {3: 2, 6: 1}
     assert s.to_dict()["cost_ms"] == {3: 11.0, 6: 20.0}
+    for ms in (12, 40, 12, 45, 12, 12, 12):            # busy-machine spikes do not move it
+        s.observe(3, ms / 1e3)
+    assert s.cost[3] == 0.012
+    for ms in (20, 20, 20, 20):                        # a lasting change does (the window's median)
+        s.observe(3, ms / 1e3)
+    assert s.cost[3] == 0.020
 
 
 def test_remeasures_the_stalest_total_near_the_best_only():

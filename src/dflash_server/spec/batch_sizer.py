@@ -8,7 +8,7 @@ together. For a total R, rows go where they are most likely to commit a token: s
 (``BlockSizer.acceptance``, per request) that falls with b, so handing the rows out one at a
 time to the largest such chance is optimal for that R. The R chosen maximises expected
 tokens per second, with c(R) the measured wall time of batch steps (draft passes included)
-of about R rows (``StepCosts``, R rounded up to a candidate). R = n (every block 1) is plain
+of about R rows (the median of the last few, R rounded up to a candidate). R = n (every block 1) is plain
 batched decoding, measured like the rest; larger totals are explored from the smallest up
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
 steps the stalest total within half the best rate runs again. Output does not depend on the
@@ -19,6 +19,7 @@ from __future__ import annotations
 from .block_sizer import BlockSizer, StepCosts
 
 ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+WINDOW = 7  # step times per total whose median is its cost
 
 
 class BatchSizer(StepCosts):
@@ -117,6 +118,24 @@ class BatchSizer(StepCosts):
         """A batch step of ``rows`` rows in all took ``seconds`` (drafting included)."""
         self.steps += 1
         self.measure(self.bucket(rows), seconds)
+
+    def measure(self, r: int, seconds: float) -> None:
+        """A total's cost: the median of its last ``WINDOW`` step times (its first one only
+        holds a place until the second). The totals compared differ by a few percent on a
+        CPU, while single steps there jump by tens of percent when the machine is busy: a
+        median sets such outliers aside where a moving average takes a share of each."""
+        window = self.recent.setdefault(r, [])
+        if self.samples.get(r, 0) == 1:
+            window.clear()
+        window.append(seconds)
+        del window[:-WINDOW]
+        self.cost[r] = sorted(window)[len(window) // 2]
+        self.measured[r] = self.steps
+        self.samples[r] = self.samples.get(r, 0) + 1
+
+    def reset_costs(self) -> None:
+        super().reset_costs()
+        self.recent: dict[int, list[float]] = {}
 
     def to_dict(self) -> dict:
         return {"row_candidates": list(self.candidates),
