@@ -401,14 +401,16 @@ class _LaneOracle:
         return out
 
 
-@pytest.mark.parametrize("stages", [1, 2, "remote"])
-def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, stages):
-    """With a draft and attention-only layers, the running sequences' verify blocks go
-    through one forward (a slot's rows at consecutive positions, each slot rolled back on
-    its own): outputs equal plain decoding alone (greedy, and a seeded sampled request,
-    whose drafts are kept where they equal its own draws), whole blocks are accepted where
-    the draft is right, and each slot's draft context holds what the sequence's does alone."""
-    path = tiny_dir("llama")
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("llama", "remote"), ("qwen3_5", 1),
+                                           ("qwen3_5", "remote")])
+def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, family, stages):
+    """With a draft, the running sequences' verify blocks go through one forward (a slot's
+    rows at consecutive positions, each slot rolled back on its own: KV cropped, Gated
+    DeltaNet state replayed): outputs equal plain decoding alone (greedy, and a seeded
+    sampled request, whose drafts are kept where they equal its own draws), whole blocks are
+    accepted where the draft is right, and each slot's draft context holds what the
+    sequence's does alone."""
+    path = tiny_dir(family)
     plain = Engine(_pipe(path, 1, 2 if stages == "remote" else stages))
     solo_pipe = _pipe(path, 1, 2 if stages == "remote" else stages)
     solo = Engine(solo_pipe, proposer=_draft_proposer(solo_pipe))

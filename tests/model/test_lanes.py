@@ -94,8 +94,8 @@ def _blocks(pipe, prompts, sizes):
     return [torch.randint(6, pipe.config.vocab_size, (n,), generator=g).tolist() for n in sizes]
 
 
-@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("gemma3", 1), ("gemma4_e", 1),
-                                           ("laguna", 1)])
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("gemma3", 1),
+                                           ("gemma4_e", 1), ("laguna", 1)])
 def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages):
     """Ragged rows: verify blocks of several slots (a slot's rows at consecutive positions,
     the slot checkpointed; a block of one next to them) in one ``forward_rows`` give each row
@@ -148,13 +148,16 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages)
 
 
 def test_ragged_rows_validate(tiny_dir):
-    """Several rows of a slot: at consecutive positions from at most its length; a stage with
-    recurrent layers (Gated DeltaNet) takes one row per slot and no checkpointed slot."""
+    """Several rows of a slot: adjacent, at consecutive positions from at most its length; a
+    stage with KV Flash pools takes one row per slot and no checkpointed slot."""
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+
     pipe = _pipe(tiny_dir("llama"), 2)
     pipe.select(0)
     pipe.prefill([1, 2, 3])
     for toks, lanes, pos in (([4, 5], [0, 0], [3, 5]),      # a gap inside the slot's rows
                              ([4, 5], [0, 0], [4, 3]),      # out of order
+                             ([4, 5, 6], [0, 1, 0], [3, 0, 4]),  # the slot's rows apart
                              ([4, 5, 6], [0, 1, 0], [3, 0, 3]),  # the same position twice
                              ([4, 5], [0, 0], [4, 5])):     # starts past the slot's length
         with pytest.raises(ValueError):
@@ -168,15 +171,18 @@ def test_ragged_rows_validate(tiny_dir):
         cs = torch.zeros(2, 8)
         with pytest.raises(RuntimeError, match="increasing positions"):
             torch.ops.dflash.attention_rows(qkv, cs, cs, bank, bank.clone(), [0, 0], [3, 3], 4, 2, 1.0)
-    gdn = _pipe(tiny_dir("qwen3_5"), 2)
-    assert not gdn.supports_ragged
+    src = open_model(tiny_dir("llama"))
+    pooled = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"], None), dtype=torch.bfloat16,
+                            max_ctx=256, quantize="int8", progress=False, lanes=2,
+                            kvflash=KvFlashConfig(pool=64, chunk=16))
+    assert not pooled.supports_ragged
     for lane in (0, 1):
-        gdn.select(lane)
-        gdn.prefill([1, 2, 3])
+        pooled.select(lane)
+        pooled.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="one row per slot"):
-        gdn.forward_rows([4, 5], [0, 0], [3, 4])
-    gdn.select(1)
-    gdn.checkpoint()
+        pooled.forward_rows([4, 5], [0, 0], [3, 4])
+    pooled.select(1)
+    pooled.checkpoint()
     with pytest.raises(ValueError, match="one row per slot"):
-        gdn.forward_rows([4, 5], [0, 1], [3, 3])
-    assert [st.length for st in gdn.stages[0].lanes] == [3, 3]
+        pooled.forward_rows([4, 5], [0, 1], [3, 3])
+    assert [st.length for st in pooled.stages[0].lanes] == [3, 3]

@@ -51,8 +51,8 @@ def test_allocation_follows_the_acceptance():
 
 def test_starts_with_plain_rows_and_explores_upwards():
     s = _sizer(["a", "b"], explore_every=1000)
-    order = [sum(simulate(s, ["a", "b"], {"a": 0.0, "b": 0.0}, cpu, steps=1)[0]) for _ in range(4)]
-    assert order == [2, 2, 3, 3]           # plain rows (every block 1) first, each total twice
+    order = [sum(simulate(s, ["a", "b"], {"a": 0.0, "b": 0.0}, cpu, steps=1)[0]) for _ in range(6)]
+    assert order == [2, 2, 2, 3, 3, 3]     # plain rows (every block 1) first, each total three times
     assert s.bucket(5) == 6 and s.bucket(100) == 64
 
 
@@ -99,11 +99,14 @@ def test_remeasures_the_stalest_total_near_the_best_only():
         for _ in range(20):
             s.blocks.learn(8, 0)
     for r, ms, when in ((4, 10.0, 9), (6, 12.0, 5), (8, 30.0, 3), (12, 40.0, 2), (16, 50.0, 1)):
-        s.cost[r], s.samples[r], s.measured[r] = ms / 1e3, 2, when
+        s.cost[r], s.samples[r], s.measured[r] = ms / 1e3, 3, when
     s.steps = 10
     assert sum(s.choose(keys, [8] * 4)) == 4            # plain rows pay best
     s.steps = 19                                        # a re-measure step: the stalest total is 16,
     assert sum(s.choose(keys, [8] * 4)) == 6            # but only 6 is within half the best rate
+    s.cost[4], s.measured[6] = 0.030, 10                # plain rows measured in a busy moment:
+    s.steps = 29                                        # re-measured all the same (the stalest now)
+    assert sum(s.choose(keys, [8] * 4)) == 4
 
 
 def test_each_grant_adds_its_chance_to_the_expected_tokens():

@@ -134,10 +134,20 @@ class GatedDeltaNet(nn.Module):
                               torch.zeros(batch, self.hv, self.dk, self.dv, device=device, dtype=torch.float32))
 
     def forward_rows(self, x: torch.Tensor, ctx: ForwardContext, states: list[RecurrentState]) -> torch.Tensor:
-        """Decode rows of several sequences, row b on ``states[b]``: each row runs as its
-        sequence's own single-token step (the recurrent update is per sequence anyway)."""
-        return torch.cat([self.forward(x[:, b:b + 1], ForwardContext(pos, 1, None, None), st)
-                          for b, (pos, st) in enumerate(zip(ctx.positions, states))], dim=1)
+        """Rows of several sequences, row b on ``states[b]``: each sequence's rows (one, or
+        a verify block: adjacent rows on one state at consecutive positions) run as its own
+        step or block (the recurrent update is per sequence anyway), recorded for a
+        rollback where its state holds a checkpoint."""
+        outs, b = [], 0
+        while b < len(states):
+            e = b + 1
+            while e < len(states) and states[e] is states[b]:
+                e += 1
+            st = states[b]
+            outs.append(self.forward(x[:, b:e], ForwardContext(ctx.positions[b], e - b, None, None,
+                                                                record=st.saved is not None), st))
+            b = e
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:
         if ctx.tree is not None:

@@ -454,17 +454,18 @@ class LocalStage:
         ragged = len(set(lanes)) != B or any(self.lanes[lane].ckpt_length is not None
                                              for lane in lanes if 0 <= lane < len(self.lanes))
         if ragged and not self.can_ragged:
-            raise ValueError("forward_rows: one row per slot and no checkpoint here (recurrent layers or "
-                             "KV Flash pools verify a sequence at a time)")
+            raise ValueError("forward_rows: one row per slot and no checkpoint here (KV Flash pools verify "
+                             "a sequence at a time)")
         nxt: dict[int, int] = {}
-        for lane, pos in zip(lanes, positions):
+        for b, (lane, pos) in enumerate(zip(lanes, positions)):
             if not 0 <= lane < len(self.lanes):
                 raise ValueError(f"sequence slot {lane} outside [0, {len(self.lanes)})")
             st = self.lanes[lane]
             want = nxt.get(lane)
-            if (not 0 <= pos <= st.length if want is None else pos != want) or pos >= self.max_ctx:
-                raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} (length "
-                                 f"{st.length}, context {self.max_ctx}; a slot's rows at consecutive positions)")
+            if (not 0 <= pos <= st.length if want is None else (pos != want or lanes[b - 1] != lane)) \
+                    or pos >= self.max_ctx:
+                raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} (length {st.length}, "
+                                 f"context {self.max_ctx}; a slot's rows adjacent, at consecutive positions)")
             nxt[lane] = pos + 1
         if self.lanes[0].pool is not None:
             return self._rows_one_by_one(x, lanes, positions, capture, carry)
@@ -627,10 +628,10 @@ class LocalStage:
     @property
     def can_ragged(self) -> bool:
         """Whether ``forward_rows`` takes several rows of one slot and slots holding a
-        checkpoint (a batch of speculative verify blocks): attention-only layers (a crop
-        rolls them back) without KV Flash pools, one sequence per slot."""
-        return (self.batch == 1 and self.lanes[0].pool is None
-                and all(s.kind != "recurrent" for s in self.lanes[0].states))
+        checkpoint (a batch of speculative verify blocks; attention rolls back by a crop,
+        recurrent layers record the block as a single sequence's verify does): without KV
+        Flash pools (each slot's pool pages on its own), one sequence per slot."""
+        return self.batch == 1 and self.lanes[0].pool is None
 
     @property
     def can_tree(self) -> bool:

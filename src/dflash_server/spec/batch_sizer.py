@@ -8,10 +8,11 @@ together. For a total R, rows go where they are most likely to commit a token: s
 (``BlockSizer.acceptance``, per request) that falls with b, so handing the rows out one at a
 time to the largest such chance is optimal for that R. The R chosen maximises expected
 tokens per second, with c(R) the measured wall time of batch steps (draft passes included)
-of about R rows (the median of the last few, R rounded up to a candidate). R = n (every block 1) is plain
+of about R rows (the median of the last few, R rounded up to a candidate; each total runs
+three times before it is judged). R = n (every block 1) is plain
 batched decoding, measured like the rest; larger totals are explored from the smallest up
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
-steps the stalest total within half the best rate runs again. Output does not depend on the
+steps the stalest total within half the best rate (or plain rows) runs again. Output does not depend on the
 choice: every row verifies against the same target distribution.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .block_sizer import BlockSizer, StepCosts
 
 ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 WINDOW = 7  # step times per total whose median is its cost
+JUDGED = 3  # step times before a total is compared with the others
 
 
 class BatchSizer(StepCosts):
@@ -96,7 +98,7 @@ class BatchSizer(StepCosts):
             return blocks
 
         judged = {r: tokens[r] / self.cost[self.bucket(r)] for r in totals
-                  if self.samples.get(self.bucket(r), 0) >= 2}
+                  if self.samples.get(self.bucket(r), 0) >= JUDGED}
         for r in totals:                 # the smallest total not judged yet, while it may pay
             if r in judged:
                 continue
@@ -107,10 +109,10 @@ class BatchSizer(StepCosts):
         best = max(judged, key=judged.__getitem__)
         if self.steps % self.explore_every == self.explore_every - 1:
             # re-measure the stalest total that a change of load or acceptance may make the
-            # best (at least half the best rate): on a CPU with a weak draft that is a row or
-            # two more than plain decoding, whose verify also observes the acceptance again,
-            # not a costly total far behind
-            near = [r for r in judged if judged[r] * 2 >= judged[best]]
+            # best (at least half the best rate; plain rows always): on a CPU with a weak
+            # draft that is plain decoding or a row or two more, whose verify also observes
+            # the acceptance again, not a costly total far behind
+            near = [r for r in judged if judged[r] * 2 >= judged[best] or r == n]
             return plan(min(near, key=lambda r: self.measured[self.bucket(r)]))
         return plan(best)
 
@@ -120,13 +122,12 @@ class BatchSizer(StepCosts):
         self.measure(self.bucket(rows), seconds)
 
     def measure(self, r: int, seconds: float) -> None:
-        """A total's cost: the median of its last ``WINDOW`` step times (its first one only
-        holds a place until the second). The totals compared differ by a few percent on a
-        CPU, while single steps there jump by tens of percent when the machine is busy: a
-        median sets such outliers aside where a moving average takes a share of each."""
+        """A total's cost: the median of its last ``WINDOW`` step times, judged from the
+        ``JUDGED``-th on. The totals compared differ by a few percent on a CPU, while single
+        steps there jump by tens of percent when the machine is busy (and a first step may
+        carry a one-off cost): a median sets such outliers aside where a moving average
+        takes a share of each."""
         window = self.recent.setdefault(r, [])
-        if self.samples.get(r, 0) == 1:
-            window.clear()
         window.append(seconds)
         del window[:-WINDOW]
         self.cost[r] = sorted(window)[len(window) // 2]
