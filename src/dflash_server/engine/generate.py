@@ -182,8 +182,8 @@ class Engine:
         if rows:
             # with a draft, a sequence decoding alone speculates (draft + verify); several
             # verify their blocks in one forward where the stages take a slot's rows together
-            # (attention-only layers), else decode plainly in one batched forward, which also
-            # feeds each one's draft context
+            # (not with KV Flash pools, not for DDTree trees), else decode plainly in one
+            # batched forward, which also feeds each one's draft context
             if self.proposer is not None and len(rows) == 1:
                 self._speculate(rows[0], ended)
             elif self.proposer is not None and self.pipeline.supports_ragged \

@@ -446,8 +446,9 @@ class LocalStage:
         kernels): the matmuls take all rows, attention reads each row's own lane.
         ``capture``: global layer ids whose outputs (1, B, H) to return (a draft's taps).
         Where ``can_ragged``, a lane may take several rows at consecutive positions (a
-        speculative verify block next to other sequences' rows; row t of a lane attends to
-        its rows before t) and may hold a checkpoint (``rollback`` then crops it)."""
+        speculative verify block next to other sequences' rows, adjacent; row t of a lane
+        attends to its rows before t) and may hold a checkpoint (``rollback`` then keeps a
+        prefix of the rows)."""
         B = x.shape[1]
         if len(lanes) != B or len(positions) != B:
             raise ValueError("forward_rows: one lane and one position per row")

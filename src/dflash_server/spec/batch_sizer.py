@@ -7,13 +7,13 @@ together. For a total R, rows go where they are most likely to commit a token: s
 (b+1)-th row commits one more token only if its first b drafts are all accepted, a chance
 (``BlockSizer.acceptance``, per request) that falls with b, so handing the rows out one at a
 time to the largest such chance is optimal for that R. The R chosen maximises expected
-tokens per second, with c(R) the measured wall time of batch steps (draft passes included)
-of about R rows (the median of the last few, R rounded up to a candidate; each total runs
-three times before it is judged). R = n (every block 1) is plain
+tokens per second, with c(R) the measured wall time of batch steps of about R rows (the
+whole step: draft pass, forward, commits; the median of the last few, R rounded up to a
+candidate; each total runs three times before it is judged). R = n (every block 1) is plain
 batched decoding, measured like the rest; larger totals are explored from the smallest up
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
-steps the stalest total within half the best rate (or plain rows) runs again. Output does not depend on the
-choice: every row verifies against the same target distribution.
+steps the stalest total within half the best rate (or plain rows) runs again. Output does
+not depend on the choice: every row verifies against the same target distribution.
 """
 from __future__ import annotations
 
@@ -25,14 +25,13 @@ JUDGED = 3  # step times before a total is compared with the others
 
 
 class BatchSizer(StepCosts):
-    def __init__(self, blocks: BlockSizer, *, max_rows: int = 64, explore_every: int = 24,
-                 cost_alpha: float = 0.25):
+    def __init__(self, blocks: BlockSizer, *, max_rows: int = 64, explore_every: int = 24):
         """``blocks``: the proposer's BlockSizer, whose per-request acceptance estimates
         (keyed by sequence) this reads and ``learn`` feeds; ``max_rows``: the most rows one
         batch step verifies."""
         self.blocks = blocks
         self.candidates = tuple(r for r in ROW_CANDIDATES if r <= max_rows) or (1,)
-        self.explore_every, self.cost_alpha = explore_every, cost_alpha
+        self.explore_every = explore_every
         self.reset()
 
     def reset(self) -> None:
