@@ -277,6 +277,26 @@ def test_parallel_flag(tiny_dir, monkeypatch):
     assert lanes("auto") == 1
 
 
+def _same_draft_contexts(eng, seqs, slots, contexts, late) -> int:
+    """Each sequence's slot's draft context equals ``contexts[i]`` (what the sequence builds
+    alone; to rounding: the fp32 draft's projections take other row counts when positions
+    come in other pieces), except a slot the ``late`` sequence took over; returns how many
+    were compared."""
+    compared = 0
+    for s, ctx in zip(seqs, contexts):
+        if slots[s.id] == slots[late.id]:
+            continue
+        eng.proposer.select(slots[s.id])
+        eng.proposer.flush()
+        got = eng.proposer.draft.context_export()
+        assert int(got["length"]) == int(ctx["length"])
+        for k in ctx:
+            if k != "length":
+                torch.testing.assert_close(got[k], ctx[k], rtol=1e-4, atol=1e-5)
+        compared += 1
+    return compared
+
+
 def _draft_proposer(pipe, adaptive=False, block=4):
     from dflash_server.spec.config import DraftConfig
     from dflash_server.spec.draft import DFlashDraft
@@ -320,20 +340,7 @@ def test_draft_in_the_batch(tiny_dir, family, stages):
         spec = seqs[1].result.extra["spec"]  # the longest: alone at its end, so it speculated
         assert spec["steps"] > 0 and spec["plain_steps"] > 0
         assert max(eng.batch_sizes) == 3
-        compared = 0
-        for s, ctx in zip(seqs[:3], contexts):  # each slot's draft context == the sequence's own
-            if slots[s.id] == slots[seqs[3].id]:
-                continue  # reused by the late request
-            eng.proposer.select(slots[s.id])
-            eng.proposer.flush()
-            compared += 1
-            got = eng.proposer.draft.context_export()
-            n = int(ctx["length"])
-            assert int(got["length"]) == n
-            for k in ctx:
-                if k != "length":
-                    torch.testing.assert_close(got[k], ctx[k], rtol=1e-4, atol=1e-5)  # fp32 draft: chunking rounds
-        assert compared == 2
+        assert _same_draft_contexts(eng, seqs[:3], slots, contexts, late=seqs[3]) == 2
         assert eng.proposer.sizer.requests.keys() <= {None}  # ended requests leave the sizer
     finally:
         eng.pipeline.close()
@@ -441,19 +448,7 @@ def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, family, sta
         assert s0["accept_histogram"][3] >= 3 and s0["accept_histogram"][3] == s0["steps"] - sum(
             s0["accept_histogram"][:3])
         assert s1["accept_histogram"][1] >= 3 and s1["accept_histogram"][2:] == [0, 0]
-        compared = 0
-        for s, ctx in zip(seqs[:3], contexts):
-            if slots[s.id] == slots[seqs[3].id]:
-                continue  # reused by the late request
-            eng.proposer.select(slots[s.id])
-            eng.proposer.flush()
-            compared += 1
-            got = eng.proposer.draft.context_export()
-            assert int(got["length"]) == int(ctx["length"])
-            for k in ctx:
-                if k != "length":
-                    torch.testing.assert_close(got[k], ctx[k], rtol=1e-4, atol=1e-5)  # fp32 draft: chunking rounds
-        assert compared == 2
+        assert _same_draft_contexts(eng, seqs[:3], slots, contexts, late=seqs[3]) == 2
         assert [st.ckpt_length for st in pipe.stages[0].lanes] == [None] * 3
     finally:
         pipe.close()
