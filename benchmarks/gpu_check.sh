@@ -12,10 +12,11 @@
 # (tests/model/test_cuda.py and the Gated DeltaNet op test; the native CPU kernels are built
 # inside their time, ~1 min), benchmarks/gpu_check.py (decode with and without CUDA graphs,
 # DFlash, DDTree, split, prefix cache, KV Flash, --compile through the CLI),
-# benchmarks/gpu_batch.py (batched decoding of 4 requests, graphs vs eager) and
+# benchmarks/gpu_batch.py (batched decoding of 4 requests, graphs vs eager),
+# benchmarks/batch_spec.py (4 requests with the draft: verify blocks in one forward) and
 # benchmarks/gpu_profile.py (where an eager decode step's time goes), leaving JSON and logs
 # in $OUT. Limits and subsets by environment: TESTS_S / TESTS_K (pytest -k), CHECK_S /
-# GPU_CHECK_RUNS (names of gpu_check.py's runs), BATCH_S and PROFILE_S (0 skips them). The whole
+# GPU_CHECK_RUNS (names of gpu_check.py's runs), BATCH_S, SPEC_BATCH_S and PROFILE_S (0 skips them). The whole
 # check takes ~9-10 min (run it with timeout_s 590: gpu_check.json is written after every CLI run,
 # so a cut-short check keeps what it ran); a second round on a fresh machine needs --stash again.
 set -uo pipefail
@@ -70,6 +71,11 @@ timeout ${CHECK_S:-330} python3 benchmarks/gpu_check.py --device cuda --out "$OU
 if [ "${BATCH_S:-60}" != 0 ]; then
   timeout ${BATCH_S:-60} python3 benchmarks/gpu_batch.py --device cuda --out "$OUT/gpu_batch.json" 2>&1 | tail -3
   timeout ${BATCH_S:-60} python3 benchmarks/gpu_batch.py --device cuda --dtype auto --out "$OUT/gpu_batch_bf16.json" 2>&1 | tail -3
+fi
+# several sequences speculating together (verify blocks in one graphed forward) vs plain rows
+if [ "${SPEC_BATCH_S:-60}" != 0 ]; then
+  timeout ${SPEC_BATCH_S:-60} python3 benchmarks/batch_spec.py --device cuda --parallel 4 --rounds 2 --max-tokens 64 \
+    --modes plain,auto,4 --out "$OUT/batch_spec.json" 2>&1 | tail -2
 fi
 # (whole log to the file: a `| head` after tee would cut the file short when head exits)
 if [ "${PROFILE_S:-30}" != 0 ]; then

@@ -258,3 +258,25 @@ def test_attention_backend_choice_matches_math():
                                                                        attn_mask=mask, enable_gqa=True)
             got = sdpa(q, k, v, mask, gqa=True)
             assert got.dtype == dtype and (got.float() - ref).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_cuda_graphs_for_verify_blocks_of_several_slots(tiny_dir):
+    """Three sequences with a draft on the GPU, fp32, graphs recorded: their verify blocks go
+    through one recorded forward_rows per multiset of slots; every output equals plain
+    decoding alone."""
+    path = tiny_dir("llama")
+    eager = pipeline(path, devices=[GPU])
+    prompts = [prompt_ids(eager, n, seed=n) for n in (9, 20, 14)]
+    want = [gen(eager, p, n).token_ids for p, n in zip(prompts, (24, 30, 20))]
+    graph = pipeline(path, devices=[GPU], lanes=3)
+    st = graph.stages[0]
+    assert st.use_cuda_graphs() is None
+    eng = Engine(graph, proposer=DFlashProposer(gpu_draft(graph, 4), graph, block_size=4))
+    seqs = [eng.submit(GenerationRequest(tuple(p), max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, (24, 30, 20))]
+    while eng.has_work:
+        eng.step()
+    assert st._graphs is not None, "recording failed (see the warning)"
+    assert [s.result.token_ids for s in seqs] == want
+    ragged = [k[1] for k in st._graphs.graphs if k[0] == "rows" and len(set(k[1])) < len(k[1])]
+    assert ragged and st._graphs.replays > 0

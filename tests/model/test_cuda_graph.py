@@ -286,3 +286,64 @@ def test_shard_worker_answers_for_its_stages(tiny_dir):
         assert greedy(pipe, ids, max_tokens=8) == greedy(pipeline(path), ids, max_tokens=8)
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_graph_rows_with_verify_blocks_of_several_slots_equal_eager(tiny_dir, family):
+    """Verify blocks of several slots in one ``forward_rows`` (a slot's rows at consecutive
+    positions, the slot checkpointed, rolled back after) through the graphs' step: each row's
+    logits and captures as the eager forward's, a graph per multiset of slots, the banks and
+    lengths equal after the rollbacks."""
+    path = tiny_dir(family)
+    eager, graph = pipeline(path, lanes=3), graphed(path, lanes=3)
+    prompts = [prompt_ids(eager, n, seed=n) for n in (5, 17, 9)]
+    pos, toks = start_slots((eager, graph), prompts)
+    st = graph.stages[0]
+    for step, blocks in enumerate(([3, 1, 2], [1, 4, 1], [2, 2, 2], [3, 1, 2])):
+        lanes = [i for i, b in enumerate(blocks) for _ in range(b)]
+        rows = [pos[i] + t for i, b in enumerate(blocks) for t in range(b)]
+        ids = [toks[i] if t == 0 else (toks[i] * 7 + t) % 97 + 3 for i, b in enumerate(blocks) for t in range(b)]
+        outs = []
+        for p in (eager, graph):
+            for i, b in enumerate(blocks):
+                if b > 1:
+                    p.select(i)
+                    p.checkpoint()
+            outs.append(p.forward_rows(ids, lanes, rows, capture=(1,)))
+        a, b = outs
+        assert torch.allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4), step
+        assert torch.allclose(a.captures[1], b.captures[1], atol=1e-4, rtol=1e-4)
+        for i, blk in enumerate(blocks):          # keep the block's first row and one more if any
+            keep = min(2, blk)
+            r = lanes.index(i)
+            toks[i] = int(a.logits[r + keep - 1].argmax())
+            for p in (eager, graph):
+                p.select(i)
+                if blk > 1:
+                    p.rollback(pos[i] + keep)
+            pos[i] += keep
+    assert [s.length for s in st.lanes] == [s.length for s in eager.stages[0].lanes] == pos
+    for be, bg in zip(eager.stages[0].banks, st.banks):
+        for i, n in enumerate(pos):
+            assert torch.allclose(be.k[i, :, :n], bg.k[i, :, :n], atol=1e-5)
+            assert torch.allclose(be.v[i, :, :n], bg.v[i, :, :n], atol=1e-5)
+    keys = sorted(k[1] for k in st._graphs.graphs if k[0] == "rows")
+    assert keys == [(0, 0, 0, 1, 2, 2), (0, 0, 1, 1, 2, 2), (0, 1, 1, 1, 1, 2)]   # the first one used twice
+
+
+def test_graphs_with_several_sequences_speculating_together(tiny_dir):
+    """The engine with a draft and three sequences at once on the graphs' step: their verify
+    blocks go through one graphed forward_rows, outputs == plain decoding alone."""
+    path = tiny_dir("llama")
+    eager = pipeline(path)
+    prompts = [prompt_ids(eager, n, seed=n) for n in (9, 20, 14)]
+    want = [greedy(eager, p, max_tokens=n) for p, n in zip(prompts, (14, 18, 11))]
+    graph = graphed(path, lanes=3)
+    eng = Engine(graph, proposer=DFlashProposer(random_draft(graph, block_size=4), graph, block_size=4))
+    seqs = [eng.submit(GenerationRequest(tuple(p), max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, (14, 18, 11))]
+    while eng.has_work:
+        eng.step()
+    assert [s.result.token_ids for s in seqs] == want
+    keys = [k[1] for k in graph.stages[0]._graphs.graphs if k[0] == "rows"]
+    assert any(len(set(k)) > 1 and len(k) > len(set(k)) for k in keys)   # several slots' blocks in one graph

@@ -21,10 +21,11 @@ pinned per slot); their stages record single-token steps outside a checkpoint on
 
 Used for single-token steps (plain decoding, DFlash's plain steps), for verify blocks of up
 to ``MAX_ROWS`` rows under a checkpoint (a block's rows after the checkpoint are dropped by
-moving the length back, as in the eager step), and for the decode rows of several sequence
-slots (continuous batching, ``forward_rows``: row b in slot lanes[b] at positions[b]; one
-graph per set of slots and span, at most ``MAX_ROW_SETS`` sets, rows ordered by slot); not
-for DDTree's tree blocks. At most ``MAX_GRAPHS`` graphs are kept, the least recently used
+moving the length back, as in the eager step), and for the rows of several sequence slots
+(continuous batching, ``forward_rows``: row b in slot lanes[b] at positions[b], a slot's
+verify block as several rows of it; one graph per multiset of slots and span, at most
+``MAX_ROW_SETS`` of them, rows ordered by slot); not for DDTree's tree blocks, nor for rows
+of several slots on Gated DeltaNet stages. At most ``MAX_GRAPHS`` graphs are kept, the least recently used
 dropped first (its memory goes back to the pool for the next recording). On a stage without MoE
 layers (their routing is not recorded), with no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
 inputs and split KV sharing), and without ``--compile``. Elsewhere the step runs eagerly as
@@ -213,9 +214,12 @@ class DecodeGraphs:
         return h.clone(), caps, None if logits is None else logits.clone()
 
     def step_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int], capture=()):
-        """One decode row in each of several slots (``LocalStage.forward_rows``), or None
-        where this set of slots has no graph and no room for one (the caller runs it eagerly).
-        Rows run ordered by slot; the results come back in the caller's order."""
+        """Rows of several slots (``LocalStage.forward_rows``: a decode row each, or a slot's
+        verify block as several rows at consecutive positions), or None where this multiset
+        of slots has no graph and no room for one (the caller runs it eagerly). Rows run
+        ordered by slot (a slot's rows in their order: every row's K/V is written before the
+        attention, each row masked past its own position); the results come back in the
+        caller's order."""
         if self.recurrent:
             return None
         order = sorted(range(len(lanes)), key=lanes.__getitem__)

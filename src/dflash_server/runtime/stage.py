@@ -471,8 +471,7 @@ class LocalStage:
         if self.lanes[0].pool is not None:
             return self._rows_one_by_one(x, lanes, positions, capture, carry)
         x = x.to(self.device)
-        if (self._graphs is not None and not carry and not ragged
-                and (out := self._graph_rows(x, lanes, positions, capture))):
+        if self._graphs is not None and not carry and (out := self._graph_rows(x, lanes, positions, capture)):
             return out
         idx = torch.tensor(positions, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
