@@ -75,3 +75,21 @@ def test_estimates_are_monotone_and_per_kind():
     s.end_request("r2")
     d = s.to_dict()
     assert d["tree"] and d["candidates"][0] == 0 and set(d["expected_tokens"]) == set(s.candidates)
+
+
+def test_explores_from_the_smallest_up_and_stops_where_larger_trees_cannot_pay():
+    """Cold start: budgets are tried from the smallest up (each twice); on the CPU's costs
+    with a draft that is never right, the yield bound (concave in the budget: at most the
+    average slope from the plain step on) rules out the largest trees, which are never run;
+    where rows are nearly free, every budget is explored."""
+    s = TreeSizer(22)
+    chosen = []
+    for _ in range(100):
+        b = s.choose()
+        chosen.append(b)
+        s.observe(b, 1, cpu(b))
+    assert chosen[:6] == [0, 0, 1, 1, 2, 2]
+    assert 16 not in chosen and 22 not in chosen
+    assert sum(b == 0 for b in chosen[-24:]) >= 23      # plain steps, but a re-measure of a neighbour
+    g = TreeSizer(22)
+    assert sorted(set(simulate(g, gpu, steps=60))) == list(g.candidates)

@@ -10,8 +10,10 @@ time under a quarter of the average replaces it). One fact ties the budgets toge
 best-first tree of N nodes is contained in the tree of N + 1 built from the same draft pass,
 so a larger budget never accepts less; the estimate for N is therefore the largest estimate
 of any budget up to N, and a budget not yet measured inherits its smaller neighbours'.
-A plain step commits exactly one token. Every candidate is tried twice, and every
-``explore_every`` steps the least recently measured of the best budget and its two
+A plain step commits exactly one token. Budgets are explored from the smallest up, each
+tried twice, while a larger one may pay (``explore``: the yield is concave in the budget, so
+it grows at most at the average rate from the plain step to the largest judged budget), and
+every ``explore_every`` steps the least recently measured of the best budget and its two
 neighbours runs again (so costs and yields follow the machine and the request, while a far
 costlier budget is not re-tried for nothing). The output does not
 depend on the choice (every tree is verified against the same target).
@@ -69,17 +71,42 @@ class TreeSizer(StepCosts):
             out[b] = best
         return out
 
-    def choose(self) -> int:
+    def explore(self, est: dict[int, float]) -> int | None:
+        """The smallest budget not yet judged, if measuring it may pay, else None. Budgets
+        are explored from the smallest up. A larger tree costs at least what the largest
+        judged one M costs, and its yield grows at most as fast as it did on average from
+        the plain step (one token) to M: a best-first tree adds nodes in falling draft
+        probability, so each further node adds less to the expected yield (concave in the
+        budget). So the largest budget yields at most est(M) + (max - M) x that slope, and
+        once that rate is below the best judged one the larger budgets stay unmeasured
+        (until the estimates change)."""
         fresh = self.fresh()
-        if fresh:
-            return fresh[-1]
+        if not fresh:
+            return None
+        nxt = fresh[0]
+        judged = [b for b in self.candidates if b < nxt]
+        hi = judged[-1] if judged else 0
+        if hi == 0:
+            return nxt
+        # the slope from the plain step (exactly one token, no noise) to M: never below the
+        # slope just before M on a concave yield, so an optimistic bound
+        slope = (est[hi] - 1.0) / hi
+        bound = est[hi] + (self.max_budget - hi) * slope
+        best = max(est[b] / self.cost[b] for b in judged)
+        return nxt if bound / self.cost[hi] > best else None
+
+    def choose(self) -> int:
         est = self.expected_tokens()
-        best = max(self.candidates, key=lambda b: est[b] / self.cost[b])
+        nxt = self.explore(est)
+        if nxt is not None:
+            return nxt
+        known = [b for b in self.candidates if b not in self.fresh()]
+        best = max(known, key=lambda b: est[b] / self.cost[b])
         if self.steps % self.explore_every == self.explore_every - 1:
             # re-measure the best's neighbours (not every budget: on a CPU a tree of 22 costs
             # ~6 plain steps, and re-trying it every 24 steps would cost ~20%)
-            i = self.candidates.index(best)
-            near = self.candidates[max(0, i - 1):i + 2]
+            i = known.index(best)
+            near = known[max(0, i - 1):i + 2]
             return min(near, key=lambda b: self.measured[b])
         return best
 
