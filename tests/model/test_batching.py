@@ -495,3 +495,53 @@ def test_one_draft_pass_for_several_sequences(tiny_dir, sliding):
     prop.draft_ahead(items[:2])
     prop.draft_ahead([])
     assert prop._ahead == {}
+
+
+@pytest.mark.parametrize("where", ["forward", "draft", "commit"])
+def test_a_failure_in_a_batched_verify_ends_only_its_sequences(tiny_dir, monkeypatch, where):
+    """Several sequences verifying their blocks in one forward: a failing forward fails them
+    all, a failing draft pass or commit only its own sequence; every checkpoint they held is
+    dropped, and the slots then serve new requests exactly as plain decoding alone."""
+    path = tiny_dir("llama")
+    plain = Engine(_pipe(path, 1))
+    pipe = _pipe(path, 3)
+    eng = Engine(pipe, proposer=_draft_proposer(pipe))                  # a fixed block of 4
+    reqs = [_req(prompt_ids(pipe, n, seed=n), 12) for n in (6, 9, 11)]
+    seqs = [eng.submit(r) for r in reqs]
+    while any(s.phase != "decode" for s in seqs):
+        eng.step()
+    victim = seqs[1]
+    if where == "forward":
+        orig = pipe.forward_rows
+        monkeypatch.setattr(pipe, "forward_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    elif where == "draft":
+        orig = eng.proposer.propose
+
+        def propose(anchor, start, block):
+            if eng.proposer._lane == victim.lane:
+                raise RuntimeError("injected")
+            return orig(anchor, start, block)
+        monkeypatch.setattr(eng.proposer, "propose", propose)
+        monkeypatch.setattr(eng.proposer, "draft_ahead", lambda items: None)   # each drafts on its own
+    else:
+        orig = victim.commit
+
+        def commit(logits):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(victim, "commit", commit)
+    eng.step()
+    failed = [s for s in seqs if isinstance(s.error, RuntimeError)]
+    assert failed == (seqs if where == "forward" else [victim])
+    assert all(st.ckpt_length is None for st in pipe.stages[0].lanes)
+    monkeypatch.undo()
+    while eng.has_work:
+        eng.step()
+    for s, r in zip(seqs, reqs):
+        if s not in failed:
+            assert s.result.token_ids == plain.generate(r).token_ids
+    more = [_req(prompt_ids(pipe, n, seed=n + 40), 10) for n in (7, 13, 8)]
+    again = [eng.submit(r) for r in more]
+    while eng.has_work:
+        eng.step()
+    assert [s.result.token_ids for s in again] == [plain.generate(r).token_ids for r in more]
+    assert eng.scheduler.free == [0, 1, 2]
