@@ -25,8 +25,8 @@ moving the length back, as in the eager step), and for the rows of several seque
 (continuous batching, ``forward_rows``: row b in slot lanes[b] at positions[b], a slot's
 verify block as several rows of it; one graph per multiset of slots and span, at most
 ``MAX_ROW_SETS`` of them, rows ordered by slot); not for DDTree's tree blocks, nor for rows
-of several slots on Gated DeltaNet stages. At most ``MAX_GRAPHS`` graphs are kept, the least recently used
-dropped first (its memory goes back to the pool for the next recording). On a stage without MoE
+of several slots on Gated DeltaNet stages. At most ``MAX_GRAPHS`` graphs are kept, the least
+recently used dropped first (its memory goes back to the pool for the next recording). On a stage without MoE
 layers (their routing is not recorded), with no KV Flash pool, one sequence per slot, nothing carried between stages (Gemma 4's per-layer
 inputs and split KV sharing), and without ``--compile``. Elsewhere the step runs eagerly as
 before. ``record=False`` runs the graph's step without recording it: how its positions,
