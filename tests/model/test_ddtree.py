@@ -162,7 +162,10 @@ def test_adaptive_budget_is_lossless(tiny_dir):
         assert res.token_ids == run(pipe, ids, sampling=sampling, max_tokens=60).token_ids
         spec = res.extra["spec"]
         assert spec["tree_steps"] > 0 and spec["plain_steps"] > 0   # both tried while exploring
-    assert set(prop.sizer.cost) == set(prop.sizer.candidates)
+    # budgets measured from the smallest up, as far as larger trees may pay (a random draft:
+    # they cannot, so the largest are left unmeasured)
+    measured = sorted(prop.sizer.cost)
+    assert len(measured) >= 2 and measured == list(prop.sizer.candidates[:len(measured)])
     kv = kv_pipeline(tiny_dir("llama"), 128)   # KV Flash pools verify trees too
     assert isinstance(DFlashProposer(random_draft(kv), kv, tree_budget=12, adaptive=True).sizer, TreeSizer)
     assert isinstance(DFlashProposer(random_draft(kv), kv, tree_budget=0, adaptive=True).sizer, BlockSizer)
