@@ -545,3 +545,21 @@ def test_a_failure_in_a_batched_verify_ends_only_its_sequences(tiny_dir, monkeyp
         eng.step()
     assert [s.result.token_ids for s in again] == [plain.generate(r).token_ids for r in more]
     assert eng.scheduler.free == [0, 1, 2]
+
+
+def test_a_request_may_turn_the_draft_off(tiny_dir):
+    """``speculate=False``: the sequence decodes plainly (no verify step), alone and as a row
+    of a batch where the others verify their blocks; every output as plain decoding alone."""
+    path = tiny_dir("llama")
+    plain = Engine(_pipe(path, 1))
+    pipe = _pipe(path, 3)
+    eng = Engine(pipe, proposer=_draft_proposer(pipe))                  # a fixed block of 4
+    ids = [prompt_ids(pipe, n, seed=n) for n in (8, 12, 10)]
+    alone = eng.generate(_req(ids[0], 10, speculate=False))
+    assert alone.token_ids == plain.generate(_req(ids[0], 10)).token_ids
+    assert alone.extra["spec"]["steps"] == 0 and alone.extra["spec"]["plain_steps"] > 0
+    reqs = [_req(ids[0], 14, speculate=False), _req(ids[1], 14), _req(ids[2], 14)]
+    seqs, _ = _run_together(eng, reqs)
+    assert [s.result.token_ids for s in seqs] == [plain.generate(r).token_ids for r in reqs]
+    spec = [s.result.extra["spec"] for s in seqs]
+    assert spec[0]["steps"] == 0 and spec[1]["steps"] > 0 and spec[2]["steps"] > 0

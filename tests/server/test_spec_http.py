@@ -39,5 +39,17 @@ def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp
         assert props["batch_verify"] is True and "cost_ms" in props["batch_sizer"]   # llama: attention-only
         metrics = httpx.get(srv.url + "/metrics").text
         assert "dflash_spec_plain_steps_total" in metrics and "dflash_spec_verify_steps_total" in metrics
+        # a request may turn the draft off: plain steps only, the same answer; on every endpoint
+        off = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={**body, "speculative": False}).json()
+        assert off["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert off["timings"]["spec"]["steps"] == 0 and off["timings"]["spec"]["plain_steps"] > 0
+        for path, extra in (("/v1/completions", {"prompt": "Count"}), ("/v1/messages", {"messages": body["messages"]}),
+                            ("/v1/responses", {"input": "Count"})):
+            r = httpx.post(srv.url + path, timeout=120, json={"model": "tiny", "max_tokens": 4, "max_output_tokens": 4,
+                                                              "speculative": False, **extra})
+            assert r.status_code == 200, (path, r.text)
+        for bad in ("no", 0, [], {"on": True}):
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={**body, "speculative": bad})
+            assert r.status_code == 400 and "speculative" in r.text, (bad, r.text)
     finally:
         assert srv.stop() == 0, srv.output()

@@ -54,6 +54,7 @@ class GenerationRequest:
     # user message's text guides the selection (anchors, query survival)
     compress: float | None = None
     compress_query: str | None = None
+    speculate: bool = True              # False: this request decodes plainly even with a draft loaded
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -184,10 +185,11 @@ class Engine:
             # verify their blocks in one forward where the stages take a slot's rows together
             # (not with KV Flash pools, not for DDTree trees), else decode plainly in one
             # batched forward, which also feeds each one's draft context
-            if self.proposer is not None and len(rows) == 1:
+            # (a request may turn its draft off: it decodes plainly, a row in that forward)
+            if self.proposer is not None and len(rows) == 1 and rows[0].req.speculate:
                 self._speculate(rows[0], ended)
-            elif self.proposer is not None and self.pipeline.supports_ragged \
-                    and not self.proposer.uses_tree(self.pipeline):
+            elif self.proposer is not None and any(s.req.speculate for s in rows) \
+                    and self.pipeline.supports_ragged and not self.proposer.uses_tree(self.pipeline):
                 self._speculate_rows(rows, ended)
             else:
                 self._decode(rows, ended)

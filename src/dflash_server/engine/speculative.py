@@ -157,8 +157,8 @@ def batch_blocks(pipe, proposer: Proposer, seqs: list) -> list[int]:
     """The verify block of each of ``seqs`` for one batched step (1: a plain decode row):
     the batch sizer's joint choice, or the proposer's block, within each sequence's tokens
     left and the context's room."""
-    caps = [max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos,
-                       pipe.max_spec_rows)) for s in seqs]
+    caps = [max(1, min(proposer.block_size if s.req.speculate else 1, s.req.max_tokens - len(s.out.tokens),
+                       pipe.max_ctx - s.pos, pipe.max_spec_rows)) for s in seqs]
     if proposer.batch_sizer is None:
         return caps
     return proposer.batch_sizer.choose([s.id for s in seqs], caps)

@@ -39,6 +39,7 @@ class GenOptions:
     grammar: str | None = None              # llguidance grammar the output must match (response_format)
     compression: object | None = None       # the request's PFlash override (pflash.policy.Override)
     session_id: str | None = None           # keys the PFlash keep-ratio bandit
+    speculative: bool = True                # False: no DFlash draft for this request
 
 
 @dataclass
@@ -248,6 +249,7 @@ class Service:
             return GenerationRequest(tuple(prompt.ids), sampling, max_tokens, ignore_eos=opts.ignore_eos,
                                      stop=opts.stop + self._call_end(opts), logprobs=opts.logprobs,
                                      cache_scope=opts.cache_scope, grammar=grammar, compress=keep,
+                                     speculate=opts.speculative,
                                      compress_query=prompt.query if keep is not None else None,
                                      **budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens))
         except ValueError as e:

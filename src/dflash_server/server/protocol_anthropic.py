@@ -53,8 +53,7 @@ async def handle(app, request: Request):
     sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     opts = GenOptions(max_tokens=body.max_tokens, sampling=sampling.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop_sequences, 16, "stop_sequences"), thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope, compression=body.compression,
-                      session_id=body.session_id, grammar=grammar)
+                      grammar=grammar, **body.engine_options())
     runs = app.service.start(prompt, opts, 1, label="messages")
     run, mid = runs[0], "msg_" + secrets.token_hex(12)
     model = body.model or app.config.model_name

@@ -35,8 +35,7 @@ async def handle(app, request: Request):
     n = body.n or 1
     opts = GenOptions(max_tokens=body.max_tokens, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.logprobs, ignore_eos=bool(body.ignore_eos),
-                      parse_output=False, cache_scope=body.cache_scope, compression=body.compression,
-                      session_id=body.session_id)
+                      parse_output=False, **body.engine_options())
     prompts = [await app.render_raw(p) for p in body.prompts()]
     for p in prompts:
         app.service.request(p, opts)  # admission for every prompt before anything is queued

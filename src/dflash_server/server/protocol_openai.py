@@ -71,8 +71,7 @@ async def handle(app, request: Request):
                       sampling=body.sampling(app.sampling_defaults), stop=stop_list(body.stop, 4),
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                       ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope, compression=body.compression,
-                      session_id=body.session_id, grammar=grammar)
+                      grammar=grammar, **body.engine_options())
     runs = app.service.start(prompt, opts, body.n or 1, label="chat")
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     model = body.model or app.config.model_name

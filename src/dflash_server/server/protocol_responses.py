@@ -120,8 +120,7 @@ async def handle(app, request: Request):
     prompt = await app.render_chat(body.hf_messages(), tools, thinking, body.chat_template_kwargs)
     opts = GenOptions(max_tokens=body.output_limit, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools,
-                      cache_scope=body.cache_scope, compression=body.compression,
-                      session_id=body.session_id, grammar=grammar)
+                      grammar=grammar, **body.engine_options())
     runs = app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:

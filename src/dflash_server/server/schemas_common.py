@@ -56,9 +56,16 @@ class PrefillCompressionOption(Model):
 
 
 class CacheFields(Model):
+    """The server's per-request extensions, on every endpoint."""
     prefix_cache: PrefixCacheOption | None = None
     prefill_compression: Literal["off", "auto", "always"] | PrefillCompressionOption | None = None
     session_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    speculative: bool | None = None     # false: decode without the DFlash draft (where one is loaded)
+
+    def engine_options(self) -> dict:
+        """These fields as GenOptions arguments."""
+        return {"cache_scope": self.cache_scope, "compression": self.compression, "session_id": self.session_id,
+                "speculative": self.speculative is not False}
 
     @property
     def compression(self):
