@@ -183,3 +183,18 @@ def test_open_bind_without_key_warns_at_start(tiny_dir):
     finally:
         assert s.stop() == 0
     assert "without --api-key" not in s.output()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
+def test_the_speculative_switch_takes_booleans_only(srv, path):
+    """``"speculative"`` (per request: no DFlash draft when false) on every generation route:
+    false reaches the engine as ``speculate=False``; true, null or absent leave the draft on;
+    anything else is a 400 naming the field."""
+    for value, want in ((False, False), (True, True), (None, True)):
+        r = httpx.post(srv.url + path, json={**BODIES[path], "speculative": value})
+        assert r.status_code == 200 and srv.engine.requests[-1].speculate is want, (value, r.text)
+    r = httpx.post(srv.url + path, json=BODIES[path])
+    assert r.status_code == 200 and srv.engine.requests[-1].speculate is True
+    for bad in ("false", 0, 1, [], {"enabled": False}, "x" * 100_000):
+        r = httpx.post(srv.url + path, json={**BODIES[path], "speculative": bad})
+        assert r.status_code == 400 and "speculative" in r.text, (bad, r.text[:300])
