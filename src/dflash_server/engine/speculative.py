@@ -101,7 +101,7 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     spec_begin(proposer, seq)
     want = sizer.choose() if sizer is not None else proposer.block_size
     anchor, pos = seq.last, seq.pos
-    block = min(want, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos, pipe.max_spec_rows)
+    block = min(want, block_room(pipe, seq))
     if block < 1:
         return "length"
     t0 = time.perf_counter()
@@ -123,6 +123,12 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     if seq.on_commit is not None:
         seq.on_commit(seq.pos, verify.logits[acc])
     return None
+
+
+def block_room(pipe, seq) -> int:
+    """The most rows ``seq``'s next verify block may take: its tokens left, the context's
+    room after its position, the pipeline's limit on a speculative forward."""
+    return min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - seq.pos, pipe.max_spec_rows)
 
 
 def draft_block(proposer: Proposer, seq, block: int) -> tuple[list[int], torch.Tensor | None]:
@@ -157,8 +163,7 @@ def batch_blocks(pipe, proposer: Proposer, seqs: list) -> list[int]:
     """The verify block of each of ``seqs`` for one batched step (1: a plain decode row):
     the batch sizer's joint choice, or the proposer's block, within each sequence's tokens
     left and the context's room."""
-    caps = [max(1, min(proposer.block_size if s.req.speculate else 1, s.req.max_tokens - len(s.out.tokens),
-                       pipe.max_ctx - s.pos, pipe.max_spec_rows)) for s in seqs]
+    caps = [max(1, min(proposer.block_size if s.req.speculate else 1, block_room(pipe, s))) for s in seqs]
     if proposer.batch_sizer is None:
         return caps
     return proposer.batch_sizer.choose([s.id for s in seqs], caps)

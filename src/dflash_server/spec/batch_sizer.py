@@ -65,14 +65,19 @@ class BatchSizer(StepCosts):
             gains.append(gain)
         return order, gains
 
+    @staticmethod
+    def blocks_after(n: int, order: list[int]) -> list[int]:
+        """The blocks of ``n`` sequences after the grants ``order`` (one row each to start)."""
+        out = [1] * n
+        for i in order:
+            out[i] += 1
+        return out
+
     @classmethod
     def allocate(cls, acceptances: list[list[float]], total: int, caps: list[int]) -> list[int]:
         """Blocks (each >= 1, at most its cap) summing to at most ``total``: the first
         ``total - n`` grants."""
-        blocks = [1] * len(caps)
-        for i in cls.grants(acceptances, caps, total - len(caps))[0]:
-            blocks[i] += 1
-        return blocks
+        return cls.blocks_after(len(caps), cls.grants(acceptances, caps, total - len(caps))[0])
 
     def choose(self, keys: list, caps: list[int]) -> list[int]:
         """The blocks of the sequences ``keys`` (their BlockSizer requests), ``caps[i]`` the
@@ -91,10 +96,7 @@ class BatchSizer(StepCosts):
         tokens = {r: cum[min(r - n, len(gains))] for r in totals}
 
         def plan(r: int) -> list[int]:
-            blocks = [1] * n
-            for i in order[:max(0, r - n)]:
-                blocks[i] += 1
-            return blocks
+            return self.blocks_after(n, order[:r - n])
 
         judged = {r: tokens[r] / self.cost[self.bucket(r)] for r in totals
                   if self.samples.get(self.bucket(r), 0) >= JUDGED}
