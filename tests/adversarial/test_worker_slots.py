@@ -156,25 +156,19 @@ def test_cuda_graphs_op_before_load_and_with_junk_arguments(worker):
 def test_ragged_rows_only_where_the_worker_says(tiny_dir):
     """A worker reports ``can_ragged`` at load (several rows of a slot in one
     ``forward_rows``: verify blocks of several sequences): attention and Gated DeltaNet
-    layers take them; with KV Flash pools it reports false and refuses such rows with a
-    value error, the slots unchanged."""
-    for family, kvflash, ragged in (("llama", None, True), ("qwen3_5", None, True),
-                                    ("llama", {"pool": 32, "chunk": 8}, False)):
+    layers take them, and so do KV Flash pools (each slot's block as its own forward); a
+    slot's rows apart are a value error."""
+    for family, kvflash in (("llama", None), ("qwen3_5", None), ("llama", {"pool": 32, "chunk": 8})):
         w = authed_worker(SECRET)
         path = tiny_dir(family)
         n = open_model(path).config.num_layers
         h, _ = _call(w, "load", {"model": str(path), "shards": [["cpu", 1, n]], "dtype": "f32", "max_ctx": 64,
                                  "quantize": ["dense", "dense"], "lanes": 2, "kvflash": kvflash})
-        assert h["ok"] and h["result"]["can_ragged"] is ragged, h
+        assert h["ok"] and h["result"]["can_ragged"] is True, h
         hidden = open_model(path).config.hidden_size
         h, _ = _call(w, "forward_rows", {"lanes": [0, 0, 1], "positions": [0, 1, 0]},
                      {"x": torch.randn(1, 3, hidden)})
-        if ragged:
-            assert h["ok"] and h["result"]["lengths"] == [2, 2, 1], h
-        else:
-            assert not h["ok"] and "one row per slot" in h["error"]["message"], h
-            h, _ = _call(w, "forward_rows", {"lanes": [0, 1], "positions": [0, 0]}, {"x": torch.randn(1, 2, hidden)})
-            assert h["ok"] and h["result"]["lengths"] == [1, 1], h
+        assert h["ok"] and h["result"]["lengths"] == [2, 2, 1], h
         h, _ = _call(w, "forward_rows", {"lanes": [0, 1, 0], "positions": [2, 1, 3]},   # a slot's rows apart
                      {"x": torch.randn(1, 3, hidden)})
         assert not h["ok"] and h["error"]["kind"] == "value", h

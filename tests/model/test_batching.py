@@ -15,12 +15,16 @@ from helpers.build import prompt_ids
 
 
 def _pipe(path, lanes, stages=1, max_ctx=512):
-    """``stages``: a count of local stages, or "remote" (a local stage + a shard worker)."""
+    """``stages``: a count of local stages, "remote" (a local stage + a shard worker) or
+    "pools" (one stage with KV Flash pools of 32 tokens in chunks of 4: prompts page)."""
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+
     src = open_model(path)
-    devices = ["cpu", "remote:cpu"] if stages == "remote" else ["cpu"] * stages
+    devices = (["cpu", "remote:cpu"] if stages == "remote" else
+               ["cpu"] if stages == "pools" else ["cpu"] * stages)
     shards = plan_placement(src.config.num_layers, devices, None)
     return build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=max_ctx, quantize="int8", progress=False,
-                          lanes=lanes)
+                          lanes=lanes, kvflash=KvFlashConfig(32, chunk=4) if stages == "pools" else None)
 
 
 def _req(ids, n=12, **kw):
@@ -409,14 +413,15 @@ class _LaneOracle:
 
 
 @pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("llama", "remote"), ("qwen3_5", 1),
-                                           ("qwen3_5", "remote")])
+                                           ("qwen3_5", "remote"), ("llama", "pools"), ("qwen3_5", "pools")])
 def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, family, stages):
     """With a draft, the running sequences' verify blocks go through one forward (a slot's
     rows at consecutive positions, each slot rolled back on its own: KV cropped, Gated
-    DeltaNet state replayed): outputs equal plain decoding alone (greedy, and a seeded
-    sampled request, whose drafts are kept where they equal its own draws), whole blocks are
-    accepted where the draft is right, and each slot's draft context holds what the
-    sequence's does alone."""
+    DeltaNet state replayed; with KV Flash pools each slot's block is its own forward and a
+    rollback gives back what the block paged): outputs equal plain decoding alone (greedy,
+    and a seeded sampled request, whose drafts are kept where they equal its own draws),
+    whole blocks are accepted where the draft is right, and each slot's draft context holds
+    what the sequence's does alone."""
     path = tiny_dir(family)
     plain = Engine(_pipe(path, 1, 2 if stages == "remote" else stages))
     solo_pipe = _pipe(path, 1, 2 if stages == "remote" else stages)
@@ -450,6 +455,8 @@ def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, family, sta
         assert s1["accept_histogram"][1] >= 3 and s1["accept_histogram"][2:] == [0, 0]
         assert _same_draft_contexts(eng, seqs[:3], slots, contexts, late=seqs[3]) == 2
         assert [st.ckpt_length for st in pipe.stages[0].lanes] == [None] * 3
+        if stages == "pools":
+            assert seqs[1].result.extra["kvflash"]["page_outs"] > 0
     finally:
         pipe.close()
         solo_pipe.close()

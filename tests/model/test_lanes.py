@@ -12,10 +12,11 @@ from dflash_server.weights.loader import open_model
 from helpers.build import prompt_ids
 
 
-def _pipe(path, lanes, quantize="int8", dtype=torch.bfloat16, stages=1):
+def _pipe(path, lanes, quantize="int8", dtype=torch.bfloat16, stages=1, kvflash=None, batch=1):
     src = open_model(path)
     shards = plan_placement(src.config.num_layers, ["cpu"] * stages, None)
-    return build_pipeline(src, shards, dtype=dtype, max_ctx=256, quantize=quantize, progress=False, lanes=lanes)
+    return build_pipeline(src, shards, dtype=dtype, max_ctx=256, quantize=quantize, progress=False, lanes=lanes,
+                          kvflash=kvflash, batch=batch)
 
 
 TAPS = (0, 1)  # layers whose outputs a draft would take (captured alongside)
@@ -94,17 +95,22 @@ def _blocks(pipe, prompts, sizes):
     return [torch.randint(6, pipe.config.vocab_size, (n,), generator=g).tolist() for n in sizes]
 
 
-@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("gemma3", 1),
-                                           ("gemma4_e", 1), ("laguna", 1)])
-def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages):
+@pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
+                                                ("gemma4_e", 1, 0), ("laguna", 1, 0), ("llama", 1, 32),
+                                                ("qwen3_5", 1, 32)])
+def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
     """Ragged rows: verify blocks of several slots (a slot's rows at consecutive positions,
     the slot checkpointed; a block of one next to them) in one ``forward_rows`` give each row
     what that slot's own verify forward gives; rolling each slot back crops it, and the next
-    rows continue as after the slot's own rollback."""
+    rows continue as after the slot's own rollback. With KV Flash pools (``pool`` tokens a
+    slot, chunks of 4: the longer prompts page) each slot's block runs as its own forward."""
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+
     path = tiny_dir(family)
-    pipe, ref = _pipe(path, 3, stages=stages), _pipe(path, 1, stages=stages)
+    kv = KvFlashConfig(pool=pool, chunk=4) if pool else None
+    pipe, ref = _pipe(path, 3, stages=stages, kvflash=kv), _pipe(path, 1, stages=stages, kvflash=kv)
     assert pipe.supports_ragged
-    prompts = [prompt_ids(pipe, n, seed=n) for n in (11, 6, 20)]
+    prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (40, 6, 52))]
     blocks = _blocks(pipe, prompts, (4, 1, 3))
     keep = (2, 1, 3)                                   # positions kept of each block
     want, after = [], []
@@ -126,6 +132,8 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages)
     positions = [len(prompts[lane]) + t for lane, blk in enumerate(blocks) for t in range(len(blk))]
     out = pipe.forward_rows([t for blk in blocks for t in blk], lanes, positions, capture=TAPS)
     assert [st.length for st in pipe.stages[-1].lanes] == [len(p) + len(b) for p, b in zip(prompts, blocks)]
+    if pool:                                           # the long prompts' slots paged
+        assert all(pipe.stages[0].lanes[lane].pool.pager.page_outs > 0 for lane in (0, 2))
     exact = kernels.enabled() and kernels.load()
     check = (torch.equal if exact else
              lambda a, b: torch.allclose(a.float(), b.float(), rtol=0, atol=2e-2))
@@ -149,9 +157,7 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages)
 
 def test_ragged_rows_validate(tiny_dir):
     """Several rows of a slot: adjacent, at consecutive positions from at most its length; a
-    stage with KV Flash pools takes one row per slot and no checkpointed slot."""
-    from dflash_server.runtime.kv_pager import KvFlashConfig
-
+    lockstep batch stage takes no such rows."""
     pipe = _pipe(tiny_dir("llama"), 2)
     pipe.select(0)
     pipe.prefill([1, 2, 3])
@@ -171,18 +177,5 @@ def test_ragged_rows_validate(tiny_dir):
         cs = torch.zeros(2, 8)
         with pytest.raises(RuntimeError, match="increasing positions"):
             torch.ops.dflash.attention_rows(qkv, cs, cs, bank, bank.clone(), [0, 0], [3, 3], 4, 2, 1.0)
-    src = open_model(tiny_dir("llama"))
-    pooled = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"], None), dtype=torch.bfloat16,
-                            max_ctx=256, quantize="int8", progress=False, lanes=2,
-                            kvflash=KvFlashConfig(pool=64, chunk=16))
-    assert not pooled.supports_ragged
-    for lane in (0, 1):
-        pooled.select(lane)
-        pooled.prefill([1, 2, 3])
-    with pytest.raises(ValueError, match="one row per slot"):
-        pooled.forward_rows([4, 5], [0, 0], [3, 4])
-    pooled.select(1)
-    pooled.checkpoint()
-    with pytest.raises(ValueError, match="one row per slot"):
-        pooled.forward_rows([4, 5], [0, 1], [3, 3])
-    assert [st.length for st in pooled.stages[0].lanes] == [3, 3]
+    lockstep = _pipe(tiny_dir("llama"), 1, batch=2)      # a lockstep batch (draft-training sampling)
+    assert not lockstep.supports_ragged

@@ -18,7 +18,8 @@ def speculative(proposer) -> dict:
     # pipeline can verify trees (one sequence per forward)
     out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
     # several running sequences verify their blocks in one target forward where the stages
-    # take a slot's rows together (no KV Flash pools) and steps verify chains, not trees
+    # take a slot's rows together (KV Flash pools: a forward per slot) and steps verify
+    # chains, not trees
     out["batch_verify"] = bool(proposer.pipeline.supports_ragged and not proposer.uses_tree(proposer.pipeline))
     if proposer.sizer is not None:
         out["block_sizer"] = proposer.sizer.to_dict()

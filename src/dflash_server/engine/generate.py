@@ -183,7 +183,7 @@ class Engine:
         if rows:
             # with a draft, a sequence decoding alone speculates (draft + verify); several
             # verify their blocks in one forward where the stages take a slot's rows together
-            # (not with KV Flash pools, not for DDTree trees), else decode plainly in one
+            # (KV Flash pools: a forward per slot; not for DDTree trees), else decode plainly in one
             # batched forward, which also feeds each one's draft context
             # (a request may turn its draft off: it decodes plainly, a row in that forward)
             if self.proposer is not None and len(rows) == 1 and rows[0].req.speculate:

@@ -66,15 +66,17 @@ class StageOutput:
         return self._logits
 
 
-def _carry_row(carry: dict | None, b: int) -> dict | None:
-    """Row ``b`` of a rows forward's carry (per-layer inputs (1, B, ...), K/V rows (1, nkv, B, hd))."""
+def _carry_row(carry: dict | None, b: int, e: int | None = None) -> dict | None:
+    """Rows ``b`` to ``e`` (default: row ``b`` alone) of a rows forward's carry (per-layer
+    inputs (1, B, ...), K/V rows (1, nkv, B, hd))."""
     if not carry:
         return None
+    e = b + 1 if e is None else e
     out = {}
     if carry.get("per_layer") is not None:
-        out["per_layer"] = carry["per_layer"][:, b:b + 1]
+        out["per_layer"] = carry["per_layer"][:, b:e]
     if carry.get("kv"):
-        out["kv"] = {key: (k[:, :, b:b + 1], v[:, :, b:b + 1]) for key, (k, v) in carry["kv"].items()}
+        out["kv"] = {key: (k[:, :, b:e], v[:, :, b:e]) for key, (k, v) in carry["kv"].items()}
     return out
 
 
@@ -455,8 +457,8 @@ class LocalStage:
         ragged = len(set(lanes)) != B or any(self.lanes[lane].ckpt_length is not None
                                              for lane in lanes if 0 <= lane < len(self.lanes))
         if ragged and not self.can_ragged:
-            raise ValueError("forward_rows: one row per slot and no checkpoint here (KV Flash pools verify "
-                             "a sequence at a time)")
+            raise ValueError("forward_rows: one row per slot and no checkpoint here (one sequence per slot "
+                             "takes its rows a sequence at a time)")
         nxt: dict[int, int] = {}
         for b, (lane, pos) in enumerate(zip(lanes, positions)):
             if not 0 <= lane < len(self.lanes):
@@ -505,14 +507,20 @@ class LocalStage:
 
     def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
                          capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
-        """``forward_rows`` as one single-row forward per slot (KV Flash: each slot's pool
-        pages on its own)."""
+        """``forward_rows`` as one forward per slot (KV Flash: each slot's pool pages on its
+        own): a slot's adjacent rows (a verify block) are that sequence's own block forward,
+        under its checkpoint when it holds one."""
         keep, outs = self.lane, []
         try:
-            for b, (lane, pos) in enumerate(zip(lanes, positions)):
-                self.select(lane)
-                outs.append(self.forward(x[:, b:b + 1], pos, logits="last", capture=capture,
-                                         carry=_carry_row(carry, b)))
+            b = 0
+            while b < len(lanes):
+                e = b + 1
+                while e < len(lanes) and lanes[e] == lanes[b]:
+                    e += 1
+                self.select(lanes[b])
+                outs.append(self.forward(x[:, b:e], positions[b], logits="all", capture=capture,
+                                         carry=_carry_row(carry, b, e)))
+                b = e
         finally:
             self.select(keep)
         caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}
@@ -629,9 +637,10 @@ class LocalStage:
     def can_ragged(self) -> bool:
         """Whether ``forward_rows`` takes several rows of one slot and slots holding a
         checkpoint (a batch of speculative verify blocks; attention rolls back by a crop,
-        recurrent layers record the block as a single sequence's verify does): without KV
-        Flash pools (each slot's pool pages on its own), one sequence per slot."""
-        return self.batch == 1 and self.lanes[0].pool is None
+        recurrent layers record the block as a single sequence's verify does): one sequence per
+        slot. With KV Flash pools each slot's block runs as its own forward (its pool pages
+        on its own; ``_rows_one_by_one``)."""
+        return self.batch == 1
 
     @property
     def can_tree(self) -> bool:
