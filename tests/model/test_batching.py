@@ -98,8 +98,9 @@ def test_long_prompt_prefills_between_running_steps(tiny_dir):
 
 def test_a_burst_of_short_prompts_gets_first_tokens_in_one_step(tiny_dir):
     """Short prompts that arrive together are prefilled in the same step while its token
-    budget lasts: every first token comes before anyone's next decode step (time to first
-    token), a prompt past the budget continues in the next step, and outputs are as alone."""
+    budget lasts, the shortest first: every first token comes before anyone's next decode
+    step (time to first token), a prompt past the budget continues in the next step, and
+    outputs are as alone."""
     path = tiny_dir("llama")
     alone = Engine(_pipe(path, 1))
     eng = Engine(_pipe(path, 4), step_tokens=64)
@@ -108,10 +109,28 @@ def test_a_burst_of_short_prompts_gets_first_tokens_in_one_step(tiny_dir):
     want = [alone.generate(r).token_ids for r in reqs]
     seqs, steps = _run_together(eng, reqs)
     assert [s.result.token_ids for s in seqs] == want
-    # step 0: 20 + 20 tokens, then 24 of the third (the budget of 64); its rest and the fourth
-    # prompt in step 1, next to the first two's decode rows
-    assert steps[0][0] == steps[1][0] == 0 and steps[2][0] == steps[3][0] == 1
+    # shortest first: step 0 forwards the 10-token prompt, the two of 20, then 14 tokens of the
+    # 40-token one (the budget of 64); its rest in step 1, next to the others' decode rows
+    assert steps[3][0] == steps[0][0] == steps[1][0] == 0 and steps[2][0] == 1
     assert steps[0][:2] == [0, 1] and eng.counters["prefill_tokens"] == 20 + 20 + 40 + 10
+
+
+def test_a_short_prompt_does_not_wait_behind_a_long_one(tiny_dir):
+    """A short prompt that arrives while a long one prefills (in pieces of the step budget,
+    next to a running stream) gets its first token in the next step instead of after the
+    whole long prompt; the long one is delayed by about that one forward; outputs as alone."""
+    path = tiny_dir("llama")
+    alone = Engine(_pipe(path, 1))
+    eng = Engine(_pipe(path, 3), step_tokens=24)
+    running = _req(prompt_ids(alone.pipeline, 6, seed=1), 40)
+    long = _req(prompt_ids(alone.pipeline, 300, seed=3), 5)
+    short = _req(prompt_ids(alone.pipeline, 9, seed=4), 5)
+    want = [alone.generate(r).token_ids for r in (running, long, short)]
+    seqs, steps = _run_together(eng, [running, long, short], when=[0, 1, 4])
+    assert [s.result.token_ids for s in seqs] == want
+    assert steps[2][0] == 4                   # the step it joined: no wait behind the long prompt
+    assert steps[1][0] >= 1 + 300 // 23 and steps[1][0] <= 1 + 300 // 23 + 3
+    assert all(k in steps[0] for k in range(1, steps[1][0]))   # the stream ran in every step
 
 
 def test_cancel_and_stop_string_next_to_others(tiny_dir):

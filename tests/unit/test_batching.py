@@ -1,4 +1,4 @@
-"""The step scheduler's bookkeeping (slots, admission order, prefill budget), without tensors."""
+"""The step scheduler's bookkeeping (slots, admission order, prefill order and budget), without tensors."""
 from types import SimpleNamespace
 
 import pytest
@@ -7,8 +7,8 @@ from dflash_server.engine.batching import MIN_PREFILL_TOKENS, StepScheduler
 from dflash_server.engine.sequence import DECODE, DONE, PREFILL, WAITING
 
 
-def seq(name):
-    return SimpleNamespace(name=name, lane=None, phase=None)
+def seq(name, left=0):
+    return SimpleNamespace(name=name, lane=None, phase=None, prefill_left=left, prefill_waits=0)
 
 
 def test_admission_fifo_and_slots_reused():
@@ -85,3 +85,33 @@ def test_bad_configuration():
         StepScheduler(lanes=0, step_tokens=8)
     with pytest.raises(ValueError):
         StepScheduler(lanes=2, step_tokens=0)
+
+
+def test_shortest_prefill_first_and_long_prompts_age():
+    """The prefilling sequence with the fewest prompt tokens left goes first (ties: the
+    older), so a short prompt does not wait behind a long one; a step spent waiting while
+    others prefill counts as a step's budget, so a long prompt is passed over only so long."""
+    s = StepScheduler(lanes=8, step_tokens=100)
+    long, short, mid = seq("long", 900), seq("short", 40), seq("mid", 40)
+    for x in (long, short, mid):
+        s.add(x)
+    assert s.schedule().prefill is short                      # equal lengths: admission order
+    assert s.next_prefill(skip=[short]) is mid and s.next_prefill(skip=[short, mid]) is long
+    s.prefilled([short, mid])                                 # long waited this step
+    assert long.prefill_waits == 1 and short.prefill_waits == 0
+    s.started(short)
+    s.started(mid)
+    late = seq("late", 50)                                    # short prompts keep arriving
+    s.add(late)
+    assert s.schedule().prefill is late
+    s.prefilled([late])
+    s.started(late)
+    # long: 900 - 2 * 100 = 700 against a new 650-token prompt: the new one still goes first,
+    # but after 3 more steps passed over (900 - 5 * 100 = 400) long wins against it
+    new = seq("new", 650)
+    s.add(new)
+    assert s.schedule().prefill is new
+    for _ in range(3):
+        s.prefilled([new])
+    assert long.prefill_waits == 5 and s.next_prefill() is long
+    assert s.next_prefill(skip=[long, new]) is None

@@ -2,13 +2,17 @@
 prefills how much this step, which ones decode. Bookkeeping only (no tensors), so it is
 tested on its own.
 
-Each step: waiting sequences take free slots in arrival order; the oldest admitted
-sequence that is still prefilling runs a prefill forward of at most the step's token
-budget left after the decode rows (its whole chunk when nothing else decodes), and the
-engine goes on with it or the next prefilling ones while that budget lasts
-(``Engine._prefill_step``); every sequence past prefill decodes one step. So a long prompt costs running streams one
-bounded forward per step instead of a stall, and a new sequence starts as soon as a slot
-is free.
+Each step: waiting sequences take free slots in arrival order; the prefilling sequence
+with the fewest prompt tokens left (``next_prefill``) runs a prefill forward of at most the
+step's token budget left after the decode rows (its whole chunk when nothing else
+decodes), and the engine goes on with it or the next ones while that budget lasts
+(``Engine._prefill_step``); every sequence past prefill decodes one step. So a long prompt
+costs running streams one bounded forward per step instead of a stall, a short prompt that
+arrives while a long one prefills gets its first token without waiting for the whole long
+prompt (shortest remaining first: the least total waiting for a first token), and a new
+sequence starts as soon as a slot is free. Every step a prefilling sequence waits while
+others prefill counts as a step's budget fewer tokens left, so a long prompt is passed over
+for at most about as many steps as its own prefill takes.
 """
 from __future__ import annotations
 
@@ -64,10 +68,23 @@ class StepScheduler:
             plan.admitted.append(seq)
         plan.decode = list(self.running)
         if self.prefilling:
-            plan.prefill = self.prefilling[0]
+            plan.prefill = self.next_prefill()
             if plan.decode:
                 plan.prefill_tokens = max(MIN_PREFILL_TOKENS, self.step_tokens - len(plan.decode))
         return plan
+
+    def next_prefill(self, skip=()):
+        """The prefilling sequence to forward next (None if none but ``skip``): the fewest
+        prompt tokens left, less a step's budget for every step it waited while others
+        prefilled; ties in admission order."""
+        cands = [s for s in self.prefilling if s not in skip]
+        return min(cands, key=lambda s: s.prefill_left - s.prefill_waits * self.step_tokens) if cands else None
+
+    def prefilled(self, served) -> None:
+        """The step's prefill work is done: the prefilling sequences it did not serve waited."""
+        for seq in self.prefilling:
+            if seq not in served:
+                seq.prefill_waits += 1
 
     def started(self, seq) -> None:
         """``seq`` finished its prefill: it decodes from the next step on."""

@@ -207,20 +207,26 @@ class Engine:
             self.proposer.select(seq.lane)
 
     def _prefill_step(self, plan, ended: list) -> None:
-        """This step's prefill work: a forward of the oldest prefilling sequence, then, while
-        the step's prefill budget lasts, more forwards of it or of the sequences after it. So
-        a burst of short prompts gets every first token before the next decode step, instead
-        of each later prompt waiting a decode step per prompt ahead of it (time to first
-        token); a long prompt still costs running streams one bounded forward per step."""
+        """This step's prefill work: a forward of the prefilling sequence with the fewest
+        prompt tokens left (``StepScheduler.next_prefill``), then, while the step's prefill
+        budget lasts, more forwards of it or of the next ones. So a burst of short prompts
+        gets every first token before the next decode step, instead of each later prompt
+        waiting a decode step per prompt ahead of it (time to first token), a short prompt
+        does not wait behind a long one, and a long prompt still costs running streams one
+        bounded forward per step."""
         sched = self.scheduler
         cap = sched.step_tokens if plan.prefill_tokens is None else plan.prefill_tokens
-        seq, budget, spent = plan.prefill, plan.prefill_tokens, 0
-        while True:
+        seq, budget, spent, served, stuck = plan.prefill, plan.prefill_tokens, 0, set(), set()
+        while seq is not None:
+            served.add(seq)
             n = self._prefill(seq, budget, ended)
             spent += n
-            if spent >= cap or not sched.prefilling or (n == 0 and sched.prefilling[0] is seq):
-                return
-            seq, budget = sched.prefilling[0], cap - spent
+            if spent >= cap:
+                break
+            if n == 0:          # no progress (it failed, or restored without forwarding): not again this step
+                stuck.add(seq)
+            seq, budget = sched.next_prefill(skip=stuck), cap - spent
+        sched.prefilled(served)
 
     def _prefill(self, seq: Sequence, budget: int | None, ended: list) -> int:
         """One prefill forward of ``seq`` (at most ``budget`` tokens; None: a chunk); at the
@@ -239,6 +245,7 @@ class Engine:
             before = pipe.length
             seq.prefill.send(budget)
             n = max(0, pipe.length - before)
+            seq.prefilled = pipe.length
             self.counters["prefill_tokens"] += n
             return n
         except StopIteration as done:

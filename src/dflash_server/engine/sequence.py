@@ -36,6 +36,8 @@ class Sequence:
         self.pos = len(self.prompt)        # position of ``last`` (sampled, not yet in the cache)
         self.last: int | None = None
         self.prefill = None                # the prefill generator while prefilling
+        self.prefilled = 0                 # prompt positions in the cache (forwarded or restored)
+        self.prefill_waits = 0             # steps it waited while others prefilled (the scheduler's)
         self.pre = None                    # prefix.Prefilled once prefilled
         self.spec = None                   # SpecStats when drafting
         self.compressed = None             # pflash Compressed: the prompt was compressed
@@ -57,6 +59,12 @@ class Sequence:
     @property
     def cancelled(self) -> bool:
         return self._cancelled is not None and self._cancelled()
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to forward (before the first prefill forward: all of them,
+        a prefix-cache hit is not known yet)."""
+        return max(0, len(self.prompt) - self.prefilled)
 
     @property
     def done(self) -> bool:
