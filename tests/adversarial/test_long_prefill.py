@@ -1,6 +1,8 @@
 """Long prompts on the built-in model: a client that leaves during prefill stops it (the
 next request does not wait for it), and SIGTERM during a prefill answers 503 in the API's
-shape after the grace period, then exits 0."""
+shape after the grace period, then exits 0. One sequence slot: with more, a short request
+would not wait behind a long prefill anyway (shortest prompt left first), and the first test
+could not tell whether leaving stopped it."""
 import json
 import signal
 import threading
@@ -11,7 +13,7 @@ import pytest
 
 from server.serverproc import ServerProc
 
-ARGS = ("--prefix-cache-slots", "0", "--chunk", "128", "--threads", "2")
+ARGS = ("--prefix-cache-slots", "0", "--chunk", "128", "--threads", "2", "--parallel", "1")
 
 
 def words(tag: str, n: int) -> str:
@@ -83,3 +85,29 @@ def test_sigterm_during_prefill_is_a_503_in_the_api_shape():
     assert status == 503 and ctype == "application/json", results["anthropic"]
     assert json.loads(text)["type"] == "error" and json.loads(text)["error"]["type"] == "overloaded_error"
     assert took < 1 + 5, took  # the grace period, then at most one prefill chunk
+
+
+def test_a_short_request_is_not_held_behind_a_long_prefill():
+    """Two slots, a long prompt prefilling: a short request that comes in meanwhile is
+    prefilled first (shortest prompt left first) and answers long before the long one would
+    have finished its prefill; the long one still answers, in full."""
+    s = ServerProc(*ARGS[:-2], "--parallel", "2")
+    try:
+        r, calib = timed_post(s.url, chat(words("calibrate", 300)))
+        assert r.status_code == 200
+        expected_full = calib * 5
+        got: dict = {}
+
+        def long_one():
+            got["long"] = timed_post(s.url, chat(words("long", 1500)))
+        th = threading.Thread(target=long_one)
+        th.start()
+        time.sleep(0.3)                     # the long prompt is in prefill
+        r, waited = timed_post(s.url, chat("Hi"))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert waited < 0.4 * expected_full, (waited, expected_full)
+        th.join(300)
+        r, _ = got["long"]
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 1500
+    finally:
+        assert s.stop() == 0, s.output()
