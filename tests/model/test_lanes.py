@@ -96,7 +96,7 @@ def _blocks(pipe, prompts, sizes):
 
 
 @pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
-                                                ("gemma4_e", 1, 0), ("laguna", 1, 0), ("llama", 1, 32),
+                                                ("gemma4_e", 1, 0), ("laguna", 1, 0), ("llama", 1, 32), ("llama", 2, 32),
                                                 ("qwen3_5", 1, 32)])
 def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
     """Ragged rows: verify blocks of several slots (a slot's rows at consecutive positions,
