@@ -3,7 +3,7 @@
 row as a verify block), each checkout in its own process, alternating:
 
     git worktree add /tmp/base <commit>
-    python benchmarks/forward_ab.py --src /tmp/base/src --src src [--runs 2] [--out FILE]
+    python benchmarks/forward_ab.py --src /tmp/base/src --src src [--runs 2] [--rows 1,8,16] [--out FILE]
 
 Each checkout builds its kernels in its own cache (DFLASH_KERNELS_CACHE=<src>/../.kcache-ab).
 Medians of 40 forwards. Prints one line per process; writes JSON (default
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = (1, 8, 16)
 
 
-def one(src: str, threads: int) -> dict:
+def one(src: str, threads: int, rows=ROWS) -> dict:
     sys.path.insert(0, src)
     import torch
 
@@ -43,7 +43,7 @@ def one(src: str, threads: int) -> dict:
     ids = source.tokenizer.encode(" the river floods every spring and the town rebuilds" * 40)[:300]
     pipe.prefill(ids[:256], chunk=512)
     ms = {}
-    for t in ROWS:
+    for t in rows:
         mode = "last" if t == 1 else "all"
         for _ in range(5):
             pipe.forward(ids[256:256 + t], 256, logits=mode)
@@ -62,10 +62,14 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "forward_ab.json"))
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (1 first)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    rows = tuple(int(t) for t in args.rows.split(","))
+    if rows[0] != 1:
+        ap.error("--rows must start with 1 (the others are reported relative to it)")
     if args.one:
-        print(json.dumps(one(args.one, args.threads)))
+        print(json.dumps(one(args.one, args.threads, rows)))
         return
     if not args.src:
         ap.error("give --src at least once")
@@ -74,14 +78,15 @@ def main():
         for src in args.src:
             src = str(Path(src).resolve())
             env = dict(os.environ, DFLASH_KERNELS_CACHE=str(Path(src).parent / ".kcache-ab"), DFLASH_KERNELS="1")
-            out = subprocess.run([sys.executable, __file__, "--one", src, "--threads", str(args.threads)], env=env,
+            out = subprocess.run([sys.executable, __file__, "--one", src, "--threads", str(args.threads),
+                                  "--rows", args.rows], env=env,
                                  capture_output=True, text=True, check=True)
             res = json.loads(out.stdout.strip().splitlines()[-1]) | {"src": src, "run": r}
             runs.append(res)
-            print(src, " ".join(f"{t} rows {res['forward_ms'][str(t)]:.2f} ms" for t in ROWS),
-                  " ".join(f"{t}/1 {res['vs_one_row'][str(t)]:.2f}x" for t in ROWS[1:]), flush=True)
+            print(src, " ".join(f"{t} rows {res['forward_ms'][str(t)]:.2f} ms" for t in rows),
+                  " ".join(f"{t}/1 {res['vs_one_row'][str(t)]:.2f}x" for t in rows[1:]), flush=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": args.threads,
-                                          "runs": runs}, indent=1) + "\n")
+                                          "rows": list(rows), "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

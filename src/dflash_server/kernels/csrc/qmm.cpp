@@ -415,14 +415,23 @@ Isa detect() {
 
 Isa active_isa = detect();
 
-// all rows of x against one group, MR rows at a time (4 with AVX-512's 32 registers, else 2)
+// all rows of x against one group, MR rows at a time (4 with AVX-512's 32 registers, then the
+// last 1-3 together; else 2, then one)
 template <Kind K>
 void group(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m_rows, float* out) {
   if (isa == Isa::Portable) return group_portable<K>(g, k, a, m_rows, out);
   int64_t m = 0;
   if (isa == Isa::AVX512VNNI || isa == Isa::AMX) {  // AMX: the groups it does not take (amx_takes)
     for (; m + 4 <= m_rows; m += 4) rows_avx512<K, 4>(g, k, a, m, out);
-    for (; m < m_rows; ++m) rows_avx512<K, 1>(g, k, a, m, out);
+    // the last 1-3 rows in one pass over the group's weights too (one row at a time re-read and
+    // re-unpacked them per row: 2 / 3 rows took 0.77x / 0.74x the time after this, measured on
+    // the default model's matrices, alternating in one process)
+    switch (m_rows - m) {
+      case 3: return rows_avx512<K, 3>(g, k, a, m, out);
+      case 2: return rows_avx512<K, 2>(g, k, a, m, out);
+      case 1: return rows_avx512<K, 1>(g, k, a, m, out);
+      default: return;
+    }
   } else if (isa == Isa::AVXVNNI) {
     for (; m + 2 <= m_rows; m += 2) rows_avxvnni<K, 2>(g, k, a, m, out);
     for (; m < m_rows; ++m) rows_avxvnni<K, 1>(g, k, a, m, out);
