@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_server import kernels
+
 from dflash_server.engine.generate import Engine, GenerationRequest
 from dflash_server.engine.sampling import SamplingParams
 from dflash_server.runtime.pipeline import build_pipeline
@@ -481,12 +483,13 @@ def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, family, sta
         solo_pipe.close()
 
 
-@pytest.mark.parametrize("sliding", [False, True])
-def test_one_draft_pass_for_several_sequences(tiny_dir, sliding):
+@pytest.mark.parametrize("sliding,quantize", [(False, "dense"), (True, "dense"), (False, "int8")])
+def test_one_draft_pass_for_several_sequences(tiny_dir, sliding, quantize):
     """``draft_ahead``: the blocks of several slots (contexts of different lengths) drafted
     in one pass give each what its own pass gives (hidden states and logits, to fp32
-    rounding: the projections take other row counts), a causal sliding-window layer
-    included; ``propose`` takes the result once, and what is left is dropped."""
+    rounding: the projections take other row counts; with int8 linears the native pass, bit
+    for bit), a causal sliding-window layer included; ``propose`` takes the result once, and
+    what is left is dropped."""
     from dflash_server.spec.config import DraftConfig
     from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
@@ -497,8 +500,10 @@ def test_one_draft_pass_for_several_sequences(tiny_dir, sliding):
                       head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1),
                       num_target_layers=c.num_layers,
                       layer_attention=((True, 5), (False, None)) if sliding else ())
-    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
+    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx,
+                        quantize=quantize)
     prop = DFlashProposer(draft, pipe)
+    native = quantize == "int8" and kernels.enabled() and kernels.load()
     g = torch.Generator().manual_seed(0)
     items = [(0, 17, 9, 6), (2, 40, 23, 3), (1, 8, 4, 5)]     # (slot, anchor, start, block)
     for lane, _, start, _ in items:
@@ -514,6 +519,8 @@ def test_one_draft_pass_for_several_sequences(tiny_dir, sliding):
         prop.select(lane)
         h, lg = prop._ahead[(lane, anchor, start, block)]
         assert h.shape == (block - 1, c.hidden_size)
+        if native:
+            assert torch.equal(h, alone[lane][0]) and torch.equal(lg, alone[lane][1])
         torch.testing.assert_close(h, alone[lane][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(lg, alone[lane][1], rtol=1e-4, atol=1e-4)
         assert prop.propose(anchor, start, block) == lg.float().argmax(-1).tolist()
@@ -521,6 +528,46 @@ def test_one_draft_pass_for_several_sequences(tiny_dir, sliding):
     prop.draft_ahead(items[:2])
     prop.draft_ahead([])
     assert prop._ahead == {}
+    assert draft._native_layers is native
+
+
+def test_native_draft_pass_matches_the_torch_pass(tiny_dir):
+    """A draft with native linears drafts through ``DraftLayer.forward_native`` (one QKV
+    matmul, the block's K/V written after the context in its cache, bidirectional attention
+    in ``dflash::attention_step``): the same hidden states and logits as the per-op pass to
+    rounding, the same proposals; the context's length is unchanged and a longer context
+    appended over the rows the block wrote gives what a fresh draft gives."""
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.proposer import DFlashProposer
+
+    if not (kernels.enabled() and kernels.load()):
+        pytest.skip("no native kernels on this machine")
+    pipe = _pipe(tiny_dir("llama"), 1)
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1), num_target_layers=c.num_layers)
+    tensors = DFlashDraft.random_tensors(cfg, 3, 0.05)
+    g = torch.Generator().manual_seed(1)
+    feats = {t: torch.randn(1, 30, c.hidden_size, generator=g) for t in (0, 1)}
+    props = []
+    for native in (False, True):
+        draft = DFlashDraft(cfg, tensors, "cpu", torch.float32, pipe.max_ctx, quantize="int8")
+        draft._native_layers = None if native else False     # None: decided (native here) at the first pass
+        prop = DFlashProposer(draft, pipe)
+        prop.add_context({t: f[:, :20] for t, f in feats.items()}, 0)
+        out = [prop._draft_hidden_logits(17, 20, 6), prop.propose(17, 20, 6)]
+        assert draft.context.length == 20
+        prop.add_context({t: f[:, 20:] for t, f in feats.items()}, 20)   # over the block's rows
+        out.append(prop._draft_hidden_logits(9, 30, 4))
+        assert draft._native_layers is native
+        props.append(out)
+    (h0, l0), p0, (h2, l2) = props[0]
+    (h1, l1), p1, (h3, l3) = props[1]
+    torch.testing.assert_close(h1, h0, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(l1, l0, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(h3, h2, rtol=2e-3, atol=2e-3)
+    assert p1 == p0
 
 
 @pytest.mark.parametrize("where", ["forward", "draft", "commit"])

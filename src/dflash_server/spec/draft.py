@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..layers.linear import Linear
 from ..layers.mlp import SwiGLU
 from ..layers.norms import RMSNorm
@@ -98,6 +99,8 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"),
                           get(p + "mlp.down_proj.weight"))
         self.causal, self.window = cfg.layer_attention[index]
+        self.eps = eps
+        self._qkv = None   # the native path's fused Q/K/V weight (built at its first use)
         self.attention_conv = self.mlp_conv = None
         if cfg.dflash2:
             self.attention_conv = DynamicConv(get(p + "attention_conv.base_kernel"),
@@ -111,6 +114,38 @@ class DraftLayer(nn.Module):
         kv = self.kv_proj(h).view(B, T, 2 * self.nkv, self.hd)
         k = apply_rope(self.k_norm(kv[:, :, :self.nkv]), cos[:, None], sin[:, None])
         return k.transpose(1, 2), kv[:, :, self.nkv:].transpose(1, 2)
+
+    def native_ready(self) -> bool:
+        """Whether ``forward_native`` runs this layer: a full (bidirectional, unwindowed)
+        DFlash 1 layer whose projections run on ``dflash::qmm`` in one block type, no biases."""
+        q, kv = self.q_proj, self.kv_proj
+        return (self.attention_conv is None and not self.causal and self.window is None and self.q_norm.native
+                and q.mode == kv.mode == self.o_proj.mode == "native" and q.qtype == kv.qtype
+                and q.bias is None and kv.bias is None and self.o_proj.bias is None and q.out_features % 8 == 0
+                and self.hd % 8 == 0)
+
+    def forward_native(self, x, cos, sin, blocks) -> torch.Tensor:
+        """``forward`` with the native kernels: one QKV matmul for all rows, and per block one
+        ``dflash::attention_step`` that writes the block's K/V into its context cache after the
+        context (rows the next ``append_context`` overwrites) and lets every row of the block
+        attend to the context and the whole block (q/k norms and RoPE inside); the context's
+        own length is unchanged. ``blocks``: (k_cache, v_cache, start, rows) per block of x's
+        rows in order; cos/sin fp32 rows. About 20 fewer op calls a layer than ``forward``."""
+        if self._qkv is None:
+            self._qkv = torch.cat([self.q_proj.weight, self.kv_proj.weight])
+        H = x.shape[-1]
+        qkv = torch.ops.dflash.qmm(self.input_layernorm(x), self._qkv, self.q_proj.qtype,
+                                   self.q_proj.out_features + self.kv_proj.out_features, H)
+        outs, a = [], 0
+        for kc, vc, start, n in blocks:
+            keys = torch.arange(start + n).expand(n, -1)
+            outs.append(torch.ops.dflash.attention_step(
+                qkv[:, a:a + n], cos[a:a + n], sin[a:a + n], kc, vc, start, self.nh, self.nkv, self.hd ** -0.5,
+                False, self.q_norm.weight, self.k_norm.weight, self.eps, False, 0, False, None,
+                torch.arange(start, start + n), keys, torch.full((n,), start + n)))
+            a += n
+        x = x + self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask, sizes: list[int] | None = None):
         """``sizes``: x holds several blocks one after another (of several sequences, one
@@ -261,6 +296,7 @@ class DFlashDraft(nn.Module):
                 m.quantize_(quantize)
         self.contexts = {0: self._empty_context()}  # sequence slot -> its context
         self.context = self.contexts[0]
+        self._native_layers: bool | None = None   # decided at the first pass (_native)
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -416,7 +452,7 @@ class DFlashDraft(nn.Module):
         selected slot is the last block's afterwards."""
         if len(blocks) > 1 and not self.batches_blocks:
             return [self.draft_hidden_rows([b])[0] for b in blocks]
-        ctxs, sizes, cos, sin, masks = [], [], [], [], []
+        ctxs, sizes, cos, sin = [], [], [], []
         for lane, emb, start in blocks:
             if lane is not None:
                 self.select(lane)
@@ -428,24 +464,42 @@ class DFlashDraft(nn.Module):
             c, s = self.rope.rows(start, B)
             cos.append(c)
             sin.append(s)
-            q_pos = torch.arange(start, start + B, device=self.device)
-            k_pos = torch.arange(0, start + B, device=self.device)
-            k_block = torch.cat([torch.full((S,), -1, device=self.device),
-                                 torch.zeros(B, device=self.device, dtype=torch.long)])
-            mask = {}
-            for layer in self.layers:
-                key = (layer.causal, layer.window)
-                if key not in mask:
-                    mask[key] = None if key == (False, None) else attention_mask(
-                        q_pos, torch.full_like(q_pos, start), torch.zeros_like(q_pos), k_pos, k_block, *key)
-            masks.append(mask)
         x = torch.cat([emb.to(self.device, self.dtype) for _, emb, _ in blocks], dim=1)
         cos, sin = torch.cat(cos), torch.cat(sin)
+        if self._native(ctxs, sizes):
+            cos, sin = cos.float(), sin.float()
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_native(x, cos, sin, [(c.k[i], c.v[i], c.length, n) for c, n in zip(ctxs, sizes)])
+            return list(self.norm(x).split(sizes, dim=1))
+        masks = [self._masks(c.length, n) for c, n in zip(ctxs, sizes)]
         for i, layer in enumerate(self.layers):
             key = (layer.causal, layer.window)
             x = layer(x, cos, sin, [c.k[i][:, :, :c.length] for c in ctxs], [c.v[i][:, :, :c.length] for c in ctxs],
                       [m[key] for m in masks], sizes)
         return list(self.norm(x).split(sizes, dim=1))
+
+    def _masks(self, start: int, B: int) -> dict:
+        """A block's attention masks by (causal, window) of the layers (None: every key)."""
+        q_pos = torch.arange(start, start + B, device=self.device)
+        k_pos = torch.arange(0, start + B, device=self.device)
+        k_block = torch.cat([torch.full((start,), -1, device=self.device),
+                             torch.zeros(B, device=self.device, dtype=torch.long)])
+        mask = {}
+        for layer in self.layers:
+            key = (layer.causal, layer.window)
+            if key not in mask:
+                mask[key] = None if key == (False, None) else attention_mask(
+                    q_pos, torch.full_like(q_pos, start), torch.zeros_like(q_pos), k_pos, k_block, *key)
+        return mask
+
+    def _native(self, ctxs, sizes) -> bool:
+        """The native kernels run this pass: every layer can (``DraftLayer.native_ready``), on
+        the CPU under inference, and each block fits its context cache after the context."""
+        if self._native_layers is None:
+            self._native_layers = (self.device.type == "cpu" and kernels.enabled() and kernels.load()
+                                   and all(layer.native_ready() for layer in self.layers))
+        return (self._native_layers and not torch.is_grad_enabled()
+                and all(c.length + n <= self.max_ctx for c, n in zip(ctxs, sizes)))
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -73,9 +73,11 @@ struct Geometry {
   // row t sits at position start + depth(t) and sees the cache before ``start`` and its
   // ancestors (itself included). null: a causal block, row t at start + t.
   const int64_t* parents = nullptr;
-  // slot-addressed KV (KV Flash pools): row t's K/V go to cache row write_rows[t], and row t
-  // attends to key_counts[t] cache rows key_rows[t * key_stride ...], in logical order (the
-  // caller's list: causal, window and residency already applied). null: position-addressed.
+  // slot-addressed KV (KV Flash pools; a DFlash draft's block, whose rows see each other): row
+  // t's K/V go to cache row write_rows[t], and row t attends to key_counts[t] (at most start +
+  // T) cache rows key_rows[t * key_stride ...], in logical order (the caller's list: causal,
+  // window and residency already applied). Every row's K/V is written before any row attends.
+  // null: position-addressed.
   const int64_t* write_rows = nullptr;
   const int64_t* key_rows = nullptr;
   const int64_t* key_counts = nullptr;
@@ -783,8 +785,8 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     const int64_t L = kr.size(1);
     for (int64_t t = 0; t < g.T; ++t) {
       TORCH_CHECK(w[t] >= 0 && w[t] < g.max_ctx, "dflash::attention_step: a write row past the cache");
-      TORCH_CHECK(c[t] >= 1 && c[t] <= L && c[t] <= start + t + 1,
-                  "dflash::attention_step: a row's key count must be in [1, its keys' width] and at most its position + 1");
+      TORCH_CHECK(c[t] >= 1 && c[t] <= L && c[t] <= start + g.T,
+                  "dflash::attention_step: a row's key count must be in [1, its keys' width] and at most start + rows");
       for (int64_t j = 0; j < c[t]; ++j)
         TORCH_CHECK(k[t * L + j] >= 0 && k[t * L + j] < g.max_ctx, "dflash::attention_step: a key row past the cache");
     }
