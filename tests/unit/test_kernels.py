@@ -92,6 +92,8 @@ def test_rows_are_invariant_and_paths_identical(qname):
     assert 0 in paths and len(paths) >= 2  # the portable path and at least one SIMD path here
     for isa in paths:
         assert torch.equal(torch.ops.dflash.qmm(x, packed, qtype, n, k, isa), full), kernels.ISAS[isa]
+        for m in (2, 3, 5, 7):  # 4 rows a pass, the last 1-3 in one: every split gives the same bits
+            assert torch.equal(torch.ops.dflash.qmm(x[:m], packed, qtype, n, k, isa), full[:m]), (kernels.ISAS[isa], m)
     # the activation quantizer and the output rounding are vectorized too: bf16 / fp16 inputs,
     # all-zero blocks, ties, and blocks holding NaN / inf give the same bits on every path
     x[9, :32] = 0.0
