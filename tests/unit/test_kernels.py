@@ -674,3 +674,33 @@ def test_attention_over_slots_equals_positions():
     for kw in bad:
         with pytest.raises(RuntimeError, match="attention_step"):
             torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5, **kw)
+
+
+def test_argmax_is_torchs():
+    """``dflash::argmax`` gives ``torch.argmax``'s indices: the first of equal maxima, a NaN
+    as the largest (the first NaN), -inf rows, short rows, bf16 / fp16, several rows, both
+    the vector and the portable path; ``kernels.argmax`` falls back to aten off the CPU path."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(49152, generator=g), torch.randn(15048, generator=g), torch.randn(7, generator=g),
+            torch.full((40,), float("-inf")), torch.zeros(33), torch.tensor([-0.0, 0.0, -0.0] * 11)]
+    tie = torch.randn(1000, generator=g)
+    tie[[17, 500, 999]] = tie.max() + 1.0
+    nan = torch.randn(1000, generator=g)
+    nan[[300, 700]] = float("nan")
+    late = torch.randn(1001, generator=g)
+    late[1000] = 50.0                                   # in the scalar tail after the vector lanes
+    rows += [tie, nan, late]
+    for x in rows:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            xd = x.to(dtype)
+            want = int(xd.float().argmax())
+            for portable in (False, True):
+                assert int(torch.ops.dflash.argmax(xd, portable)) == want, (x.shape, dtype, portable)
+    batch = torch.randn(3, 5, 301, generator=g)
+    batch[1, 2, 77] = 9.0
+    assert torch.equal(torch.ops.dflash.argmax(batch), batch.argmax(-1))
+    assert torch.equal(kernels.argmax(batch.bfloat16()), batch.bfloat16().argmax(-1))
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.argmax(torch.zeros(4, 0))
+    with pytest.raises(RuntimeError):
+        torch.ops.dflash.argmax(torch.zeros(4, 3, dtype=torch.int32))

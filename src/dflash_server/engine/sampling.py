@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -140,7 +142,7 @@ class Sampler:
         """One token from (V,) logits (inverse CDF with one uniform draw from the request's
         generator: seeded requests repeat exactly)."""
         if self.params.greedy:
-            return int(self.process(logits).argmax(-1))
+            return int(kernels.argmax(self.process(logits)))
         probs, ids = self._truncated(logits)
         i = self.draw(probs)
         return int(ids[i]) if ids is not None else i

@@ -21,7 +21,7 @@ Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks 
 (``csrc/layer.cpp``: a Llama/Qwen3/Qwen3.5-style attention layer of a decode or verify
 block in one call; ``decoder_stack``: consecutive such layers in one call),
 ``rms_norm(x, w, eps)`` (``csrc/norms.cpp``), ``silu_mul(h, inter)`` (``csrc/act.cpp``: SwiGLU's
-activation over the gate/up output) and ``attention_step(qkv, cos, sin, k_cache,
+activation over the gate/up output), ``argmax(x)`` (``csrc/argmax.cpp``: greedy picks) and ``attention_step(qkv, cos, sin, k_cache,
 v_cache, start, nh, nkv, scale)`` (``csrc/attention.cpp``: RoPE, KV write and causal
 attention of a decode or verify block in one call). ``attention_rows`` and
 ``decoder_layer_rows`` are their forms for one decode row of each of several sequences,
@@ -45,7 +45,7 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "argmax.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
 HEADERS = ("ops.h", "simd.h")
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
@@ -213,11 +213,24 @@ def _register_fakes() -> None:
                             lanes=None, positions=None):
         return [x.new_empty(x.shape) for _ in range(1 + len(capture))]
 
+    @torch.library.register_fake("dflash::argmax")
+    def _argmax_fake(x, portable=False):
+        return x.new_empty(x.shape[:-1], dtype=torch.long)
+
     @torch.library.register_fake("dflash::repack")
     def _repack_fake(blocks, qtype, n, k):
         return blocks.new_empty(packed_shape(qtype, n, k))
 
     _state["fakes"] = True
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, natively on the CPU where the kernels are built (``csrc/argmax.cpp``:
+    the same indices, NaN and ties included; ~10x faster over a vocabulary's logits)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() \
+            and enabled() and load():
+        return torch.ops.dflash.argmax(x)
+    return x.argmax(-1)
 
 
 def packed_shape(qtype: int, n: int, k: int) -> tuple[int, int]:

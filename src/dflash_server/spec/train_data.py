@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import kernels
+
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "assets" / "train_prompts.jsonl"
 MANIFEST = "dataset.json"
 
@@ -87,7 +89,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torc
     if top_p < 1.0:
         probs[(probs.cumsum(-1) - probs) > top_p] = 0.0
     tok = idx.cpu().gather(-1, torch.multinomial(probs.cpu(), 1, generator=gen)).squeeze(-1)
-    top = logits.argmax(-1).cpu()                                   # what greedy serving picks
+    top = kernels.argmax(logits).cpu()                              # what greedy serving picks
     return torch.where(greedy, top, tok), top
 
 
@@ -362,7 +364,7 @@ def capture_windows(pipe, prompt: list[int], bodies: list[list[int]], taps: tupl
         pipe.reset()
         out = pipe.forward(ids, 0, logits="all", capture=taps)
         logits = out.logits if out.logits.dim() == 3 else out.logits[None]
-        top = logits[..., :vocab].argmax(-1).cpu()                                     # (B, L)
+        top = kernels.argmax(logits[..., :vocab]).cpu()                                # (B, L)
         feats = torch.cat([out.captures[t] for t in taps], dim=-1).cpu()
     samples = []
     for b in range(len(bodies)):
