@@ -200,6 +200,18 @@ class ForwardContext:
         return m.to(device)
 
 
+def runs(keys: list) -> list[tuple[int, int]]:
+    """[b, e) spans of adjacent equal keys (a rows forward's rows of one slot or one state)."""
+    out, b = [], 0
+    while b < len(keys):
+        e = b + 1
+        while e < len(keys) and keys[e] == keys[b]:
+            e += 1
+        out.append((b, e))
+        b = e
+    return out
+
+
 def tree_depths(parents) -> list[int]:
     """The depth of each row of a tree given by parent rows (-1: a root, depth 0)."""
     depth: list[int] = []

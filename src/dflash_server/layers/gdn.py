@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .context import ForwardContext
+from .context import ForwardContext, runs
 from .gdn_ops import causal_conv1d, gated_delta_rule, l2norm
 from .linear import Linear
 
@@ -138,15 +138,11 @@ class GatedDeltaNet(nn.Module):
         a verify block: adjacent rows on one state at consecutive positions) run as its own
         step or block (the recurrent update is per sequence anyway), recorded for a
         rollback where its state holds a checkpoint."""
-        outs, b = [], 0
-        while b < len(states):
-            e = b + 1
-            while e < len(states) and states[e] is states[b]:
-                e += 1
+        outs = []
+        for b, e in runs([id(st) for st in states]):
             st = states[b]
             outs.append(self.forward(x[:, b:e], ForwardContext(ctx.positions[b], e - b, None, None,
                                                                 record=st.saved is not None), st))
-            b = e
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from .. import kernels
 from ..errors import ModelLoadError
 from ..layers.attention import SCORE_QUERY_ROWS
-from ..layers.context import ForwardContext, tree_depths
+from ..layers.context import ForwardContext, runs, tree_depths
 from ..layers.linear import Linear
 from ..layers.rope import rope_tables
 from ..layers.stack import NativeStack
@@ -66,12 +66,11 @@ class StageOutput:
         return self._logits
 
 
-def _carry_row(carry: dict | None, b: int, e: int | None = None) -> dict | None:
-    """Rows ``b`` to ``e`` (default: row ``b`` alone) of a rows forward's carry (per-layer
-    inputs (1, B, ...), K/V rows (1, nkv, B, hd))."""
+def _carry_rows(carry: dict | None, b: int, e: int) -> dict | None:
+    """Rows ``b`` to ``e`` of a rows forward's carry (per-layer inputs (1, B, ...), K/V rows
+    (1, nkv, B, hd))."""
     if not carry:
         return None
-    e = b + 1 if e is None else e
     out = {}
     if carry.get("per_layer") is not None:
         out["per_layer"] = carry["per_layer"][:, b:e]
@@ -512,15 +511,10 @@ class LocalStage:
         under its checkpoint when it holds one."""
         keep, outs = self.lane, []
         try:
-            b = 0
-            while b < len(lanes):
-                e = b + 1
-                while e < len(lanes) and lanes[e] == lanes[b]:
-                    e += 1
+            for b, e in runs(lanes):
                 self.select(lanes[b])
                 outs.append(self.forward(x[:, b:e], positions[b], logits="all", capture=capture,
-                                         carry=_carry_row(carry, b, e)))
-                b = e
+                                         carry=_carry_rows(carry, b, e)))
         finally:
             self.select(keep)
         caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}

@@ -129,23 +129,29 @@ class DraftLayer(nn.Module):
         ``dflash::attention_step`` that writes the block's K/V into its context cache after the
         context (rows the next ``append_context`` overwrites) and lets every row of the block
         attend to the context and the whole block (q/k norms and RoPE inside); the context's
-        own length is unchanged. ``blocks``: (k_cache, v_cache, start, rows) per block of x's
-        rows in order; cos/sin fp32 rows. About 20 fewer op calls a layer than ``forward``."""
+        own length is unchanged. ``blocks``: (k_cache, v_cache, start, rows, block_rows) per
+        block of x's rows in order; cos/sin fp32 rows. About 20 fewer op calls a layer than
+        ``forward``."""
         if self._qkv is None:
             self._qkv = torch.cat([self.q_proj.weight, self.kv_proj.weight])
         H = x.shape[-1]
         qkv = torch.ops.dflash.qmm(self.input_layernorm(x), self._qkv, self.q_proj.qtype,
                                    self.q_proj.out_features + self.kv_proj.out_features, H)
         outs, a = [], 0
-        for kc, vc, start, n in blocks:
-            keys = torch.arange(start + n).expand(n, -1)
+        for kc, vc, start, n, (write, keys, counts) in blocks:
             outs.append(torch.ops.dflash.attention_step(
                 qkv[:, a:a + n], cos[a:a + n], sin[a:a + n], kc, vc, start, self.nh, self.nkv, self.hd ** -0.5,
-                False, self.q_norm.weight, self.k_norm.weight, self.eps, False, 0, False, None,
-                torch.arange(start, start + n), keys, torch.full((n,), start + n)))
+                False, self.q_norm.weight, self.k_norm.weight, self.eps, False, 0, False, None, write, keys, counts))
             a += n
         x = x + self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    @staticmethod
+    def block_rows(start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward_native``'s key lists for a block of ``n`` rows after ``start`` context
+        positions (the same for every layer): the cache rows it writes, and every row's keys
+        (the context and the whole block) and their count."""
+        return torch.arange(start, start + n), torch.arange(start + n).expand(n, -1), torch.full((n,), start + n)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask, sizes: list[int] | None = None):
         """``sizes``: x holds several blocks one after another (of several sequences, one
@@ -468,8 +474,10 @@ class DFlashDraft(nn.Module):
         cos, sin = torch.cat(cos), torch.cat(sin)
         if self._native(ctxs, sizes):
             cos, sin = cos.float(), sin.float()
+            at = [DraftLayer.block_rows(c.length, n) for c, n in zip(ctxs, sizes)]
             for i, layer in enumerate(self.layers):
-                x = layer.forward_native(x, cos, sin, [(c.k[i], c.v[i], c.length, n) for c, n in zip(ctxs, sizes)])
+                x = layer.forward_native(x, cos, sin, [(c.k[i], c.v[i], c.length, n, r)
+                                                       for c, n, r in zip(ctxs, sizes, at)])
             return list(self.norm(x).split(sizes, dim=1))
         masks = [self._masks(c.length, n) for c, n in zip(ctxs, sizes)]
         for i, layer in enumerate(self.layers):

@@ -83,24 +83,22 @@ class TreeSizer(StepCosts):
         fresh = self.fresh()
         if not fresh:
             return None
-        nxt = fresh[0]
-        judged = [b for b in self.candidates if b < nxt]
+        judged = [b for b in self.candidates if b < fresh[0]]
         hi = judged[-1] if judged else 0
         if hi == 0:
-            return nxt
+            return fresh[0]
         # the slope from the plain step (exactly one token, no noise) to M: never below the
         # slope just before M on a concave yield, so an optimistic bound
-        slope = (est[hi] - 1.0) / hi
-        bound = est[hi] + (self.max_budget - hi) * slope
-        best = max(est[b] / self.cost[b] for b in judged)
-        return nxt if bound / self.cost[hi] > best else None
+        bound = est[hi] + (self.max_budget - hi) * (est[hi] - 1.0) / hi
+        return self.worth_exploring(bound, {b: est[b] / self.cost[b] for b in judged})
 
     def choose(self) -> int:
         est = self.expected_tokens()
         nxt = self.explore(est)
         if nxt is not None:
             return nxt
-        known = [b for b in self.candidates if b not in self.fresh()]
+        fresh = self.fresh()
+        known = [b for b in self.candidates if b not in fresh]
         best = max(known, key=lambda b: est[b] / self.cost[b])
         if self.steps % self.explore_every == self.explore_every - 1:
             # re-measure the best's neighbours (not every budget: on a CPU a tree of 22 costs
