@@ -172,3 +172,35 @@ def test_ragged_rows_only_where_the_worker_says(tiny_dir):
         h, _ = _call(w, "forward_rows", {"lanes": [0, 1, 0], "positions": [2, 1, 3]},   # a slot's rows apart
                      {"x": torch.randn(1, 3, hidden)})
         assert not h["ok"] and h["error"]["kind"] == "value", h
+
+
+def test_tree_rows_at_the_worker(tiny_dir):
+    """``forward_rows`` with ``trees`` ([slot, parents] pairs; a worker reports
+    ``can_tree_rows`` at load): every malformed or inconsistent tree is a value error that
+    leaves the slots as they were; a good one verifies the tree beside another slot's row and
+    ``rollback_tree`` keeps its path, on attention and Gated DeltaNet layers and with KV Flash
+    pools."""
+    for family, kvflash in (("llama", None), ("qwen3_5", None), ("llama", {"pool": 32, "chunk": 8})):
+        w = authed_worker(SECRET)
+        path = tiny_dir(family)
+        cfg = open_model(path).config
+        h, _ = _call(w, "load", {"model": str(path), "shards": [["cpu", 1, cfg.num_layers]], "dtype": "f32",
+                                 "max_ctx": 64, "quantize": ["dense", "dense"], "lanes": 2, "kvflash": kvflash})
+        assert h["ok"] and h["result"]["can_tree_rows"] is True, h
+        for lane in (0, 1):
+            assert _call(w, "forward", {"start": 0, "lane": lane}, {"x": torch.randn(1, 4, cfg.hidden_size)})[0]["ok"]
+        assert _call(w, "checkpoint", {"lane": 0})[0]["ok"]
+        rows = {"lanes": [0, 0, 0, 1], "positions": [4, 5, 6, 4]}
+        x = {"x": torch.randn(1, 4, cfg.hidden_size)}
+        for trees in ("0", {"0": [-1, 0, 0]}, [[0]], [[True, [-1, 0, 0]]], [[0, "x"]], [[0, [-1, 0]]],
+                      [[0, [0, 0, 1]]], [[0, [-1, 2, 0]]], [[0, [-1, 0, 0]], [0, [-1, 0, 0]]],
+                      [[1, [-1]]], [[5, [-1]]], [[0, [-1] + [0] * 70]], [[0, [-1, 0, 0]], [1, [-1]], [0, [-1]]]):
+            h, _ = _call(w, "forward_rows", {**rows, "trees": trees}, x)
+            assert not h["ok"] and h["error"]["kind"] == "value", (trees, h)
+        h, _ = _call(w, "forward_rows", {**rows, "trees": [[0, [-1, 0, 0]]]}, x)
+        assert h["ok"] and h["result"]["lengths"] == [7, 7, 7, 5], h
+        assert not _call(w, "rollback", {"lane": 0, "length": 6})[0]["ok"]     # after a tree: a path
+        h, _ = _call(w, "rollback_tree", {"lane": 0, "path": [0, 2]})
+        assert h["ok"] and h["result"]["length"] == 6, h
+        h, _ = _call(w, "forward_rows", {"lanes": [0, 1], "positions": [6, 5]}, {"x": torch.randn(1, 2, cfg.hidden_size)})
+        assert h["ok"] and h["result"]["lengths"] == [7, 6], h

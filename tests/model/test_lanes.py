@@ -155,6 +155,97 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages,
         assert check(nxt.logits[r], after[lane])
 
 
+# two trees: slot 0's accepted path leaves by its root's second child (not the first branch),
+# slot 2's is the whole first chain; slot 1 decodes a plain row beside them
+TREES = {0: ((-1, 0, 0, 1, 2, 2, 4), [0, 2, 5]), 2: ((-1, 0, 1, 0, 2), [0, 1, 2, 4])}
+
+
+@pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
+                                                ("gemma4_e", 1, 0), ("llama", 1, 32), ("qwen3_5", 1, 32)])
+def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
+    """DDTree verifies of several slots among other slots' rows in one ``forward_rows``
+    (``trees``) give each row what that slot's own tree forward gives (native kernels: bit for
+    bit); ``rollback_tree`` per slot keeps its path (KV moved down, recurrent state of the
+    path's last node) and the next rows continue as after the slot's own rollback. With KV
+    Flash pools each slot's tree runs as its own forward."""
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+
+    path = tiny_dir(family)
+    kv = KvFlashConfig(pool=pool, chunk=8) if pool else None
+    pipe, ref = _pipe(path, 3, stages=stages, kvflash=kv), _pipe(path, 1, stages=stages, kvflash=kv)
+    assert pipe.supports_tree_rows
+    prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (40, 6, 52))]
+    blocks = _blocks(pipe, prompts, [len(TREES[lane][0]) if lane in TREES else 1 for lane in range(3)])
+    want, after = [], []
+    for lane, (p, blk) in enumerate(zip(prompts, blocks)):   # each slot alone
+        ref.reset()
+        ref.prefill(p)
+        if lane in TREES:
+            parents, keep = TREES[lane]
+            ref.checkpoint()
+            out = ref.forward(blk, len(p), logits="all", capture=TAPS, tree=parents)
+            ref.rollback_tree(keep)
+        else:
+            out, keep = ref.forward(blk, len(p), logits="all", capture=TAPS), [0]
+        want.append((out.logits, out.captures))
+        after.append(ref.forward([9], len(p) + len(keep), capture=TAPS).logits[-1])
+    for lane, p in enumerate(prompts):
+        pipe.select(lane)
+        pipe.reset()
+        pipe.prefill(p)
+        if lane in TREES:
+            pipe.checkpoint()
+    lanes = [lane for lane, blk in enumerate(blocks) for _ in blk]
+    positions = [len(prompts[lane]) + t for lane, blk in enumerate(blocks) for t in range(len(blk))]
+    out = pipe.forward_rows([t for blk in blocks for t in blk], lanes, positions, capture=TAPS,
+                            trees={lane: parents for lane, (parents, _) in TREES.items()})
+    exact = kernels.enabled() and kernels.load()
+    check = (torch.equal if exact else
+             lambda a, b: torch.allclose(a.float(), b.float(), rtol=0, atol=2e-2))
+    row = 0
+    for (logits, caps), blk in zip(want, blocks):
+        n = len(blk)
+        assert check(out.logits[row:row + n], logits)
+        for c in TAPS:
+            assert check(out.captures[c][:, row:row + n], caps[c])
+        row += n
+    for lane in TREES:
+        pipe.select(lane)
+        pipe.rollback_tree(TREES[lane][1])
+    ends = [len(p) + (len(TREES[lane][1]) if lane in TREES else 1) for lane, p in enumerate(prompts)]
+    assert [st.length for st in pipe.stages[-1].lanes] == ends
+    nxt = pipe.forward_rows([9, 9, 9], [2, 0, 1], [ends[2], ends[0], ends[1]])
+    for r, lane in enumerate([2, 0, 1]):
+        assert check(nxt.logits[r], after[lane])
+
+
+def test_tree_rows_validate(tiny_dir):
+    """A slot's tree in ``forward_rows``: one parent per row of that slot, the first row the
+    root, each parent an earlier row, the slot checkpointed at its first row; a refused forward
+    leaves every slot as it was."""
+    pipe = _pipe(tiny_dir("llama"), 2)
+    for lane in (0, 1):
+        pipe.select(lane)
+        pipe.prefill([1, 2, 3])
+    pipe.select(0)
+    pipe.checkpoint()
+    rows = dict(tokens=[4, 5, 6, 7], lanes=[0, 0, 0, 1], positions=[3, 4, 5, 3])
+    for trees in ({0: (-1, 0)},            # a parent short
+                  {0: (0, 0, 1)},           # the first row not the root
+                  {0: (-1, 2, 0)},          # a parent after its child
+                  {0: (-1, 0, 0), 3: (-1,)},   # a slot with no rows here
+                  {1: (-1,)}):              # slot 1 holds no checkpoint
+        with pytest.raises(ValueError):
+            pipe.forward_rows(rows["tokens"], rows["lanes"], rows["positions"], trees=trees)
+    assert [st.length for st in pipe.stages[0].lanes] == [3, 3]
+    out = pipe.forward_rows(rows["tokens"], rows["lanes"], rows["positions"], trees={0: (-1, 0, 0)})
+    assert out.logits.shape[0] == 4
+    with pytest.raises(ValueError):
+        pipe.rollback(5)                    # after a tree: keep a path
+    pipe.rollback_tree([0, 2])
+    assert [st.length for st in pipe.stages[0].lanes] == [5, 4]
+
+
 def test_ragged_rows_validate(tiny_dir):
     """Several rows of a slot: adjacent, at consecutive positions from at most its length; a
     lockstep batch stage takes no such rows."""

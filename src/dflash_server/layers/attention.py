@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .context import ForwardContext
+from .context import ForwardContext, runs
 from .linear import Linear
 from .norms import RMSNorm
 from .rope import apply_rope
@@ -236,13 +236,14 @@ class Attention(nn.Module):
         if self.native_rows_ok(x, bank) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
             out = torch.ops.dflash.attention_rows(qkv, cos, sin, bank.k, bank.v, ctx.lanes, ctx.positions, self.nh,
-                                                  self.nkv, self.scale, **self.native_args)
+                                                  self.nkv, self.scale, **self.native_args, **ctx.rows_tree())
             return self.o(self._gated(out, x))
-        outs = []
-        for b, (lane, pos) in enumerate(zip(ctx.lanes, ctx.positions)):
-            row = ctx.row(b, pos)
+        outs, trees = [], ctx.row_trees or {}
+        for b, e in runs(list(ctx.lanes)):   # a tree lane's rows together, every other row alone
+            lane = ctx.lanes[b]
+            spans = [(b, e)] if lane in trees else [(r, r + 1) for r in range(b, e)]
             lane_kv = KVState(bank.k[lane:lane + 1], bank.v[lane:lane + 1])
-            outs.append(self._attend(qkv[:, b:b + 1], row, lane_kv, x.dtype))
+            outs += [self._attend(qkv[:, r:q], ctx.block(r, q), lane_kv, x.dtype) for r, q in spans]
         return self.o(self._gated(torch.cat(outs, dim=1), x))
 
     def _attend_graph(self, q, k, v, gate, ctx: ForwardContext, state: KVState, dtype: torch.dtype) -> torch.Tensor:

@@ -49,6 +49,11 @@ class ForwardContext:
     # and attends to the cache before ``start`` and to its ancestors, itself included
     tree: tuple[int, ...] | None = None
     tree_parents: torch.Tensor | None = None
+    # DDTree verifies in a rows forward: {lane: its rows' parents within its block} (each such
+    # lane's rows are one tree, at cache rows from its first row's position on; cos/sin already
+    # at each row's depth) and every row's parent row in the whole forward (B,), -1 for none
+    row_trees: dict | None = None
+    row_parents: torch.Tensor | None = None
     # a CUDA-graph step (runtime.cuda_graph): the rows' positions as a (T,) device tensor,
     # and how many cache rows the step attends over (masked past each row's position)
     graph_pos: torch.Tensor | None = None
@@ -78,6 +83,20 @@ class ForwardContext:
         return ForwardContext(pos, 1, self.cos[b:b + 1], self.sin[b:b + 1],
                               cos_local=self.cos_local[b:b + 1] if local else None,
                               sin_local=self.sin_local[b:b + 1] if local else None)
+
+    def block(self, b: int, e: int) -> "ForwardContext":
+        """Rows [b, e) of a rows forward (one slot's adjacent rows) as that sequence's own
+        block forward from ``positions[b]``: a causal block, or its DDTree."""
+        local = self.cos_local is not None
+        tree = (self.row_trees or {}).get(self.lanes[b])
+        return ForwardContext(self.positions[b], e - b, self.cos[b:e], self.sin[b:e],
+                              cos_local=self.cos_local[b:e] if local else None,
+                              sin_local=self.sin_local[b:e] if local else None, tree=tree,
+                              tree_parents=None if tree is None else torch.tensor(tree, dtype=torch.long))
+
+    def rows_tree(self) -> dict:
+        """The native rows ops' ``tree`` argument: {} without trees."""
+        return {} if self.row_parents is None else {"tree": self.row_parents}
 
     @property
     def end(self) -> int:

@@ -137,11 +137,12 @@ class GatedDeltaNet(nn.Module):
         """Rows of several sequences, row b on ``states[b]``: each sequence's rows (one, or
         a verify block: adjacent rows on one state at consecutive positions) run as its own
         step or block (the recurrent update is per sequence anyway), recorded for a
-        rollback where its state holds a checkpoint."""
-        outs = []
+        rollback where its state holds a checkpoint, or a DDTree verify (``ctx.row_trees``:
+        its rows from that state, each node's state kept for ``take_tree_node``)."""
+        outs, trees = [], ctx.row_trees or {}
         for b, e in runs([id(st) for st in states]):
-            st = states[b]
-            outs.append(self.forward(x[:, b:e], ForwardContext(ctx.positions[b], e - b, None, None,
+            st, tree = states[b], trees.get(ctx.lanes[b])
+            outs.append(self.forward(x[:, b:e], ForwardContext(ctx.positions[b], e - b, None, None, tree=tree,
                                                                 record=st.saved is not None), st))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

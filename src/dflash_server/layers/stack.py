@@ -68,7 +68,7 @@ class NativeStack:
         cos, sin = ctx.rope_f32(False)
         kw = {}
         if ctx.lanes is not None:
-            kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions)}
+            kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_tree()}
         elif ctx.tree is not None:
             kw = {"tree": ctx.tree_parents}
         outs = torch.ops.dflash.decoder_stack(h, self.weights, [s.k for s in states], [s.v for s in states],

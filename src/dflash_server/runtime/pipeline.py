@@ -45,22 +45,24 @@ class TargetPipeline:
             st.select(lane)
 
     def forward_rows(self, tokens: list[int], lanes: list[int], positions: list[int],
-                     capture: tuple[int, ...] = ()) -> PipelineOutput:
+                     capture: tuple[int, ...] = (), trees: dict[int, tuple[int, ...]] | None = None) -> PipelineOutput:
         """Decode rows of sequences, each in its own slot: ``tokens[b]`` at ``positions[b]``
         of slot ``lanes[b]`` (where ``supports_ragged``, a slot may take several rows at
-        consecutive positions: a verify block). Returns the rows' logits (B, V) fp32 and the
-        outputs (1, B, H) of the ``capture`` layers."""
-        out = self.run_rows(torch.tensor([list(tokens)], dtype=torch.long), lanes, positions, capture)
+        consecutive positions: a verify block; where ``supports_tree_rows``, ``trees`` {slot:
+        parents} makes a slot's rows a DDTree verify, see LocalStage.forward_rows). Returns the
+        rows' logits (B, V) fp32 and the outputs (1, B, H) of the ``capture`` layers."""
+        out = self.run_rows(torch.tensor([list(tokens)], dtype=torch.long), lanes, positions, capture, trees=trees)
         return PipelineOutput(out.logits, out.captures)
 
     def run_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int], capture: tuple[int, ...] = (),
-                 carry: dict | None = None) -> StageOutput:
+                 carry: dict | None = None, trees: dict[int, tuple[int, ...]] | None = None) -> StageOutput:
         """``forward_rows`` on any input: token ids (1, B) where the first stage embeds, else
         the previous stage's hidden rows and ``carry`` (a shard worker's stages). Returns the
         last stage's output with every stage's captures."""
         caps: dict[int, torch.Tensor] = {}
         for st in self.stages:
-            out = st.forward_rows(x, lanes, positions, capture, **({"carry": carry} if carry else {}))
+            out = st.forward_rows(x, lanes, positions, capture, **({"carry": carry} if carry else {}),
+                                  **({"trees": trees} if trees else {}))
             caps.update(out.captures)
             x, carry = out.hidden, out.carry
         return StageOutput(out.hidden, out.head_logits, caps, out.carry)
@@ -115,6 +117,11 @@ class TargetPipeline:
         """Whether ``forward_rows`` takes several rows of a slot at consecutive positions and
         slots holding a checkpoint (several sequences' verify blocks in one forward)."""
         return all(st.can_ragged for st in self.stages)
+
+    @property
+    def supports_tree_rows(self) -> bool:
+        """Whether ``forward_rows`` takes DDTree verifies among other slots' rows (``trees``)."""
+        return self.supports_ragged and all(st.can_tree_rows for st in self.stages)
 
     @property
     def supports_tree(self) -> bool:

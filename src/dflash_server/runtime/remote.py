@@ -77,11 +77,13 @@ class RemoteStage:
         self.lane = lane
 
     def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                     capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
+                     capture: tuple[int, ...] = (), carry: dict | None = None,
+                     trees: dict[int, tuple[int, ...]] | None = None) -> StageOutput:
         mine = [c for c in capture if self.begin <= c < self.end]
-        res, out = self._call("forward_rows", {"lanes": [int(v) for v in lanes],
-                                               "positions": [int(v) for v in positions], "capture": mine},
-                              {"x": x.to(self.dtype), **carry_tensors(carry)})
+        args = {"lanes": [int(v) for v in lanes], "positions": [int(v) for v in positions], "capture": mine}
+        if trees:   # msgpack maps take string keys here: [slot, parents] pairs
+            args["trees"] = [[int(lane), [int(p) for p in tree]] for lane, tree in trees.items()]
+        res, out = self._call("forward_rows", args, {"x": x.to(self.dtype), **carry_tensors(carry)})
         for lane, n in zip(lanes, res.get("lengths", [])):
             self.lengths[lane] = int(n)
         lg = out.get("logits")
@@ -125,6 +127,12 @@ class RemoteStage:
         its load reported; see LocalStage.can_ragged)."""
         res = self.link.setup_results[0] if self.link.setup_results else {}
         return bool(res.get("can_ragged", False))
+
+    @property
+    def can_tree_rows(self) -> bool:
+        """Whether the worker takes DDTree verifies in ``forward_rows`` (as its load reported)."""
+        res = self.link.setup_results[0] if self.link.setup_results else {}
+        return bool(res.get("can_tree_rows", False))
 
     @property
     def can_tree(self) -> bool:

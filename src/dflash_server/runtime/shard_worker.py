@@ -55,6 +55,20 @@ def _ints(a: dict, key: str, limit: int = 64) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _trees(v, rows: int) -> dict[int, tuple[int, ...]] | None:
+    """forward_rows' ``trees``: [slot, [parent, ...]] pairs (None: no trees)."""
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > rows or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+            for p in v):
+        raise ValueError("forward_rows: trees must be a list of [slot, parents] pairs")
+    out = {p[0]: _ints({"tree": p[1]}, "tree") for p in v}
+    if len(out) != len(v):
+        raise ValueError("forward_rows: one tree per slot")
+    return out
+
+
 def _tensor(t: dict, key: str):
     if key not in t:
         raise ValueError(f"missing tensor {key!r}")
@@ -122,7 +136,8 @@ class ShardWorker:
             self._each("reset")
         self._each("select", 0)
         return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid(),
-                "can_ragged": all(s.can_ragged for s in self.stages)}, {}
+                "can_ragged": all(s.can_ragged for s in self.stages),
+                "can_tree_rows": all(s.can_tree_rows for s in self.stages)}, {}
 
     def _need(self):
         if self.pipeline is None:
@@ -149,9 +164,10 @@ class ShardWorker:
         for v in (lanes, positions, capture):
             if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
                 raise ValueError("forward_rows: lanes, positions and capture must be lists of integers")
+        trees = _trees(a.get("trees"), len(lanes))
         x, out_t, carry = _tensor(t, "x"), {}, carry_from_tensors(t)
         t0 = time.perf_counter()
-        out = pipe.run_rows(x, lanes, positions, tuple(capture), carry=carry)
+        out = pipe.run_rows(x, lanes, positions, tuple(capture), carry=carry, trees=trees)
         out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
         if out.head_logits is not None:
             out_t["logits"] = out.head_logits

@@ -438,7 +438,8 @@ class LocalStage:
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                     capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
+                     capture: tuple[int, ...] = (), carry: dict | None = None,
+                     trees: dict[int, tuple[int, ...]] | None = None) -> StageOutput:
         """Decode rows of several lanes: row b is the token of the sequence in ``lanes[b]`` at
         ``positions[b]`` (at most that lane's length; the lane's length becomes its last
         row's position + 1). x: token ids (1, B) on the first stage, else hidden (1, B, H).
@@ -449,7 +450,9 @@ class LocalStage:
         Where ``can_ragged``, a lane may take several rows at consecutive positions (a
         speculative verify block next to other sequences' rows, adjacent; row t of a lane
         attends to its rows before t) and may hold a checkpoint (``rollback`` then keeps a
-        prefix of the rows)."""
+        prefix of the rows). ``trees``: {slot: parents} for slots whose rows are a DDTree
+        verify (as ``forward(tree=...)``: the slot's checkpoint at its first row, one parent per
+        row, the first row the root; ``rollback_tree`` then keeps one path)."""
         B = x.shape[1]
         if len(lanes) != B or len(positions) != B:
             raise ValueError("forward_rows: one lane and one position per row")
@@ -469,14 +472,24 @@ class LocalStage:
                 raise ValueError(f"forward_rows: position {pos} does not extend slot {lane} (length {st.length}, "
                                  f"context {self.max_ctx}; a slot's rows adjacent, at consecutive positions)")
             nxt[lane] = pos + 1
+        trees = self._row_trees(trees or {}, lanes, positions) if trees else None
         if self.lanes[0].pool is not None:
-            return self._rows_one_by_one(x, lanes, positions, capture, carry)
+            return self._rows_one_by_one(x, lanes, positions, capture, carry, trees)
         x = x.to(self.device)
-        if self._graphs is not None and not carry and (out := self._graph_rows(x, lanes, positions, capture)):
+        if self._graphs is not None and not carry and not trees and \
+                (out := self._graph_rows(x, lanes, positions, capture)):
             return out
-        idx = torch.tensor(positions, device=self.device)
+        rope_at = list(positions)
+        parents = [-1] * B if trees else None
+        for b, e in runs(lanes) if trees else ():
+            tree = trees.get(lanes[b])
+            if tree is not None:   # rows at their depths; parents as rows of this forward
+                rope_at[b:e] = [positions[b] + d for d in tree_depths(tree)]
+                parents[b:e] = [-1 if p < 0 else b + p for p in tree]
+        idx = torch.tensor(rope_at, device=self.device)
         ctx = ForwardContext(0, B, self.rope.cos[idx], self.rope.sin[idx], lanes=tuple(lanes),
-                             positions=tuple(positions))
+                             positions=tuple(positions), row_trees=trees,
+                             row_parents=None if parents is None else torch.tensor(parents, dtype=torch.long))
         if self.rope_local is not None:
             ctx.cos_local, ctx.sin_local = self.rope_local.cos[idx], self.rope_local.sin[idx]
         h = self._inputs(x, ctx, carry)
@@ -491,6 +504,8 @@ class LocalStage:
                     caps[layer.index] = h
         for lane, pos in zip(lanes, positions):
             self.lanes[lane].length = pos + 1
+        for lane, tree in (trees or {}).items():
+            self.lanes[lane].tree = tree
         out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.banks))
         if self.is_last:
             out.head_logits = self._head(self.final_norm(h))[0]
@@ -504,17 +519,39 @@ class LocalStage:
             self._stack = NativeStack.build(self.layers)
         return self._stack
 
+    def _row_trees(self, trees: dict, lanes: list[int], positions: list[int]) -> dict[int, tuple[int, ...]]:
+        """``forward_rows``' trees checked: each a slot of this forward holding a checkpoint at
+        its first row, one parent per row of the slot, the first row the root."""
+        if not self.can_tree:
+            raise ValueError("forward_rows: tree verify needs one sequence per slot")
+        spans = {lanes[b]: (b, e) for b, e in runs(lanes)}
+        out = {}
+        for lane, tree in trees.items():
+            tree = tuple(int(p) for p in tree)
+            if lane not in spans:
+                raise ValueError(f"forward_rows: a tree for slot {lane}, which has no rows here")
+            b, e = spans[lane]
+            if len(tree) != e - b or len(tree) > 64 or tree[0] != -1:
+                raise ValueError(f"forward_rows: slot {lane}'s tree needs one parent per row (at most 64), "
+                                 "the first row the root")
+            tree_depths(tree)   # each parent an earlier row
+            if self.lanes[lane].ckpt_length != positions[b]:
+                raise ValueError(f"forward_rows: slot {lane}'s tree starts at its checkpoint")
+            out[lane] = tree
+        return out
+
     def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                         capture: tuple[int, ...] = (), carry: dict | None = None) -> StageOutput:
+                         capture: tuple[int, ...] = (), carry: dict | None = None,
+                         trees: dict | None = None) -> StageOutput:
         """``forward_rows`` as one forward per slot (KV Flash: each slot's pool pages on its
-        own): a slot's adjacent rows (a verify block) are that sequence's own block forward,
-        under its checkpoint when it holds one."""
+        own): a slot's adjacent rows (a verify block, or its tree) are that sequence's own
+        block forward, under its checkpoint when it holds one."""
         keep, outs = self.lane, []
         try:
             for b, e in runs(lanes):
                 self.select(lanes[b])
                 outs.append(self.forward(x[:, b:e], positions[b], logits="all", capture=capture,
-                                         carry=_carry_rows(carry, b, e)))
+                                         carry=_carry_rows(carry, b, e), tree=(trees or {}).get(lanes[b])))
         finally:
             self.select(keep)
         caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}
@@ -641,6 +678,11 @@ class LocalStage:
         """Whether ``forward(tree=...)`` runs here: one sequence per forward (KV Flash pools
         too: the rows' key lists follow the tree, ``rollback_tree`` moves pool slots)."""
         return self.batch == 1
+
+    @property
+    def can_tree_rows(self) -> bool:
+        """Whether ``forward_rows`` takes a slot's DDTree (``trees``) among other slots' rows."""
+        return self.can_tree and self.can_ragged
 
     @torch.inference_mode()
     def rollback_tree(self, path: list[int]) -> None:

@@ -830,11 +830,18 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
 // so its later rows stay out of its view. Each row runs exactly what attention_step runs for
 // that sequence's single-row step (the same Step with T = 1), so a sequence's output does not
 // depend on which others share the call.
+// tree (rows,): each row's parent row in this call, -1 for none. A lane with a row that has a
+// parent holds a DDTree verify: its rows (adjacent, at consecutive cache rows from the first,
+// at most 64, every parent an earlier row of the lane) run as one Step of attention_step's tree
+// form: row t's K/V go to cache row positions[first] + t, it attends to the cache before
+// positions[first] and to its ancestors (the caller's cos/sin place it at its depth), exactly
+// as that sequence's own tree forward does.
 at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions,
                           int64_t nh, int64_t nkv, double scale, bool portable,
                           const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                          double norm_eps, bool gated, int64_t window, bool v_norm) {
+                          double norm_eps, bool gated, int64_t window, bool v_norm,
+                          const c10::optional<at::Tensor>& tree) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
@@ -857,6 +864,36 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                 "dflash::attention_rows: a lane's rows must come at increasing positions");
     last[lanes[b]] = positions[b];
     longest = std::max(longest, positions[b] + 1);
+  }
+  // a tree lane's rows: one step from its first row (run_of[b]: that row, else -1 for plain rows)
+  std::vector<int64_t> run_of(B, -1), local(B, -1);
+  at::Tensor parents;
+  if (tree.has_value()) {
+    parents = tree->to(at::kLong).contiguous();
+    TORCH_CHECK(parents.dim() == 1 && parents.size(0) == B, "dflash::attention_rows: tree must give one parent per row");
+    const int64_t* pp = parents.data_ptr<int64_t>();
+    std::vector<char> is_tree(n_lanes, 0), done(n_lanes, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(pp[b] >= -1 && pp[b] < b && (pp[b] < 0 || lanes[pp[b]] == lanes[b]),
+                  "dflash::attention_rows: a row's parent must be an earlier row of its lane or -1");
+      if (pp[b] >= 0) is_tree[lanes[b]] = 1;
+    }
+    for (int64_t b = 0; b < B;) {
+      const int64_t lane = lanes[b];
+      int64_t e = b + 1;
+      while (e < B && lanes[e] == lane) ++e;
+      if (is_tree[lane]) {
+        TORCH_CHECK(!done[lane] && e - b <= 64, "dflash::attention_rows: a tree lane's rows must be adjacent, at most 64");
+        done[lane] = 1;
+        for (int64_t t = b; t < e; ++t) {
+          TORCH_CHECK(positions[t] == positions[b] + (t - b) && (pp[t] < 0 || pp[t] >= b),
+                      "dflash::attention_rows: a tree's rows at consecutive cache rows, parents inside the tree");
+          run_of[t] = b;
+          local[t] = pp[t] < 0 ? -1 : pp[t] - b;
+        }
+      }
+      b = e;
+    }
   }
   at::Tensor qn, kn;
   if (q_norm.has_value()) {
@@ -882,21 +919,29 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     KT* kb = static_cast<KT*>(k_bank.data_ptr());
     KT* vb = static_cast<KT*>(v_bank.data_ptr());
     std::vector<Step<CT, KT>> steps;
+    std::vector<int64_t> first;  // each step's first work unit (step s: units first[s] .. first[s + 1])
     steps.reserve(B);
-    for (int64_t b = 0; b < B; ++b) {
-      Geometry g{1, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
+    first.push_back(0);
+    for (int64_t b = 0; b < B;) {
+      const int64_t T = run_of[b] < 0 ? 1 : [&] { int64_t e = b; while (e < B && run_of[e] == b) ++e; return e - b; }();
+      Geometry g{T, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
                  qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
                  static_cast<float>(norm_eps), gated, window, v_norm};
+      if (run_of[b] >= 0) g.parents = local.data() + b;
       steps.push_back(Step<CT, KT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
+      first.push_back(first.back() + nh * T);
+      b += T;
     }
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < nkv; ++h) fast ? write_kv_avx2(steps[b], h) : write_kv_portable(steps[b], h);
+    for (const auto& st : steps)
+      for (int64_t h = 0; h < nkv; ++h) fast ? write_kv_avx2(st, h) : write_kv_portable(st, h);
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));
-    at::parallel_for(0, B * nh, grain, [&](int64_t w0, int64_t w1) {
+    at::parallel_for(0, first.back(), grain, [&](int64_t w0, int64_t w1) {
       std::vector<float> scratch(longest + 2 * hd);
-      for (int64_t w = w0; w < w1; ++w)
-        fast ? query_avx2(steps[w / nh], w % nh, scratch.data()) : query_portable(steps[w / nh], w % nh, scratch.data());
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t s = std::upper_bound(first.begin(), first.end(), w) - first.begin() - 1;
+        fast ? query_avx2(steps[s], w - first[s], scratch.data()) : query_portable(steps[s], w - first[s], scratch.data());
+      }
     });
   });
   return out;
@@ -915,9 +960,10 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
-                             const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated) {
+                             const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated,
+                             const c10::optional<at::Tensor>& tree) {
   return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
-                        norm_eps, gated, 0, false);
+                        norm_eps, gated, 0, false, tree);
 }
 }  // namespace dflash
 
@@ -928,7 +974,8 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
         "Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
-        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False) -> Tensor");
+        "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, "
+        "Tensor? tree=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -33,7 +33,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
 
 // The same layer over decode rows of several sequences (row b: the sequence in KV-bank lane
 // lanes[b] at position positions[b]); the matmuls take all rows at once (row-invariant), the
-// attention each row over its own lane (dflash::attention_rows).
+// attention each row over its own lane (dflash::attention_rows; ``tree``: its DDTree lanes).
 at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double eps1, const at::Tensor& qkv_w,
                               int64_t qkv_t, int64_t qkv_n, const at::Tensor& cos, const at::Tensor& sin,
                               at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes,
@@ -41,14 +41,14 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
                               int64_t o_t, const at::Tensor& n2, double eps2, const at::Tensor& gu_w, int64_t gu_t,
                               int64_t inter, const at::Tensor& d_w, int64_t d_t,
                               const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                              double norm_eps, bool gated) {
+                              double norm_eps, bool gated, const c10::optional<at::Tensor>& tree) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer_rows: x must be (1, rows, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer_rows: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_bank.size(-1);
   using dflash::qmm_op;
   auto qkv = qmm_op(dflash::rms_norm_op(x, n1, eps1), qkv_w, qkv_t, qkv_n, hidden, -1);
   auto a = dflash::attention_rows_op(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, false, q_norm,
-                                     k_norm, norm_eps, gated);
+                                     k_norm, norm_eps, gated, tree);
   auto x1 = x + qmm_op(a, o_w, o_t, hidden, attn, -1);
   auto gu = qmm_op(dflash::rms_norm_op(x1, n2, eps2), gu_w, gu_t, 2 * inter, hidden, -1);
   return x1 + qmm_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, -1);
@@ -77,7 +77,6 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weight
                   static_cast<int64_t>(floats.size()) == STACK_FLOATS * L,
               "dflash::decoder_stack: 6 or 8 tensors, ", STACK_INTS, " ints and ", STACK_FLOATS, " floats per layer");
   TORCH_CHECK(lanes.has_value() == positions.has_value(), "dflash::decoder_stack: lanes and positions go together");
-  TORCH_CHECK(!(lanes.has_value() && tree.has_value()), "dflash::decoder_stack: a tree is one sequence's");
   for (int64_t c : capture) TORCH_CHECK(c >= 0 && c < L, "dflash::decoder_stack: capture ", c, " outside the stack");
   std::vector<at::Tensor> caps(capture.size());
   at::Tensor h = x;
@@ -90,7 +89,7 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weight
     at::Tensor k = k_caches[l], v = v_caches[l];
     h = lanes.has_value()
             ? decoder_layer_rows(h, w[0], f[0], w[1], i[0], i[1], cos, sin, k, v, *lanes, *positions, i[2], i[3], f[1],
-                                 w[2], i[4], w[3], f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0)
+                                 w[2], i[4], w[3], f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0, tree)
             : decoder_layer(h, w[0], f[0], w[1], i[0], i[1], cos, sin, k, v, start, i[2], i[3], f[1], w[2], i[4], w[3],
                             f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0, tree);
     for (size_t c = 0; c < capture.size(); ++c)
@@ -113,7 +112,8 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("decoder_layer_rows(Tensor x, Tensor n1, float eps1, Tensor qkv_w, int qkv_t, int qkv_n, Tensor cos, "
         "Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, int[] positions, int nh, int nkv, "
         "float scale, Tensor o_w, int o_t, Tensor n2, float eps2, Tensor gu_w, int gu_t, int inter, Tensor d_w, "
-        "int d_t, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False) -> Tensor");
+        "int d_t, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, "
+        "Tensor? tree=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
