@@ -12,6 +12,7 @@ from dflash_server.engine.generate import Engine, GenerationRequest
 from dflash_server.engine.sampling import SamplingParams
 from dflash_server.runtime.pipeline import build_pipeline
 from dflash_server.runtime.placement import plan_placement
+from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.weights.loader import open_model
 from helpers.build import prompt_ids
 
@@ -481,6 +482,94 @@ def test_verify_blocks_of_several_sequences_in_one_forward(tiny_dir, family, sta
     finally:
         pipe.close()
         solo_pipe.close()
+
+
+class _LaneOracleTrees(DFlashProposer):
+    """Tree drafts per slot: slots in ``texts`` put the target's own continuation first at
+    every depth (slot 1: behind a likelier wrong first branch, so its best path is not the
+    first branch); other slots the random draft's own."""
+
+    def __init__(self, draft, pipe, texts, **kw):
+        super().__init__(draft, pipe, **kw)
+        self.texts = texts
+
+    def _draft_logits(self, anchor, start, block):
+        seq = self.texts.get(self._lane)
+        if seq is None:
+            return super()._draft_logits(anchor, start, block)
+        V = self.pipeline.config.vocab_size
+        out = torch.full((block - 1, V), -30.0)
+        for i in range(block - 1):
+            right = seq[start + 1 + i] if start + 1 + i < len(seq) else 0
+            out[i, right] = 10.0
+            if i == 0 and self._lane == 1:
+                out[i, right], out[i, (right + 1) % V] = 4.9, 5.0
+        return out
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("llama", "remote"), ("qwen3_5", 1),
+                                           ("qwen3_5", "remote"), ("llama", "pools"), ("qwen3_5", "pools")])
+def test_trees_of_several_sequences_in_one_forward(tiny_dir, family, stages):
+    """With DDTree verify, the running sequences' trees go through one forward (a slot's tree
+    rows beside other slots' rows, each slot keeping its own path: KV moved down, Gated
+    DeltaNet state of the path's last node; with KV Flash pools each slot's tree is its own
+    forward): outputs equal plain decoding alone (greedy, and a seeded sampled request whose
+    tree keeps the children equal to its own draws), an oracle slot accepts its trees' full
+    depth, and one whose right path sits behind a likelier wrong first branch does too."""
+    path = tiny_dir(family)
+    plain = Engine(_pipe(path, 1, 2 if stages == "remote" else stages))
+    pipe = _pipe(path, 3, stages)
+    assert pipe.supports_tree_rows
+    reqs = [_req(prompt_ids(plain.pipeline, n, seed=n), m) for n, m in ((7, 18), (30, 15), (12, 9))]
+    reqs.append(_req(prompt_ids(plain.pipeline, 9, seed=1), 12,
+                     sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=123)))
+    want = [plain.generate(r).token_ids for r in reqs]
+    draft = _draft_proposer(pipe).draft
+    eng = Engine(pipe, proposer=_LaneOracleTrees(draft, pipe, {lane: list(reqs[lane].prompt_ids) + want[lane]
+                                                               for lane in (0, 1)}, tree_budget=8))
+    assert eng.proposer.uses_tree(pipe)
+    trees = []
+    forward_rows = pipe.forward_rows
+    pipe.forward_rows = lambda toks, lanes, pos, **kw: trees.append(kw.get("trees") or {}) or forward_rows(
+        toks, lanes, pos, **kw)
+    try:
+        slots = _slots_of(eng)
+        seqs, _ = _run_together(eng, reqs, when=[0, 0, 0, 4])
+        assert [slots[s.id] for s in seqs[:3]] == [0, 1, 2]
+        assert [s.result.token_ids for s in seqs] == want
+        assert any(len(t) >= 2 for t in trees)              # several slots' trees in one forward
+        for s in seqs[:2]:
+            spec = s.result.extra["spec"]
+            assert spec["tree_steps"] > 0
+            if stages != "pools":   # (a pool's chunk of 4 rows caps a tree at 3 nodes)
+                assert spec["accept_histogram"][3] >= 3      # all 3 levels of a tree accepted
+        assert [st.ckpt_length for st in pipe.stages[0].lanes] == [None] * 3
+        assert all(st.tree is None for st in pipe.stages[0].lanes)
+        if stages == "pools":
+            assert seqs[1].result.extra["kvflash"]["page_outs"] > 0
+    finally:
+        pipe.close()
+        plain.pipeline.close()
+
+
+def test_adaptive_tree_budgets_in_the_batch(tiny_dir):
+    """--ddtree with the adaptive sizer and several sequences: the batch sizer chooses each
+    step's trees together (budgets the TreeSizer measures, 0 a plain row), outputs equal
+    plain decoding alone."""
+    path = tiny_dir("qwen3_5")
+    plain = Engine(_pipe(path, 1))
+    pipe = _pipe(path, 3)
+    eng = Engine(pipe, proposer=DFlashProposer(_draft_proposer(pipe, block=5).draft, pipe, tree_budget=8,
+                                               adaptive=True))
+    assert eng.proposer.batch_sizer is not None and eng.proposer.batch_sizer.blocks is eng.proposer.sizer
+    reqs = [_req(prompt_ids(plain.pipeline, n, seed=n), 30) for n in (7, 19, 12)]
+    reqs.append(_req(prompt_ids(plain.pipeline, 9, seed=1), 20,
+                     sampling=SamplingParams(temperature=1.0, seed=5)))
+    want = [plain.generate(r).token_ids for r in reqs]
+    seqs, _ = _run_together(eng, reqs, when=[0, 0, 0, 3])
+    assert [s.result.token_ids for s in seqs] == want
+    assert len(eng.proposer.batch_sizer.cost) >= 2          # totals measured: plain rows and more
+    assert sum(s.result.extra["spec"]["tree_steps"] for s in seqs) > 0
 
 
 @pytest.mark.parametrize("sliding,quantize", [(False, "dense"), (True, "dense"), (False, "int8")])

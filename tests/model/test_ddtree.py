@@ -294,8 +294,8 @@ def test_trees_in_sequence_slots_and_with_the_prefix_cache(tiny_dir):
     eng = Engine(together, proposer=DFlashProposer(random_draft(together, block_size=5), together, tree_budget=8))
     seqs, _ = _run_together(eng, reqs, when=[0, 0, 2])
     assert [s.result.token_ids for s in seqs] == want
-    # (several running sequences decode plainly in one batched forward; one running alone
-    # speculates: the last one here verifies trees on its own)
+    # (several running sequences verify their trees in one forward, and one running alone
+    # verifies its own: the last one here)
     assert seqs[2].result.extra["spec"]["tree_steps"] > 0
 
     from .test_prefix_cache import converse

@@ -123,3 +123,52 @@ def test_each_grant_adds_its_chance_to_the_expected_tokens():
         want = sum(s.blocks.expected_tokens(b, a) for b, a in zip(blocks, acc))
         assert abs(n + sum(gains) - want) < 1e-9
         assert gains == sorted(gains, reverse=True)     # the likeliest rows first
+
+
+def _tree_sizer(keys, max_budget=16, **kw):
+    from dflash_server.spec.tree_sizer import TreeSizer
+
+    trees = TreeSizer(max_budget)
+    for k in keys:
+        trees.begin_request(key=k)
+    return BatchSizer(trees, **kw)
+
+
+def simulate_trees(sizer, keys, depth, cost, steps=300, seed=0):
+    """Sequences whose tree of b nodes commits ``depth[key](b)`` tokens on average (a
+    draw around it), on a machine where R rows cost ``cost(R)``; the chosen budgets."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        budgets = [b - 1 for b in sizer.choose(keys, [17] * len(keys))]
+        for k, b in zip(keys, budgets):
+            assert b in sizer.blocks.candidates          # rounded to a budget the sizer measures
+            mean = depth[k](b)
+            sizer.blocks.select(k)
+            sizer.blocks.learn(b, max(1, round(mean + rng.uniform(-0.5, 0.5))))
+        sizer.observe(sum(budgets) + len(keys), cost(sum(budgets) + len(keys)))
+        out.append(budgets)
+    return out
+
+
+def test_tree_budgets_in_a_batch():
+    """With DDTrees the rows a sequence's tree adds are worth the slope of its TreeSizer
+    estimate between budgets; budgets chosen are candidates. A good draft gets trees on a
+    GPU-like machine (rows nearly free), a useless one decodes plainly on the CPU."""
+    s = _tree_sizer(["a", "b"])
+    s.blocks.select("a")
+    gains = s.blocks.row_gains(17)
+    assert len(gains) == 16 and all(g >= 0 for g in gains)
+    assert s.blocks.snap(5) == 4 and s.blocks.snap(0) == 0 and s.blocks.snap(16) == 16
+    assert s.blocks.row_gains(1) == []                       # no room for a node
+
+    def good(b):
+        return 1 + min(b, 6) * 0.6
+
+    def useless(b):
+        return 1.0
+    keys = ["a", "b"]
+    late = simulate_trees(_tree_sizer(keys), keys, {"a": good, "b": good}, gpu)[-50:]
+    assert sum(sum(b) for b in late) / 50 > 8                 # trees of several nodes each
+    late = simulate_trees(_tree_sizer(keys), keys, {"a": useless, "b": useless}, cpu)[-50:]
+    assert sum(1 for b in late if b == [0, 0]) >= 40          # plain rows

@@ -24,7 +24,7 @@ from .grammar import GrammarCompiler
 from .output import TokenEvent
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .speculative import SpecStats, spec_begin, spec_end, speculative_rows, speculative_step
+from .speculative import SpecStats, spec_begin, spec_end, speculative_rows, speculative_step, tree_rows
 
 if TYPE_CHECKING:
     from ..spec.proposer_protocol import Proposer
@@ -182,14 +182,13 @@ class Engine:
         rows = [s for s in plan.decode if not s.done]
         if rows:
             # with a draft, a sequence decoding alone speculates (draft + verify); several
-            # verify their blocks in one forward where the stages take a slot's rows together
-            # (KV Flash pools: a forward per slot; not for DDTree trees), else decode plainly in one
+            # verify their blocks (or DDTrees) in one forward where the stages take a slot's
+            # rows together (KV Flash pools: a forward per slot), else decode plainly in one
             # batched forward, which also feeds each one's draft context
             # (a request may turn its draft off: it decodes plainly, a row in that forward)
             if self.proposer is not None and len(rows) == 1 and rows[0].req.speculate:
                 self._speculate(rows[0], ended)
-            elif self.proposer is not None and any(s.req.speculate for s in rows) \
-                    and self.pipeline.supports_ragged and not self.proposer.uses_tree(self.pipeline):
+            elif self.proposer is not None and any(s.req.speculate for s in rows) and self._rows_speculate():
                 self._speculate_rows(rows, ended)
             else:
                 self._decode(rows, ended)
@@ -323,13 +322,20 @@ class Engine:
         if finish is not None:
             self._end(seq, finish, ended)
 
+    def _rows_speculate(self) -> bool:
+        """Whether several sequences speculate in one forward here: the stages take a slot's
+        rows together, and its tree where steps verify DDTrees."""
+        pipe = self.pipeline
+        return pipe.supports_ragged and (not self.proposer.uses_tree(pipe) or pipe.supports_tree_rows)
+
     def _speculate_rows(self, rows: list[Sequence], ended: list) -> None:
         for seq in [s for s in rows if s.pos >= self.pipeline.max_ctx]:
             self._end(seq, "length", ended)
         rows = [s for s in rows if not s.done]
         if not rows:
             return
-        for seq, outcome in speculative_rows(self.pipeline, self.proposer, rows, self._select):
+        step = tree_rows if self.proposer.uses_tree(self.pipeline) else speculative_rows
+        for seq, outcome in step(self.pipeline, self.proposer, rows, self._select):
             if isinstance(outcome, BaseException):
                 self._fail(seq, outcome, ended)
             elif outcome is not None:

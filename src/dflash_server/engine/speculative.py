@@ -302,6 +302,115 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
     return out_of
 
 
+def tree_budgets(pipe, proposer: Proposer, seqs: list) -> tuple[list[int], list[int]]:
+    """(depths, budgets) of ``seqs``' DDTrees for one batched step: each tree at most the
+    draft's block deep (within the tokens left), budget 0 (a plain decode row) where it
+    cannot draft; the batch sizer's joint choice (adaptive), else the proposer's budget."""
+    depths, caps = [], []
+    for s in seqs:
+        depth = max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos))
+        room = min(proposer.tree_budget, pipe.max_ctx - s.pos - 1, pipe.max_spec_rows - 1)
+        depths.append(depth)
+        caps.append(max(0, room) if s.req.speculate and depth > 1 else 0)
+    if proposer.batch_sizer is None:
+        return depths, caps
+    return depths, [b - 1 for b in proposer.batch_sizer.choose([s.id for s in seqs], [c + 1 for c in caps])]
+
+
+def tree_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple]:
+    """One batched step of several sequences with DDTree verify (continuous batching): the
+    drafting ones draft in one draft pass, each builds its tree (``tree_budgets``; budget 0:
+    a plain decode row), every tree and row is verified in one ``forward_rows`` (``trees``),
+    then each sequence walks its tree and keeps its path (``rollback_tree``), as
+    ``tree_step`` does alone. Needs ``pipe.supports_tree_rows``. Returns (seq, outcome) per
+    sequence as ``speculative_rows`` does."""
+    out_of: list[tuple] = []
+    for seq in seqs:
+        select(seq)
+        spec_begin(proposer, seq)
+    depths, budgets = tree_budgets(pipe, proposer, seqs)
+    t0 = time.perf_counter()
+    try:             # one draft pass for every drafting sequence
+        proposer.draft_ahead([(s.lane, s.last, s.pos, d) for s, d, b in zip(seqs, depths, budgets) if b > 0])
+    except Exception:  # noqa: BLE001 - each sequence then drafts on its own (and fails alone)
+        proposer.draft_ahead([])
+    batch = []       # (seq, tree or None, budget)
+    for seq, depth, budget in zip(seqs, depths, budgets):
+        select(seq)
+        try:
+            tree = proposer.propose_tree(seq.last, seq.pos, depth, budget) if budget > 0 else None
+            if tree is not None and not tree.tokens:
+                tree = None
+            if tree is not None:
+                pipe.checkpoint()
+        except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
+            out_of.append((seq, e))
+            continue
+        batch.append((seq, tree, budget if tree is not None else 0))
+    proposer.draft_ahead([])
+    if not batch:
+        return out_of
+    tokens, lanes, positions, trees = [], [], [], {}
+    for seq, tree, _ in batch:
+        rows = [seq.last] + (tree.tokens if tree is not None else [])
+        tokens += rows
+        lanes += [seq.lane] * len(rows)
+        positions += range(seq.pos, seq.pos + len(rows))
+        if tree is not None:
+            trees[seq.lane] = tuple(tree.parents)
+    try:
+        verify = pipe.forward_rows(tokens, lanes, positions, capture=proposer.taps, trees=trees)
+    except Exception as e:  # noqa: BLE001 - the rows of this forward fail
+        for seq, tree, _ in batch:
+            _drop_checkpoint(pipe, select, seq, tree is not None)
+            out_of.append((seq, e))
+        return out_of
+    sizer, row = proposer.sizer, 0
+    for seq, tree, budget in batch:
+        n, pos = 1 + (len(tree.tokens) if tree is not None else 0), seq.pos
+        logits = verify.logits[row:row + n]
+        caps = {c: v[:, row:row + n] for c, v in verify.captures.items()}
+        row += n
+        select(seq)
+        try:
+            path, done = [0], seq.commit(logits[0])
+            children = tree.children() if tree is not None else None
+            while not done and children is not None and (nxt := children[path[-1]].get(seq.last)) is not None:
+                path.append(nxt)
+                done = seq.commit(logits[nxt])
+        except Exception as e:  # noqa: BLE001 - e.g. its grammar's: this sequence fails
+            _drop_checkpoint(pipe, select, seq, tree is not None)
+            out_of.append((seq, e))
+            continue
+        try:
+            if tree is not None:
+                pipe.rollback_tree(path)
+                keep = torch.tensor(path)
+                proposer.add_context({k: v.index_select(1, keep.to(v.device)) for k, v in caps.items()},
+                                     pos, len(path))
+                seq.spec.record(len(tree.tokens), len(path) - 1)
+                seq.spec.tree_steps += 1
+            else:
+                proposer.add_context(caps, pos, 1, defer=True)
+                seq.spec.record(0, 0)
+            if sizer is not None:
+                sizer.select(seq.id)
+                sizer.learn(budget, None if done else len(path))
+            if done:
+                out_of.append((seq, seq.out.finish))
+                continue
+            seq.pos = pos + len(path)
+            if seq.on_commit is not None:
+                seq.on_commit(seq.pos, logits[path[-1]])
+        except Exception as e:  # noqa: BLE001
+            out_of.append((seq, e))
+            continue
+        out_of.append((seq, None))
+    if proposer.batch_sizer is not None:   # the whole step: drafts, forward, commits, context
+        proposer.batch_sizer.observe(row, time.perf_counter() - t0)
+    return out_of
+
+
 def _drop_checkpoint(pipe, select, seq, drafts) -> None:
     """After a failure: back to the position before ``seq``'s block (its slot is freed next)."""
     if drafts:

@@ -14,10 +14,16 @@ batched decoding, measured like the rest; larger totals are explored from the sm
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
 steps the stalest total within half the best rate (or plain rows) runs again. Output does
 not depend on the choice: every row verifies against the same target distribution.
+
+DDTree verifies are sized the same way: a tree of b nodes is b + 1 rows, and what each row
+adds is the slope of the request's ``TreeSizer`` estimate between candidate budgets (yields
+concave in the budget: a best-first tree adds nodes in falling probability); a sequence's
+rows are then rounded down to a candidate budget, whose yield its verify measures.
 """
 from __future__ import annotations
 
 from .block_sizer import BlockSizer, StepCosts
+from .tree_sizer import TreeSizer
 
 ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 WINDOW = 7  # step times per total whose median is its cost
@@ -25,10 +31,10 @@ JUDGED = 3  # step times before a total is compared with the others
 
 
 class BatchSizer(StepCosts):
-    def __init__(self, blocks: BlockSizer, *, max_rows: int = 64, explore_every: int = 24):
-        """``blocks``: the proposer's BlockSizer, whose per-request acceptance estimates
-        (keyed by sequence) this reads and ``learn`` feeds; ``max_rows``: the most rows one
-        batch step verifies."""
+    def __init__(self, blocks: BlockSizer | TreeSizer, *, max_rows: int = 64, explore_every: int = 24):
+        """``blocks``: the proposer's BlockSizer (or TreeSizer), whose per-request estimates
+        (keyed by sequence) this reads (``row_gains``) and ``learn`` feeds; ``max_rows``: the
+        most rows one batch step verifies."""
         self.blocks = blocks
         self.candidates = tuple(r for r in ROW_CANDIDATES if r <= max_rows) or (1,)
         self.explore_every = explore_every
@@ -43,24 +49,37 @@ class BatchSizer(StepCosts):
         """The candidate a step of ``rows`` rows is counted under: the smallest >= it."""
         return next((r for r in self.candidates if r >= rows), self.candidates[-1])
 
-    @staticmethod
-    def grants(acceptances: list[list[float]], caps: list[int], extra: int) -> tuple[list[int], list[float]]:
+    @classmethod
+    def grants(cls, acceptances: list[list[float]], caps: list[int], extra: int) -> tuple[list[int], list[float]]:
         """Up to ``extra`` rows beyond one per sequence, in the order they are handed out: each
-        to the sequence whose next row is the likeliest to commit a token (at most its cap).
-        Returns (sequence of each row, its chance), the chance being what the row adds to the
+        to the sequence whose next row is the likeliest to commit a token (at most its cap),
+        ``acceptances`` being each sequence's per-position acceptance chances. Returns
+        (sequence of each row, its chance), the chance being what the row adds to the
         expected tokens."""
-        blocks = [1] * len(caps)
-        reach = [1.0] * len(caps)   # chance that all of sequence i's drafts so far are accepted
+        gains = []
+        for acc, cap in zip(acceptances, caps):
+            reach, mine = 1.0, []
+            for b in range(1, cap):
+                reach *= acc[b - 1]
+                mine.append(reach)
+            gains.append(mine)
+        return cls.merge(gains, extra)
+
+    @staticmethod
+    def merge(row_gains: list[list[float]], extra: int) -> tuple[list[int], list[float]]:
+        """Up to ``extra`` rows handed out one at a time, each to the sequence whose next row
+        adds the most (``row_gains[i][k]``: what sequence i's row k + 2 adds; no more rows
+        than it lists). Returns (sequence of each row, what it adds)."""
+        taken = [0] * len(row_gains)
         order, gains = [], []
         for _ in range(max(0, extra)):
             best, gain = None, -1.0
-            for i, (acc, b) in enumerate(zip(acceptances, blocks)):
-                if b < caps[i] and reach[i] * acc[b - 1] > gain:
-                    best, gain = i, reach[i] * acc[b - 1]
+            for i, mine in enumerate(row_gains):
+                if taken[i] < len(mine) and mine[taken[i]] > gain:
+                    best, gain = i, mine[taken[i]]
             if best is None:
                 break
-            reach[best] = gain
-            blocks[best] += 1
+            taken[best] += 1
             order.append(best)
             gains.append(gain)
         return order, gains
@@ -83,20 +102,20 @@ class BatchSizer(StepCosts):
         """The blocks of the sequences ``keys`` (their BlockSizer requests), ``caps[i]`` the
         largest block sequence i may take (>= 1)."""
         n = len(keys)
-        acc = []
-        for k in keys:
+        row_gains = []
+        for k, cap in zip(keys, caps):
             self.blocks.select(k)
-            acc.append(self.blocks.acceptance())
+            row_gains.append(self.blocks.row_gains(cap))
         top = min(sum(caps), self.candidates[-1])
-        order, gains = self.grants(acc, caps, top - n)
+        order, gains = self.merge(row_gains, top - n)
         cum = [float(n)]
         for g in gains:
             cum.append(cum[-1] + g)
         totals = sorted({n} | {r for r in self.candidates if n < r <= top})
         tokens = {r: cum[min(r - n, len(gains))] for r in totals}
 
-        def plan(r: int) -> list[int]:
-            return self.blocks_after(n, order[:r - n])
+        def plan(r: int) -> list[int]:   # (a tree's rows: its budget rounded down to a candidate, plus one)
+            return [1 + self.blocks.snap(b - 1) for b in self.blocks_after(n, order[:r - n])]
 
         judged = {r: tokens[r] / self.cost[self.bucket(r)] for r in totals
                   if self.samples.get(self.bucket(r), 0) >= JUDGED}

@@ -156,6 +156,18 @@ class BlockSizer(StepCosts):
             return min(rate, key=lambda b: self.measured[b])
         return max(rate, key=rate.__getitem__)
 
+    def row_gains(self, rows: int) -> list[float]:
+        """What each row after the first adds to the expected tokens of a block of at most
+        ``rows``: row b + 1 commits a token only if drafts 1..b are all accepted."""
+        acc, out, reach = self.acceptance(), [], 1.0
+        for b in range(1, rows):
+            reach *= acc[b - 1]
+            out.append(reach)
+        return out
+
+    def snap(self, extra: int) -> int:
+        return extra
+
     def observe(self, block: int, accepted: int | None, seconds: float) -> None:
         """A step with ``block`` rows took ``seconds``; ``accepted`` drafts matched (None when
         the step ended early, e.g. at a stop string: acceptance not observed)."""

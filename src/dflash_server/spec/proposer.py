@@ -77,7 +77,7 @@ class DFlashProposer:
         if adaptive:
             self.sizer = TreeSizer(self.tree_budget) if self.uses_tree(pipeline) else BlockSizer(self.block_size)
         # several sequences speculating in one forward: their blocks chosen together
-        self.batch_sizer = BatchSizer(self.sizer) if isinstance(self.sizer, BlockSizer) else None
+        self.batch_sizer = BatchSizer(self.sizer) if self.sizer is not None else None
         self._pending: list[tuple[int, torch.Tensor]] = []   # deferred context: (start, features)
         self._pendings = {0: self._pending}                  # per sequence slot
         self._lane = 0                                       # the selected slot

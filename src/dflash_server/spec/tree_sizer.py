@@ -113,6 +113,35 @@ class TreeSizer(StepCosts):
         (None when it ended early, e.g. at a stop: its yield is not observed)."""
         self.steps += 1
         self.measure(budget, seconds)
+        self.learn(budget, committed)
+
+    def row_gains(self, rows: int) -> list[float]:
+        """What each row after the first adds to the expected tokens of a verify of at most
+        ``rows`` rows (a tree of ``rows - 1`` nodes): between two candidate budgets the
+        estimate's slope (BatchSizer hands rows out by these; ``snap`` then rounds a
+        sequence's rows down to a candidate budget). Past the largest budget whose yield
+        was observed, the optimistic slope ``explore`` bounds by (the average from the plain
+        step to that budget; the prior's before any), so larger trees get rows and are
+        measured while they may pay."""
+        est, out, prev = self.expected_tokens(), [], 0
+        hist = self.history[self.kind]
+        seen = [b for b in self.candidates[1:] if hist[b][1] > 0 or self.req[b][1] > 0]
+        hi = seen[-1] if seen else 0
+        bound = (est[hi] - 1.0) / hi if hi else self.prior - 1.0
+        for b in self.candidates[1:]:
+            if b > rows - 1:
+                break
+            out += [(est[b] - est[prev]) / (b - prev) if b <= hi else bound] * (b - prev)
+            prev = b
+        return out
+
+    def snap(self, budget: int) -> int:
+        """The largest candidate budget up to ``budget``."""
+        return max(b for b in self.candidates if b <= budget)
+
+    def learn(self, budget: int, committed: int | None) -> None:
+        """Count a tree step's yield towards the selected request and its kind (a batch step
+        measures its cost as a whole: BatchSizer)."""
         if committed is None or budget == 0 or budget not in self.candidates:
             return
         hist = self.history[self.kind]
