@@ -75,7 +75,7 @@ fi
 # several sequences speculating together (verify blocks in one graphed forward) vs plain rows
 if [ "${SPEC_BATCH_S:-60}" != 0 ]; then
   timeout ${SPEC_BATCH_S:-60} python3 benchmarks/batch_spec.py --device cuda --parallel 4 --rounds 2 --max-tokens 64 \
-    --modes plain,auto,4 --out "$OUT/batch_spec.json" 2>&1 | tail -2
+    --modes plain,auto,4,tree,tree8 --out "$OUT/batch_spec.json" 2>&1 | tail -2
 fi
 # (whole log to the file: a `| head` after tee would cut the file short when head exits)
 if [ "${PROFILE_S:-30}" != 0 ]; then
