@@ -53,3 +53,47 @@ def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp
             assert r.status_code == 400 and "speculative" in r.text, (bad, r.text)
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_ddtree_server_with_slots_equals_plain(tiny_dir, llama_server, tmp_path):
+    """--ddtree --parallel 3: concurrent requests verify their trees together in one forward
+    (``speculative.batch_verify`` in /props) and each answer equals the server without a
+    draft, streamed or not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = DraftConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1, 2), num_target_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(DFlashDraft.random_tensors(cfg, 1, 0.05), str(tmp_path / "model.safetensors"))
+    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path), "--ddtree-budget", "6", "--parallel", "3")
+    try:
+        props = httpx.get(srv.url + "/props").json()["speculative"]
+        assert props["ddtree"] == {"budget": 6, "active": True} and props["batch_verify"] is True
+        bodies = [{"model": "tiny", "max_tokens": 30, "temperature": 0,
+                   "messages": [{"role": "user", "content": f"Say something about the number {i}."}]}
+                  for i in range(4)]
+
+        def ask(url, body, stream=False):
+            if not stream:
+                return httpx.post(url + "/v1/chat/completions", timeout=120, json=body).json()[
+                    "choices"][0]["message"]["content"]
+            text = ""
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for ch in json.loads(line[6:])["choices"]:
+                            text += ch["delta"].get("content") or ""
+            return text
+        want = [ask(llama_server.url, b) for b in bodies]
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda a: ask(srv.url, *a), [(b, i % 2 == 1) for i, b in enumerate(bodies)]))
+        assert got == want
+        metrics = httpx.get(srv.url + "/metrics").text
+        tree_steps = next(float(line.split()[-1]) for line in metrics.splitlines()
+                          if line.startswith("dflash_spec_tree_steps_total"))
+        assert tree_steps > 0
+        rows = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("dflash_engine_batch_size_")}
+        assert rows["dflash_engine_batch_size_sum"] > rows["dflash_engine_batch_size_count"]   # steps of several rows
+    finally:
+        assert srv.stop() == 0, srv.output()

@@ -17,10 +17,8 @@ def speculative(proposer) -> dict:
     # DDTree: the node budget of each step's draft tree (0: chains); active where the
     # pipeline can verify trees (one sequence per forward)
     out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
-    # several running sequences verify their blocks in one target forward where the stages
-    # take a slot's rows together (KV Flash pools: a forward per slot) and steps verify
-    # chains, not trees
-    out["batch_verify"] = bool(proposer.pipeline.supports_ragged and not proposer.uses_tree(proposer.pipeline))
+    # several running sequences verify their blocks (or trees) in one target forward
+    out["batch_verify"] = bool(proposer.batch_verify(proposer.pipeline))
     if proposer.sizer is not None:
         out["block_sizer"] = proposer.sizer.to_dict()
     if proposer.batch_sizer is not None:

@@ -188,7 +188,8 @@ class Engine:
             # (a request may turn its draft off: it decodes plainly, a row in that forward)
             if self.proposer is not None and len(rows) == 1 and rows[0].req.speculate:
                 self._speculate(rows[0], ended)
-            elif self.proposer is not None and any(s.req.speculate for s in rows) and self._rows_speculate():
+            elif self.proposer is not None and any(s.req.speculate for s in rows) \
+                    and self.proposer.batch_verify(self.pipeline):
                 self._speculate_rows(rows, ended)
             else:
                 self._decode(rows, ended)
@@ -321,12 +322,6 @@ class Engine:
             return
         if finish is not None:
             self._end(seq, finish, ended)
-
-    def _rows_speculate(self) -> bool:
-        """Whether several sequences speculate in one forward here: the stages take a slot's
-        rows together, and its tree where steps verify DDTrees."""
-        pipe = self.pipeline
-        return pipe.supports_ragged and (not self.proposer.uses_tree(pipe) or pipe.supports_tree_rows)
 
     def _speculate_rows(self, rows: list[Sequence], ended: list) -> None:
         for seq in [s for s in rows if s.pos >= self.pipeline.max_ctx]:

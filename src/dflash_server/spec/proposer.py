@@ -229,6 +229,12 @@ class DFlashProposer:
         """Whether steps verify a DDTree: a budget, a DFlash 1 draft and a pipeline that can."""
         return self.tree_budget > 0 and self.selector is None and pipeline.supports_tree
 
+    def batch_verify(self, pipeline) -> bool:
+        """Whether several running sequences verify their blocks (or trees) in one target
+        forward: the stages take a slot's rows together (KV Flash pools: a forward per slot),
+        and its tree where steps verify DDTrees."""
+        return pipeline.supports_ragged and (not self.uses_tree(pipeline) or pipeline.supports_tree_rows)
+
     @torch.inference_mode()
     def propose_tree(self, anchor: int, start: int, block: int, budget: int) -> DraftTree:
         """The best-first tree of at most ``budget`` nodes over the draft's distributions at

@@ -28,6 +28,7 @@ class Proposer(Protocol):
     def snapshot(self) -> dict[str, torch.Tensor]: ...          # the slot's context (prefix cache)
     def restore(self, tensors: dict[str, torch.Tensor]) -> None: ...
     def uses_tree(self, pipeline) -> bool: ...                  # steps verify a DDTree
+    def batch_verify(self, pipeline) -> bool: ...               # several sequences verify in one forward
     def rejection_sampling(self, sampling) -> bool: ...         # a sampled request verifies by p/q
     def draft_ahead(self, items: list[tuple[int, int, int, int]]) -> None: ...  # several slots' drafts in one pass
     def propose(self, anchor: int, start: int, block: int) -> list[int]: ...
