@@ -660,14 +660,17 @@ def test_native_draft_pass_matches_the_torch_pass(tiny_dir):
 
 
 @pytest.mark.parametrize("where", ["forward", "draft", "commit"])
-def test_a_failure_in_a_batched_verify_ends_only_its_sequences(tiny_dir, monkeypatch, where):
-    """Several sequences verifying their blocks in one forward: a failing forward fails them
-    all, a failing draft pass or commit only its own sequence; every checkpoint they held is
-    dropped, and the slots then serve new requests exactly as plain decoding alone."""
-    path = tiny_dir("llama")
+@pytest.mark.parametrize("family,trees", [("llama", False), ("qwen3_5", True)])
+def test_a_failure_in_a_batched_verify_ends_only_its_sequences(tiny_dir, monkeypatch, where, family, trees):
+    """Several sequences verifying their blocks (or DDTrees) in one forward: a failing forward
+    fails them all, a failing draft pass or commit only its own sequence; every checkpoint
+    they held is dropped, and the slots then serve new requests exactly as plain decoding
+    alone."""
+    path = tiny_dir(family)
     plain = Engine(_pipe(path, 1))
     pipe = _pipe(path, 3)
-    eng = Engine(pipe, proposer=_draft_proposer(pipe))                  # a fixed block of 4
+    eng = Engine(pipe, proposer=DFlashProposer(_draft_proposer(pipe).draft, pipe, tree_budget=6 if trees else 0))
+    assert eng.proposer.uses_tree(pipe) == trees
     reqs = [_req(prompt_ids(pipe, n, seed=n), 12) for n in (6, 9, 11)]
     seqs = [eng.submit(r) for r in reqs]
     while any(s.phase != "decode" for s in seqs):
@@ -677,13 +680,14 @@ def test_a_failure_in_a_batched_verify_ends_only_its_sequences(tiny_dir, monkeyp
         orig = pipe.forward_rows
         monkeypatch.setattr(pipe, "forward_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
     elif where == "draft":
-        orig = eng.proposer.propose
+        name = "propose_tree" if trees else "propose"
+        orig = getattr(eng.proposer, name)
 
-        def propose(anchor, start, block):
+        def propose(anchor, start, *a):
             if eng.proposer._lane == victim.lane:
                 raise RuntimeError("injected")
-            return orig(anchor, start, block)
-        monkeypatch.setattr(eng.proposer, "propose", propose)
+            return orig(anchor, start, *a)
+        monkeypatch.setattr(eng.proposer, name, propose)
         monkeypatch.setattr(eng.proposer, "draft_ahead", lambda items: None)   # each drafts on its own
     else:
         orig = victim.commit
@@ -694,7 +698,7 @@ def test_a_failure_in_a_batched_verify_ends_only_its_sequences(tiny_dir, monkeyp
     eng.step()
     failed = [s for s in seqs if isinstance(s.error, RuntimeError)]
     assert failed == (seqs if where == "forward" else [victim])
-    assert all(st.ckpt_length is None for st in pipe.stages[0].lanes)
+    assert all(st.ckpt_length is None and st.tree is None for st in pipe.stages[0].lanes)
     monkeypatch.undo()
     while eng.has_work:
         eng.step()
