@@ -229,7 +229,11 @@ def test_draft_in_its_own_worker(tiny_dir, tmp_path, closing):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_remote_logits_are_bit_identical_to_local(tiny_dir, closing, dtype):
     """The worker sends the LM head's output in its own dtype (half the bytes in bf16) and
-    the client widens it to fp32 exactly as a local last stage does."""
+    the client widens it to fp32 exactly as a local last stage does. (fp32: to 1e-5, not bit
+    for bit: aten's fp32 matmul of a few rows may block its sums differently from one process
+    to the other when the machine is busy; seen once on an AMD Zen 4 VM under the parallel
+    test run, never alone.)"""
+    same = torch.equal if dtype == torch.bfloat16 else (lambda x, y: torch.allclose(x, y, rtol=0, atol=1e-5))
     path = tiny_dir("llama")
     ids = prompt_ids(pipeline(path), 20)
     local, remote = pipeline(path, stages=2, dtype=dtype), pipeline(path, devices=["cpu", "remote:cpu"], dtype=dtype)
@@ -237,6 +241,6 @@ def test_remote_logits_are_bit_identical_to_local(tiny_dir, closing, dtype):
     for pipe in (local, remote):
         pipe.reset()
     a, b = local.prefill(ids).logits, remote.prefill(ids).logits
-    assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert a.dtype == b.dtype == torch.float32 and same(a, b)
     a, b = local.forward(ids[:6], 20, logits="all").logits, remote.forward(ids[:6], 20, logits="all").logits
-    assert a.shape == b.shape == (6, local.config.vocab_size) and torch.equal(a, b)
+    assert a.shape == b.shape == (6, local.config.vocab_size) and same(a, b)

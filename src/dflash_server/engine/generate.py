@@ -24,7 +24,7 @@ from .grammar import GrammarCompiler
 from .output import TokenEvent
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .speculative import SpecStats, spec_begin, spec_end, speculative_rows, speculative_step, tree_rows
+from .speculative import SpecStats, spec_begin, spec_end, speculative_rows, speculative_step
 
 if TYPE_CHECKING:
     from ..spec.proposer_protocol import Proposer
@@ -329,8 +329,7 @@ class Engine:
         rows = [s for s in rows if not s.done]
         if not rows:
             return
-        step = tree_rows if self.proposer.uses_tree(self.pipeline) else speculative_rows
-        for seq, outcome in step(self.pipeline, self.proposer, rows, self._select):
+        for seq, outcome in speculative_rows(self.pipeline, self.proposer, rows, self._select):
             if isinstance(outcome, BaseException):
                 self._fail(seq, outcome, ended)
             elif outcome is not None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from ..spec.ddtree import DraftTree
     from ..spec.proposer_protocol import Proposer
 
 
@@ -221,78 +222,145 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     return None
 
 
+@dataclass
+class RowsVerify:
+    """One sequence's part of a batched verify: its anchor, then a chain of drafts (``q``:
+    their distributions where kept by rejection sampling) or a DDTree's nodes; no drafts: a
+    plain decode row. ``size``: what the sizer learns it under (the chain's block, the tree's
+    budget)."""
+    seq: object
+    drafts: list[int]
+    q: torch.Tensor | None = None
+    tree: DraftTree | None = None
+    size: int = 1
+
+    @property
+    def rows(self) -> int:
+        return 1 + len(self.drafts)
+
+    def accept(self, logits) -> tuple[list[int], bool]:
+        """Commit the target's tokens (``logits``: the rows' logits); returns (the rows kept:
+        the chain's accepted prefix or the tree's path, whether the sequence finished)."""
+        seq = self.seq
+        if self.tree is None:
+            acc, done = accept_block(seq, logits, self.drafts, self.q)
+            return list(range(acc + 1)), done
+        path, done, children = [0], seq.commit(logits[0]), self.tree.children()
+        while not done and (nxt := children[path[-1]].get(seq.last)) is not None:
+            path.append(nxt)
+            done = seq.commit(logits[nxt])
+        return path, done
+
+    def keep(self, pipe, proposer: Proposer, kept: list[int], captures: dict) -> None:
+        """Keep ``kept`` rows in the target's caches (the slot selected) and append their
+        captured features to the draft context."""
+        pos = self.seq.pos
+        if self.tree is not None:
+            pipe.rollback_tree(kept)
+            rows = torch.tensor(kept)
+            proposer.add_context({k: v.index_select(1, rows.to(v.device)) for k, v in captures.items()},
+                                 pos, len(kept))
+            return
+        if self.rows > 1:
+            pipe.rollback(pos + len(kept))
+        proposer.add_context(captures, pos, len(kept), defer=self.rows == 1)
+
+    def learned(self, kept: list[int], done: bool) -> int | None:
+        """What the sizer observed (None: the sequence ended, acceptance not observed): the
+        chain's accepted drafts, the tree's committed tokens."""
+        if done:
+            return None
+        return len(kept) - 1 if self.tree is None else len(kept)
+
+
 def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple]:
     """One batched step of several sequences (continuous batching): the drafting ones draft
-    their blocks in one draft pass (``batch_blocks``; block 1 is a plain decode row, no
-    draft), every block is verified in one ``forward_rows`` (a slot's rows at consecutive
-    positions, its slot checkpointed), then each sequence commits and rolls back on its own,
-    as ``speculative_step`` does alone.
+    in one draft pass, every sequence's rows (a chain block, a DDTree where the proposer
+    verifies trees, or a plain decode row) are verified in one ``forward_rows`` (a slot's rows
+    at consecutive positions, its slot checkpointed), then each sequence commits and keeps its
+    rows on its own, as ``speculative_step`` / ``tree_step`` do alone. Sizes: the batch
+    sizer's joint choice (``batch_blocks``, ``tree_budgets``).
     ``select(seq)`` points the pipeline and the draft at ``seq``'s slot. Needs
-    ``pipe.supports_ragged``. Returns (seq, outcome) per sequence: None to go on, a finish
-    reason, or the exception that failed it (a failed forward fails every sequence in it)."""
+    ``proposer.batch_verify(pipe)``. Returns (seq, outcome) per sequence: None to go on, a
+    finish reason, or the exception that failed it (a failed forward fails every sequence in
+    it)."""
     out_of: list[tuple] = []
     for seq in seqs:
         select(seq)
         spec_begin(proposer, seq)
-    blocks = batch_blocks(pipe, proposer, seqs)
+    trees = proposer.uses_tree(pipe)
+    if trees:
+        depths, sizes = tree_budgets(pipe, proposer, seqs)
+        ahead = [(s.lane, s.last, s.pos, d) for s, d, b in zip(seqs, depths, sizes) if b > 0]
+    else:
+        sizes = depths = batch_blocks(pipe, proposer, seqs)
+        ahead = [(s.lane, s.last, s.pos, b) for s, b in zip(seqs, sizes) if b > 1]
     t0 = time.perf_counter()
     try:             # one draft pass for every drafting sequence
-        proposer.draft_ahead([(s.lane, s.last, s.pos, b) for s, b in zip(seqs, blocks) if b > 1])
+        proposer.draft_ahead(ahead)
     except Exception:  # noqa: BLE001 - each sequence then drafts on its own (and fails alone)
         proposer.draft_ahead([])
-    batch = []       # (seq, drafts, q)
-    for seq, block in zip(seqs, blocks):
+    batch: list[RowsVerify] = []
+    for seq, depth, size in zip(seqs, depths, sizes):
         select(seq)
         try:
-            drafts, q = draft_block(proposer, seq, block)
-            if block > 1:
+            if not trees:
+                drafts, q = draft_block(proposer, seq, size)
+                v = RowsVerify(seq, drafts, q, size=size)
+            else:
+                tree = proposer.propose_tree(seq.last, seq.pos, depth, size) if size > 0 else None
+                v = RowsVerify(seq, tree.tokens, tree=tree, size=size) if tree is not None and tree.tokens \
+                    else RowsVerify(seq, [], size=0)
+            if v.rows > 1:
                 pipe.checkpoint()
         except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
             out_of.append((seq, e))
             continue
-        batch.append((seq, drafts, q))
+        batch.append(v)
     proposer.draft_ahead([])
     if not batch:
         return out_of
-    tokens, lanes, positions = [], [], []
-    for seq, drafts, _ in batch:
-        tokens += [seq.last] + drafts
-        lanes += [seq.lane] * (len(drafts) + 1)
-        positions += range(seq.pos, seq.pos + len(drafts) + 1)
+    tokens, lanes, positions, parents = [], [], [], {}
+    for v in batch:
+        tokens += [v.seq.last] + v.drafts
+        lanes += [v.seq.lane] * v.rows
+        positions += range(v.seq.pos, v.seq.pos + v.rows)
+        if v.tree is not None:
+            parents[v.seq.lane] = tuple(v.tree.parents)
     try:
-        verify = pipe.forward_rows(tokens, lanes, positions, capture=proposer.taps)
+        verify = pipe.forward_rows(tokens, lanes, positions, capture=proposer.taps,
+                                   **({"trees": parents} if parents else {}))
     except Exception as e:  # noqa: BLE001 - the rows of this forward fail
-        for seq, drafts, _ in batch:
-            _drop_checkpoint(pipe, select, seq, drafts)
-            out_of.append((seq, e))
+        for v in batch:
+            _drop_checkpoint(pipe, select, v.seq, v.rows > 1)
+            out_of.append((v.seq, e))
         return out_of
     sizer, row = proposer.sizer, 0
-    for seq, drafts, q in batch:
-        block, pos = len(drafts) + 1, seq.pos
-        logits = verify.logits[row:row + block]
-        caps = {c: v[:, row:row + block] for c, v in verify.captures.items()}
-        row += block
+    for v in batch:
+        seq, n = v.seq, v.rows
+        logits = verify.logits[row:row + n]
+        caps = {c: x[:, row:row + n] for c, x in verify.captures.items()}
+        row += n
         select(seq)
         try:
-            acc, done = accept_block(seq, logits, drafts, q)
+            kept, done = v.accept(logits)
         except Exception as e:  # noqa: BLE001 - e.g. its grammar's: this sequence fails
-            _drop_checkpoint(pipe, select, seq, drafts)
+            _drop_checkpoint(pipe, select, seq, n > 1)
             out_of.append((seq, e))
             continue
         try:
-            if block > 1:
-                pipe.rollback(pos + acc + 1)
-            proposer.add_context(caps, pos, acc + 1, defer=block == 1)
-            seq.spec.record(block - 1, acc)
+            v.keep(pipe, proposer, kept, caps)
+            seq.spec.record(n - 1, len(kept) - 1)
+            seq.spec.tree_steps += v.tree is not None
             if sizer is not None:
                 sizer.select(seq.id)
-                sizer.learn(block, None if done else acc)
+                sizer.learn(v.size, v.learned(kept, done))
             if done:
                 out_of.append((seq, seq.out.finish))
                 continue
-            seq.pos = pos + acc + 1
+            seq.pos += len(kept)
             if seq.on_commit is not None:
-                seq.on_commit(seq.pos, logits[acc])
+                seq.on_commit(seq.pos, logits[kept[-1]])
         except Exception as e:  # noqa: BLE001
             out_of.append((seq, e))
             continue
@@ -317,103 +385,9 @@ def tree_budgets(pipe, proposer: Proposer, seqs: list) -> tuple[list[int], list[
     return depths, [b - 1 for b in proposer.batch_sizer.choose([s.id for s in seqs], [c + 1 for c in caps])]
 
 
-def tree_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple]:
-    """One batched step of several sequences with DDTree verify (continuous batching): the
-    drafting ones draft in one draft pass, each builds its tree (``tree_budgets``; budget 0:
-    a plain decode row), every tree and row is verified in one ``forward_rows`` (``trees``),
-    then each sequence walks its tree and keeps its path (``rollback_tree``), as
-    ``tree_step`` does alone. Needs ``pipe.supports_tree_rows``. Returns (seq, outcome) per
-    sequence as ``speculative_rows`` does."""
-    out_of: list[tuple] = []
-    for seq in seqs:
-        select(seq)
-        spec_begin(proposer, seq)
-    depths, budgets = tree_budgets(pipe, proposer, seqs)
-    t0 = time.perf_counter()
-    try:             # one draft pass for every drafting sequence
-        proposer.draft_ahead([(s.lane, s.last, s.pos, d) for s, d, b in zip(seqs, depths, budgets) if b > 0])
-    except Exception:  # noqa: BLE001 - each sequence then drafts on its own (and fails alone)
-        proposer.draft_ahead([])
-    batch = []       # (seq, tree or None, budget)
-    for seq, depth, budget in zip(seqs, depths, budgets):
-        select(seq)
-        try:
-            tree = proposer.propose_tree(seq.last, seq.pos, depth, budget) if budget > 0 else None
-            if tree is not None and not tree.tokens:
-                tree = None
-            if tree is not None:
-                pipe.checkpoint()
-        except Exception as e:  # noqa: BLE001 - this sequence fails, the others go on
-            out_of.append((seq, e))
-            continue
-        batch.append((seq, tree, budget if tree is not None else 0))
-    proposer.draft_ahead([])
-    if not batch:
-        return out_of
-    tokens, lanes, positions, trees = [], [], [], {}
-    for seq, tree, _ in batch:
-        rows = [seq.last] + (tree.tokens if tree is not None else [])
-        tokens += rows
-        lanes += [seq.lane] * len(rows)
-        positions += range(seq.pos, seq.pos + len(rows))
-        if tree is not None:
-            trees[seq.lane] = tuple(tree.parents)
-    try:
-        verify = pipe.forward_rows(tokens, lanes, positions, capture=proposer.taps, trees=trees)
-    except Exception as e:  # noqa: BLE001 - the rows of this forward fail
-        for seq, tree, _ in batch:
-            _drop_checkpoint(pipe, select, seq, tree is not None)
-            out_of.append((seq, e))
-        return out_of
-    sizer, row = proposer.sizer, 0
-    for seq, tree, budget in batch:
-        n, pos = 1 + (len(tree.tokens) if tree is not None else 0), seq.pos
-        logits = verify.logits[row:row + n]
-        caps = {c: v[:, row:row + n] for c, v in verify.captures.items()}
-        row += n
-        select(seq)
-        try:
-            path, done = [0], seq.commit(logits[0])
-            children = tree.children() if tree is not None else None
-            while not done and children is not None and (nxt := children[path[-1]].get(seq.last)) is not None:
-                path.append(nxt)
-                done = seq.commit(logits[nxt])
-        except Exception as e:  # noqa: BLE001 - e.g. its grammar's: this sequence fails
-            _drop_checkpoint(pipe, select, seq, tree is not None)
-            out_of.append((seq, e))
-            continue
-        try:
-            if tree is not None:
-                pipe.rollback_tree(path)
-                keep = torch.tensor(path)
-                proposer.add_context({k: v.index_select(1, keep.to(v.device)) for k, v in caps.items()},
-                                     pos, len(path))
-                seq.spec.record(len(tree.tokens), len(path) - 1)
-                seq.spec.tree_steps += 1
-            else:
-                proposer.add_context(caps, pos, 1, defer=True)
-                seq.spec.record(0, 0)
-            if sizer is not None:
-                sizer.select(seq.id)
-                sizer.learn(budget, None if done else len(path))
-            if done:
-                out_of.append((seq, seq.out.finish))
-                continue
-            seq.pos = pos + len(path)
-            if seq.on_commit is not None:
-                seq.on_commit(seq.pos, logits[path[-1]])
-        except Exception as e:  # noqa: BLE001
-            out_of.append((seq, e))
-            continue
-        out_of.append((seq, None))
-    if proposer.batch_sizer is not None:   # the whole step: drafts, forward, commits, context
-        proposer.batch_sizer.observe(row, time.perf_counter() - t0)
-    return out_of
-
-
-def _drop_checkpoint(pipe, select, seq, drafts) -> None:
+def _drop_checkpoint(pipe, select, seq, checkpointed: bool) -> None:
     """After a failure: back to the position before ``seq``'s block (its slot is freed next)."""
-    if drafts:
+    if checkpointed:
         try:
             select(seq)
             pipe.rollback(seq.pos)
