@@ -91,6 +91,58 @@ def spec_end(proposer: Proposer, seq) -> None:
         proposer.sizer.end_request(seq.id)
 
 
+@dataclass
+class RowsVerify:
+    """One sequence's verify step (alone, or its part of a batched one): its anchor, then a
+    chain of drafts (``q``:
+    their distributions where kept by rejection sampling) or a DDTree's nodes; no drafts: a
+    plain decode row. ``size``: what the sizer learns it under (the chain's block, the tree's
+    budget)."""
+    seq: object
+    drafts: list[int]
+    q: torch.Tensor | None = None
+    tree: DraftTree | None = None
+    size: int = 1
+
+    @property
+    def rows(self) -> int:
+        return 1 + len(self.drafts)
+
+    def accept(self, logits) -> tuple[list[int], bool]:
+        """Commit the target's tokens (``logits``: the rows' logits); returns (the rows kept:
+        the chain's accepted prefix or the tree's path, whether the sequence finished)."""
+        seq = self.seq
+        if self.tree is None:
+            acc, done = accept_block(seq, logits, self.drafts, self.q)
+            return list(range(acc + 1)), done
+        path, done, children = [0], seq.commit(logits[0]), self.tree.children()
+        while not done and (nxt := children[path[-1]].get(seq.last)) is not None:
+            path.append(nxt)
+            done = seq.commit(logits[nxt])
+        return path, done
+
+    def keep(self, pipe, proposer: Proposer, kept: list[int], captures: dict) -> None:
+        """Keep ``kept`` rows in the target's caches (the slot selected) and append their
+        captured features to the draft context."""
+        pos = self.seq.pos
+        if self.tree is not None:
+            pipe.rollback_tree(kept)
+            rows = torch.tensor(kept)
+            proposer.add_context({k: v.index_select(1, rows.to(v.device)) for k, v in captures.items()},
+                                 pos, len(kept))
+            return
+        if self.rows > 1:
+            pipe.rollback(pos + len(kept))
+        proposer.add_context(captures, pos, len(kept), defer=self.rows == 1)
+
+    def learned(self, kept: list[int], done: bool) -> int | None:
+        """What the sizer observed (None: the sequence ended, acceptance not observed): the
+        chain's accepted drafts, the tree's committed tokens."""
+        if done:
+            return None
+        return len(kept) - 1 if self.tree is None else len(kept)
+
+
 def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     """One draft + verify step of ``seq`` (anchor ``seq.last`` at ``seq.pos``, already
     emitted, not yet in the target cache; its slot selected). Returns the finish reason when
@@ -106,23 +158,20 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     if block < 1:
         return "length"
     t0 = time.perf_counter()
-    drafts, q = draft_block(proposer, seq, block)
+    v = RowsVerify(seq, *draft_block(proposer, seq, block), size=block)
     if block > 1:                               # a plain step (block 1) has nothing to roll back
         pipe.checkpoint()
-    verify = pipe.forward([anchor] + drafts, pos, logits="all", capture=proposer.taps)
-    acc, done = accept_block(seq, verify.logits, drafts, q)
-    # positions pos .. pos+acc (anchor + accepted drafts) are committed
-    if block > 1:
-        pipe.rollback(pos + acc + 1)
-    proposer.add_context(verify.captures, pos, acc + 1, defer=block == 1)
-    seq.spec.record(block - 1, acc)
+    verify = pipe.forward([anchor] + v.drafts, pos, logits="all", capture=proposer.taps)
+    kept, done = v.accept(verify.logits)        # positions pos .. pos + len(kept) - 1 are committed
+    v.keep(pipe, proposer, kept, verify.captures)
+    seq.spec.record(block - 1, len(kept) - 1)
     if sizer is not None:
-        sizer.observe(block, None if done else acc, time.perf_counter() - t0)
+        sizer.observe(block, v.learned(kept, done), time.perf_counter() - t0)
     if done:
         return seq.out.finish
-    seq.pos = pos + acc + 1
+    seq.pos = pos + len(kept)
     if seq.on_commit is not None:
-        seq.on_commit(seq.pos, verify.logits[acc])
+        seq.on_commit(seq.pos, verify.logits[kept[-1]])
     return None
 
 
@@ -197,18 +246,9 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
         tree = proposer.propose_tree(anchor, pos, block, budget)
         pipe.checkpoint()
         verify = pipe.forward([anchor] + tree.tokens, pos, logits="all", capture=proposer.taps, tree=tree.parents)
-        children = tree.children()
-        path = [0]
-        while True:
-            done = seq.commit(verify.logits[path[-1]])
-            nxt = None if done else children[path[-1]].get(seq.last)
-            if nxt is None:
-                break
-            path.append(nxt)
-        pipe.rollback_tree(path)
-        rows = torch.tensor(path)
-        proposer.add_context({k: v.index_select(1, rows.to(v.device)) for k, v in verify.captures.items()},
-                             pos, len(path))
+        v = RowsVerify(seq, tree.tokens, tree=tree, size=budget)
+        path, done = v.accept(verify.logits)
+        v.keep(pipe, proposer, path, verify.captures)
         seq.spec.record(len(tree.tokens), len(path) - 1)
         seq.spec.tree_steps += 1
         logits = verify.logits[path[-1]]
@@ -220,57 +260,6 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     if seq.on_commit is not None:
         seq.on_commit(seq.pos, logits)
     return None
-
-
-@dataclass
-class RowsVerify:
-    """One sequence's part of a batched verify: its anchor, then a chain of drafts (``q``:
-    their distributions where kept by rejection sampling) or a DDTree's nodes; no drafts: a
-    plain decode row. ``size``: what the sizer learns it under (the chain's block, the tree's
-    budget)."""
-    seq: object
-    drafts: list[int]
-    q: torch.Tensor | None = None
-    tree: DraftTree | None = None
-    size: int = 1
-
-    @property
-    def rows(self) -> int:
-        return 1 + len(self.drafts)
-
-    def accept(self, logits) -> tuple[list[int], bool]:
-        """Commit the target's tokens (``logits``: the rows' logits); returns (the rows kept:
-        the chain's accepted prefix or the tree's path, whether the sequence finished)."""
-        seq = self.seq
-        if self.tree is None:
-            acc, done = accept_block(seq, logits, self.drafts, self.q)
-            return list(range(acc + 1)), done
-        path, done, children = [0], seq.commit(logits[0]), self.tree.children()
-        while not done and (nxt := children[path[-1]].get(seq.last)) is not None:
-            path.append(nxt)
-            done = seq.commit(logits[nxt])
-        return path, done
-
-    def keep(self, pipe, proposer: Proposer, kept: list[int], captures: dict) -> None:
-        """Keep ``kept`` rows in the target's caches (the slot selected) and append their
-        captured features to the draft context."""
-        pos = self.seq.pos
-        if self.tree is not None:
-            pipe.rollback_tree(kept)
-            rows = torch.tensor(kept)
-            proposer.add_context({k: v.index_select(1, rows.to(v.device)) for k, v in captures.items()},
-                                 pos, len(kept))
-            return
-        if self.rows > 1:
-            pipe.rollback(pos + len(kept))
-        proposer.add_context(captures, pos, len(kept), defer=self.rows == 1)
-
-    def learned(self, kept: list[int], done: bool) -> int | None:
-        """What the sizer observed (None: the sequence ended, acceptance not observed): the
-        chain's accepted drafts, the tree's committed tokens."""
-        if done:
-            return None
-        return len(kept) - 1 if self.tree is None else len(kept)
 
 
 def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple]:
