@@ -94,10 +94,9 @@ def spec_end(proposer: Proposer, seq) -> None:
 @dataclass
 class RowsVerify:
     """One sequence's verify step (alone, or its part of a batched one): its anchor, then a
-    chain of drafts (``q``:
-    their distributions where kept by rejection sampling) or a DDTree's nodes; no drafts: a
-    plain decode row. ``size``: what the sizer learns it under (the chain's block, the tree's
-    budget)."""
+    chain of drafts (``q``: their distributions where kept by rejection sampling) or a
+    DDTree's nodes; no drafts: a plain decode row. ``size``: what the sizer learns it under
+    (the chain's block, the tree's budget)."""
     seq: object
     drafts: list[int]
     q: torch.Tensor | None = None
