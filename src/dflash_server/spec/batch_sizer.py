@@ -22,7 +22,7 @@ rows are then rounded down to a candidate budget, whose yield its verify measure
 """
 from __future__ import annotations
 
-from .block_sizer import BlockSizer, StepCosts
+from .block_sizer import BlockSizer, StepCosts, chain_gains
 from .tree_sizer import TreeSizer
 
 ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -56,14 +56,7 @@ class BatchSizer(StepCosts):
         ``acceptances`` being each sequence's per-position acceptance chances. Returns
         (sequence of each row, its chance), the chance being what the row adds to the
         expected tokens."""
-        gains = []
-        for acc, cap in zip(acceptances, caps):
-            reach, mine = 1.0, []
-            for b in range(1, cap):
-                reach *= acc[b - 1]
-                mine.append(reach)
-            gains.append(mine)
-        return cls.merge(gains, extra)
+        return cls.merge([chain_gains(acc, cap) for acc, cap in zip(acceptances, caps)], extra)
 
     @staticmethod
     def merge(row_gains: list[list[float]], extra: int) -> tuple[list[int], list[float]]:

@@ -77,6 +77,17 @@ class StepCosts:
         self.samples[b] = n + 1
 
 
+def chain_gains(acceptance: list[float], rows: int) -> list[float]:
+    """What each row after the first adds to the expected tokens of a block of at most
+    ``rows`` (``acceptance[k - 1]``: draft k's chance once 1..k-1 were accepted): row b + 1
+    commits a token only if drafts 1..b are all accepted."""
+    out, reach = [], 1.0
+    for b in range(1, rows):
+        reach *= acceptance[b - 1]
+        out.append(reach)
+    return out
+
+
 class BlockSizer(StepCosts):
     def __init__(self, max_block: int, *, explore_every: int = 24, prior: float = 0.5, prior_weight: float = 2.0,
                  request_weight: float = 6.0, decay: float = 0.995, cost_alpha: float = 0.25):
@@ -157,13 +168,7 @@ class BlockSizer(StepCosts):
         return max(rate, key=rate.__getitem__)
 
     def row_gains(self, rows: int) -> list[float]:
-        """What each row after the first adds to the expected tokens of a block of at most
-        ``rows``: row b + 1 commits a token only if drafts 1..b are all accepted."""
-        acc, out, reach = self.acceptance(), [], 1.0
-        for b in range(1, rows):
-            reach *= acc[b - 1]
-            out.append(reach)
-        return out
+        return chain_gains(self.acceptance(), rows)
 
     def snap(self, extra: int) -> int:
         return extra
