@@ -642,6 +642,55 @@ def test_attention_tree_rows_equal_their_paths(window):
                                             tree=torch.tensor(bad))
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_attention_rows_take_trees_among_other_rows(portable):
+    """``attention_rows(tree=...)``: a lane whose rows have parents runs them as that lane's
+    own tree step (bit-equal to ``attention_step(tree=...)`` on its cache), beside a plain
+    row and a chain block of other lanes (bit-equal to their own steps); malformed trees are
+    refused and leave the banks as they were."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, max_ctx = 4, 2, 64, 96
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    kb, vb = torch.randn(3, nkv, max_ctx, hd), torch.randn(3, nkv, max_ctx, hd)
+    tree = (-1, 0, 0, 1, 2)
+    depth = [0, 1, 1, 2, 2]
+    # lane 2: a tree of 5 rows at 20..24; lane 0: one row at 11; lane 1: a chain of 3 at 7..9
+    lanes = [2] * 5 + [0] + [1] * 3
+    positions = list(range(20, 25)) + [11] + [7, 8, 9]
+    rope_at = [20 + d for d in depth] + [11, 7, 8, 9]
+    parents = list(tree) + [-1] * 4
+    qkv = torch.randn(1, len(lanes), (nh + 2 * nkv) * hd).to(torch.bfloat16)
+    cos, sin = table.cos[rope_at], table.sin[rope_at]
+    k1, v1 = kb.clone(), vb.clone()
+    out = torch.ops.dflash.attention_rows(qkv, cos, sin, k1, v1, lanes, positions, nh, nkv, hd ** -0.5, portable,
+                                          tree=torch.tensor(parents))
+    k2, v2 = kb[2:3].clone(), vb[2:3].clone()
+    want = torch.ops.dflash.attention_step(qkv[:, :5], cos[:5], sin[:5], k2, v2, 20, nh, nkv, hd ** -0.5, portable,
+                                           tree=torch.tensor(tree))
+    assert torch.equal(out[:, :5], want) and torch.equal(k1[2:3], k2) and torch.equal(v1[2:3], v2)
+    k0, v0 = kb[0:1].clone(), vb[0:1].clone()
+    assert torch.equal(out[:, 5], torch.ops.dflash.attention_step(qkv[:, 5:6], cos[5:6], sin[5:6], k0, v0, 11, nh, nkv,
+                                                                  hd ** -0.5, portable)[:, 0])
+    k3, v3 = kb[1:2].clone(), vb[1:2].clone()
+    for i in range(3):   # a chain block's rows: each as its own one-row step after the earlier ones
+        row = torch.ops.dflash.attention_step(qkv[:, 6 + i:7 + i], cos[6 + i:7 + i], sin[6 + i:7 + i], k3, v3, 7 + i,
+                                              nh, nkv, hd ** -0.5, portable)
+        assert torch.equal(out[:, 6 + i], row[:, 0])
+    for bad in ([-1, 0, 0, 1, 5] + [-1] * 4,        # a parent after its row
+                [-1, 0, 0, 1, 2, 0, -1, -1, -1],    # a parent in another lane
+                [-1, 0, 0, 1, 2, -1, -1, -1]):      # a parent short
+        k4, v4 = kb.clone(), vb.clone()
+        with pytest.raises(RuntimeError, match="tree|parent"):
+            torch.ops.dflash.attention_rows(qkv, cos, sin, k4, v4, lanes, positions, nh, nkv, hd ** -0.5, portable,
+                                            tree=torch.tensor(bad))
+        assert torch.equal(k4, kb) and torch.equal(v4, vb)
+    with pytest.raises(RuntimeError, match="tree|adjacent"):
+        torch.ops.dflash.attention_rows(qkv[:, :6], cos[:6], sin[:6], kb.clone(), vb.clone(), [2, 2, 0, 2, 2, 2],
+                                        [20, 21, 11, 22, 23, 24], nh, nkv, hd ** -0.5, portable,
+                                        tree=torch.tensor([-1, 0, -1, 1, 3, 4]))   # the tree's rows apart
+
+
 def test_attention_over_slots_equals_positions():
     """Slot-addressed KV (KV Flash pools): rows written to given cache rows and attending to
     given key rows in logical order give, bit for bit, what position-addressed KV gives for
