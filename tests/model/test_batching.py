@@ -136,10 +136,15 @@ def test_a_short_prompt_does_not_wait_behind_a_long_one(tiny_dir):
     assert all(k in steps[0] for k in range(1, steps[1][0]))   # the stream ran in every step
 
 
-def test_cancel_and_stop_string_next_to_others(tiny_dir):
+@pytest.mark.parametrize("draft", [None, "trees"])
+def test_cancel_and_stop_string_next_to_others(tiny_dir, draft):
+    """A cancelled sequence and one meeting a stop string beside a running one: each ends as
+    alone, the others go on (``trees``: with DDTree verify of the batch)."""
     path = tiny_dir("llama")
     alone = Engine(_pipe(path, 1))
-    eng = Engine(_pipe(path, 3))
+    pipe = _pipe(path, 3)
+    eng = Engine(pipe, proposer=None if draft is None else
+                 DFlashProposer(_draft_proposer(pipe).draft, pipe, tree_budget=6))
     ids = [prompt_ids(alone.pipeline, n, seed=n) for n in (8, 11, 14)]
     free = alone.generate(_req(ids[1], 20))
     stop = alone.tokenizer.decode(free.token_ids[4:6])  # a stop string the output meets
@@ -158,6 +163,9 @@ def test_cancel_and_stop_string_next_to_others(tiny_dir):
     c = seqs[2].result
     assert c.finish_reason == "cancelled" and c.token_ids == want[2].token_ids[:len(c.token_ids)]
     assert eng.scheduler.free == [0, 1, 2]
+    if draft is not None:
+        assert seqs[0].result.extra["spec"]["tree_steps"] > 0
+        assert all(st.ckpt_length is None and st.tree is None for st in pipe.stages[0].lanes)
 
 
 def test_prefix_cache_hits_in_the_batch(tiny_dir):
@@ -183,15 +191,19 @@ def test_prefix_cache_hits_in_the_batch(tiny_dir):
     assert [g.cached_tokens for g in got] == [w.cached_tokens for w in want]
 
 
-def test_prefix_cache_hits_with_a_draft_in_the_batch(tiny_dir):
+@pytest.mark.parametrize("trees", [False, True])
+def test_prefix_cache_hits_with_a_draft_in_the_batch(tiny_dir, trees):
     """With a draft: a hit restores the draft context into the request's slot too; outputs
     equal those of plain decoding on an engine with the same cache (a hit prefills only the
     new turn, in smaller pieces than a miss would, so it is compared with a hit), and the
-    cached tokens too."""
+    cached tokens too; chains, and DDTrees verified in the batch."""
     path = tiny_dir("llama")
     plain, serial_pipe, pipe = Engine(_pipe(path, 1), prefix_slots=8), _pipe(path, 1), _pipe(path, 3)
-    serial = Engine(serial_pipe, prefix_slots=8, proposer=_draft_proposer(serial_pipe))
-    eng = Engine(pipe, prefix_slots=8, proposer=_draft_proposer(pipe))
+
+    def proposer(p):
+        return DFlashProposer(_draft_proposer(p).draft, p, tree_budget=6) if trees else _draft_proposer(p)
+    serial = Engine(serial_pipe, prefix_slots=8, proposer=proposer(serial_pipe))
+    eng = Engine(pipe, prefix_slots=8, proposer=proposer(pipe))
     tok = plain.tokenizer
     turn = [{"role": "system", "content": "You are a terse assistant who answers in one line. " * 3},
             {"role": "user", "content": "Hello there"}]
@@ -209,6 +221,8 @@ def test_prefix_cache_hits_with_a_draft_in_the_batch(tiny_dir):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.cached_tokens for g in got] == [w.cached_tokens for w in want]
     assert any(g.extra["spec"]["steps"] > 0 for g in got)
+    if trees:
+        assert any(g.extra["spec"]["tree_steps"] > 0 for g in got)
 
 
 def test_kvflash_pools_per_slot(tiny_dir):
@@ -550,6 +564,33 @@ def test_trees_of_several_sequences_in_one_forward(tiny_dir, family, stages):
     finally:
         pipe.close()
         plain.pipeline.close()
+
+
+def test_no_trees_in_the_batch_for_a_worker_that_does_not_say_so(tiny_dir):
+    """A shard worker reports ``can_tree_rows`` at load; one that does not (an older worker)
+    gets no trees in a rows forward: with --ddtree its sequences decode plain rows together
+    (and a sequence alone still verifies its tree), with the same outputs."""
+    path = tiny_dir("llama")
+    plain = Engine(_pipe(path, 1, 2))
+    pipe = _pipe(path, 3, "remote")
+    try:
+        remote = pipe.stages[-1]
+        assert remote.can_tree_rows and pipe.supports_tree_rows
+        remote.link.setup_results[0].pop("can_tree_rows")
+        assert not pipe.supports_tree_rows and pipe.supports_tree
+        eng = Engine(pipe, proposer=DFlashProposer(_draft_proposer(pipe).draft, pipe, tree_budget=6))
+        assert not eng.proposer.batch_verify(pipe)
+        trees = []
+        forward_rows = pipe.forward_rows
+        pipe.forward_rows = lambda toks, lanes, pos, **kw: trees.append(kw.get("trees")) or forward_rows(
+            toks, lanes, pos, **kw)
+        reqs = [_req(prompt_ids(plain.pipeline, n, seed=n), m) for n, m in ((7, 10), (12, 24))]
+        seqs, _ = _run_together(eng, reqs)
+        assert [s.result.token_ids for s in seqs] == [plain.generate(r).token_ids for r in reqs]
+        assert trees and not any(trees)                    # rows forwards, never with trees
+        assert seqs[1].result.extra["spec"]["tree_steps"] > 0   # alone after the first ended
+    finally:
+        pipe.close()
 
 
 def test_adaptive_tree_budgets_in_the_batch(tiny_dir):
