@@ -77,22 +77,20 @@ class ForwardContext:
             got = self._masks[key] = (cos.float().contiguous(), sin.float().contiguous())
         return got
 
-    def row(self, b: int, pos: int) -> "ForwardContext":
-        """Row ``b`` of a rows forward as a single-row context at ``pos``."""
-        local = self.cos_local is not None
-        return ForwardContext(pos, 1, self.cos[b:b + 1], self.sin[b:b + 1],
-                              cos_local=self.cos_local[b:b + 1] if local else None,
-                              sin_local=self.sin_local[b:b + 1] if local else None)
-
     def block(self, b: int, e: int) -> "ForwardContext":
         """Rows [b, e) of a rows forward (one slot's adjacent rows) as that sequence's own
-        block forward from ``positions[b]``: a causal block, or its DDTree."""
-        local = self.cos_local is not None
-        tree = (self.row_trees or {}).get(self.lanes[b])
-        return ForwardContext(self.positions[b], e - b, self.cos[b:e], self.sin[b:e],
-                              cos_local=self.cos_local[b:e] if local else None,
-                              sin_local=self.sin_local[b:e] if local else None, tree=tree,
-                              tree_parents=None if tree is None else torch.tensor(tree, dtype=torch.long))
+        block forward from ``positions[b]``: a causal block, or its DDTree. Made once per
+        forward (every layer reads the same one, with the masks it caches)."""
+        key = ("block", b, e)
+        got = self._masks.get(key)
+        if got is None:
+            local = self.cos_local is not None
+            tree = (self.row_trees or {}).get(self.lanes[b])
+            got = self._masks[key] = ForwardContext(
+                self.positions[b], e - b, self.cos[b:e], self.sin[b:e],
+                cos_local=self.cos_local[b:e] if local else None, sin_local=self.sin_local[b:e] if local else None,
+                tree=tree, tree_parents=None if tree is None else torch.tensor(tree, dtype=torch.long))
+        return got
 
     def rows_tree(self) -> dict:
         """The native rows ops' ``tree`` argument: {} without trees."""

@@ -87,10 +87,14 @@ class TreeSizer(StepCosts):
         hi = judged[-1] if judged else 0
         if hi == 0:
             return fresh[0]
-        # the slope from the plain step (exactly one token, no noise) to M: never below the
-        # slope just before M on a concave yield, so an optimistic bound
-        bound = est[hi] + (self.max_budget - hi) * (est[hi] - 1.0) / hi
+        bound = est[hi] + (self.max_budget - hi) * self.slope_to(est, hi)
         return self.worth_exploring(bound, {b: est[b] / self.cost[b] for b in judged})
+
+    def slope_to(self, est: dict[int, float], hi: int) -> float:
+        """The average yield per node from the plain step (exactly one token, no noise) to
+        budget ``hi`` (the prior's before any): never below the slope just before ``hi`` on a
+        concave yield, so an optimistic bound for the budgets past it."""
+        return (est[hi] - 1.0) / hi if hi else self.prior - 1.0
 
     def choose(self) -> int:
         est = self.expected_tokens()
@@ -127,7 +131,7 @@ class TreeSizer(StepCosts):
         hist = self.history[self.kind]
         seen = [b for b in self.candidates[1:] if hist[b][1] > 0 or self.req[b][1] > 0]
         hi = seen[-1] if seen else 0
-        bound = (est[hi] - 1.0) / hi if hi else self.prior - 1.0
+        bound = self.slope_to(est, hi)
         for b in self.candidates[1:]:
             if b > rows - 1:
                 break
