@@ -90,6 +90,25 @@ def test_rows_validate(tiny_dir):
     assert [st.length for st in pipe.stages[0].lanes] == [4, 1]
 
 
+def _check():
+    """Bit for bit with the native kernels (row-invariant), else to bf16 rounding."""
+    if kernels.enabled() and kernels.load():
+        return torch.equal
+    return lambda a, b: torch.allclose(a.float(), b.float(), rtol=0, atol=2e-2)
+
+
+def _assert_slot_rows(out, want, blocks, check) -> None:
+    """Each slot's rows of a rows forward (``blocks[i]`` rows of slot i, in order) give what
+    ``want[i]`` = (logits, captures) of that slot's own forward gave."""
+    row = 0
+    for (logits, caps), blk in zip(want, blocks):
+        n = len(blk)
+        assert check(out.logits[row:row + n], logits)
+        for c in TAPS:
+            assert check(out.captures[c][:, row:row + n], caps[c])
+        row += n
+
+
 def _blocks(pipe, prompts, sizes):
     g = torch.Generator().manual_seed(7)
     return [torch.randint(6, pipe.config.vocab_size, (n,), generator=g).tolist() for n in sizes]
@@ -134,16 +153,8 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages,
     assert [st.length for st in pipe.stages[-1].lanes] == [len(p) + len(b) for p, b in zip(prompts, blocks)]
     if pool:                                           # the long prompts' slots paged
         assert all(pipe.stages[0].lanes[lane].pool.pager.page_outs > 0 for lane in (0, 2))
-    exact = kernels.enabled() and kernels.load()
-    check = (torch.equal if exact else
-             lambda a, b: torch.allclose(a.float(), b.float(), rtol=0, atol=2e-2))
-    row = 0
-    for (logits, caps), blk in zip(want, blocks):
-        n = len(blk)
-        assert check(out.logits[row:row + n], logits)
-        for c in TAPS:
-            assert check(out.captures[c][:, row:row + n], caps[c])
-        row += n
+    check = _check()
+    _assert_slot_rows(out, want, blocks, check)
     for lane, (p, blk, k) in enumerate(zip(prompts, blocks, keep)):
         pipe.select(lane)
         if len(blk) > 1:
@@ -199,16 +210,8 @@ def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages,
     positions = [len(prompts[lane]) + t for lane, blk in enumerate(blocks) for t in range(len(blk))]
     out = pipe.forward_rows([t for blk in blocks for t in blk], lanes, positions, capture=TAPS,
                             trees={lane: parents for lane, (parents, _) in TREES.items()})
-    exact = kernels.enabled() and kernels.load()
-    check = (torch.equal if exact else
-             lambda a, b: torch.allclose(a.float(), b.float(), rtol=0, atol=2e-2))
-    row = 0
-    for (logits, caps), blk in zip(want, blocks):
-        n = len(blk)
-        assert check(out.logits[row:row + n], logits)
-        for c in TAPS:
-            assert check(out.captures[c][:, row:row + n], caps[c])
-        row += n
+    check = _check()
+    _assert_slot_rows(out, want, blocks, check)
     for lane in TREES:
         pipe.select(lane)
         pipe.rollback_tree(TREES[lane][1])
