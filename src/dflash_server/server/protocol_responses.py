@@ -76,8 +76,10 @@ def message_item(item_id: str, text: str, status: str = "completed", logprobs=No
 
 
 def call_item(item_id: str, call, status: str = "completed") -> dict:
+    """A function_call item: in_progress (no arguments yet), completed, or incomplete (a call
+    cut off by max_output_tokens: the arguments it had streamed)."""
     return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status == "completed" else "", "status": status}
+            "arguments": call.arguments if status != "in_progress" else "", "status": status}
 
 
 def _not_found(rid: str, param: str | None = None) -> APIError:
@@ -86,9 +88,13 @@ def _not_found(rid: str, param: str | None = None) -> APIError:
 
 
 def _remember(app, body: ResponsesRequest, resp: _Response, obj: dict, conversation: list[dict]) -> None:
-    """Keep a finished response (unless ``store: false``) with the conversation it closes."""
+    """Keep a finished response (unless ``store: false``) with the conversation it closes. A
+    call cut off mid-stream (an incomplete item) was never made: a later turn replays its text,
+    which the next message item holds, as a non-streamed response has it."""
     if body.store is not False:
-        app.responses.put(resp.id, obj, conversation + resp.output)
+        made = [o for o in resp.output if o is not None and not (o["type"] == "function_call"
+                                                                    and o["status"] == "incomplete")]
+        app.responses.put(resp.id, obj, conversation + made)
 
 
 async def get(app, rid: str) -> dict:
@@ -150,7 +156,19 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
         return sse.event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
 
     cur = None  # (kind, output_index, item_id, accumulated text)
-    calling: dict[str, tuple[int, str]] = {}  # call id -> (output index, item id) while its arguments stream
+    calling: dict[str, tuple[int, str, object]] = {}  # call id -> (output index, item id, call) while it streams
+
+    def abandon() -> bytes:
+        """Close the calls still streaming as incomplete items: the parser turned a call cut
+        off by max_output_tokens into text, which comes next as a message (its own item), so
+        every announced index keeps its item and the final output matches the stream."""
+        out = []
+        for idx, iid, call in calling.values():
+            item = call_item(iid, call, "incomplete")
+            resp.output[idx] = item
+            out.append(ev("response.output_item.done", output_index=idx, item=item))
+        calling.clear()
+        return b"".join(out)
 
     def close():
         nonlocal cur
@@ -192,22 +210,24 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
                 if d.kind == "tool_start":
                     yield close()
                     idx, iid = len(resp.output), _id("fc")
-                    calling[d.call.id] = (idx, iid)
+                    calling[d.call.id] = (idx, iid, d.call)
                     resp.output.append(None)  # its place; the item once the call is complete
                     yield ev("response.output_item.added", output_index=idx, item=call_item(iid, d.call, "in_progress"))
                     continue
                 if d.kind == "tool_args":
-                    idx, iid = calling[d.call.id]
+                    idx, iid, _ = calling[d.call.id]
                     yield ev("response.function_call_arguments.delta", item_id=iid, output_index=idx, delta=d.text)
                     continue
                 if d.kind == "tool_call":
-                    idx, iid = calling.pop(d.call.id)
+                    idx, iid, _ = calling.pop(d.call.id)
                     yield ev("response.function_call_arguments.done", item_id=iid, output_index=idx,
                              name=d.call.name, arguments=d.call.arguments)
                     item = call_item(iid, d.call)
                     resp.output[idx] = item
                     yield ev("response.output_item.done", output_index=idx, item=item)
                     continue
+                if calling:
+                    yield abandon()
                 kind = "reasoning" if d.kind == "reasoning" else "message"
                 if cur is None or cur[0] != kind:
                     yield close()
@@ -217,6 +237,7 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
                 name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
                 extra = {} if kind == "reasoning" else {"logprobs": []}
                 yield ev(name, item_id=iid, output_index=idx, content_index=0, delta=d.text, **extra)
+        yield abandon()
         if cur is None and not resp.output:
             yield open_("message")
         yield close()
