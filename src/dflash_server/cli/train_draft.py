@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .train_out import claim_data, claim_out
 from .common import DTYPES, non_negative_int, positive_int, quantize_plan, resolve_device
 
 
@@ -223,6 +224,12 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     data_dir = Path(args.data) if args.data else out / "data"
+    model_dir = Path(args.model) if args.model else None   # the built-in one lives in a package
+    # before any work: a folder that is not ours is refused (and one we take is marked as ours)
+    claim_out(out, model_dir, write=not (args.data_only and args.data))
+    claim_data(data_dir, "--data", model_dir)
+    if args.text:
+        claim_data(Path(args.text_data) if args.text_data else out / "text-data", "--text-data", model_dir)
     source = open_model(args.model or default_model_path())
     mc = source.config
     device = resolve_device(args.device)
@@ -293,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
               f"({time.time() - t0:.0f} s capturing)")
     if args.data_only:
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    claim_out(out, model_dir, write=True)
     pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, 1)
     tc = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
                      gamma=args.gamma or default_gamma(cfg.block_size), seed=args.seed,
