@@ -120,3 +120,28 @@ def test_compile_keeps_an_fp32_cache_under_auto(tiny_dir):
         finally:
             engine.close()
 
+
+
+@pytest.mark.parametrize("a,b", [
+    ({"kernels": "aten"}, {"kernels": "native"}),
+    ({"kvflash": "32", "kvflash_chunk": 8, "kvflash_policy": "lru"},
+     {"kvflash": "32", "kvflash_chunk": 8, "kvflash_policy": "score"}),
+    ({"kvflash": "32", "kvflash_chunk": 8, "kvflash_policy": "score", "kvflash_tau": 4},
+     {"kvflash": "32", "kvflash_chunk": 8, "kvflash_policy": "score", "kvflash_tau": 64}),
+])
+def test_the_snapshot_fingerprint_names_kernels_and_kvflash_policy(tiny_dir, tmp_path, monkeypatch, a, b):
+    """Hostile review (2026-11-27): a snapshot written with the aten kernels and restored into
+    the native ones (or across KV Flash residency policies) continued differently from a fresh
+    prefill; the fingerprint (its cache directory) now names both."""
+    from dflash_server.cli.common import load_engine
+    from dflash_server.engine.config import EngineConfig
+
+    monkeypatch.setenv("DFLASH_KERNELS", "1")     # load_engine sets it from cfg.kernels
+    prints = []
+    for extra in (a, b):
+        cfg = EngineConfig(model=str(tiny_dir("llama")), device="cpu", dtype="bf16", max_ctx=64, kv_dtype="f32",
+                           kv_cache_dir=str(tmp_path / "kv"), **extra)
+        _, _, engine = load_engine(cfg, progress=False)
+        prints.append(engine.fingerprint)
+        engine.close()
+    assert prints[0] != prints[1]

@@ -7,6 +7,7 @@ import torch
 
 from ..cache.fingerprint import fingerprint, text_hash
 from ..engine.config import EngineConfig
+from .. import kernels
 from ..errors import ShardError, UserError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -240,6 +241,13 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
                 "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
     if (kv := cache_dtypes(pipeline)) != ["float32"]:  # (absent for fp32: earlier caches stay valid)
         fp_parts["kv_dtype"] = kv
+    # what else changes the state a prefill leaves (absent at the defaults: earlier caches stay
+    # valid): the aten kernels on a CPU stage (asked for, or the native build failed) round
+    # differently, and KV Flash's residency policy keeps other chunks
+    if any(str(s.device).startswith("cpu") for s in shards) and not (kernels.enabled() and kernels.load()):
+        fp_parts["kernels"] = "aten"
+    if kvflash and (kvflash.policy, kvflash.tau, kvflash.sink_chunks, kvflash.tail_chunks) != ("lru", 64, 1, 4):
+        fp_parts["kvflash_policy"] = [kvflash.policy, kvflash.tau, kvflash.sink_chunks, kvflash.tail_chunks]
     disk = open_disk_cache(cfg, fingerprint(fp_parts))
     compressor = load_compressor(cfg, pipeline, dtype, quantize[0])
     engine = Engine(pipeline, chunk=cfg.chunk, proposer=proposer, prefix_slots=cfg.prefix_cache_slots,
