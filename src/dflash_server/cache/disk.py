@@ -151,8 +151,14 @@ class DiskCache:
         self.counters["writes"] += 1
 
     def flush(self) -> None:
+        """Wait for the queued writes. A write that failed is a warning and an error count,
+        never an exception here (graceful shutdown, ``generate``'s exit run through it)."""
         for f in list(self._pending):
-            f.result()
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - a cache write never fails its caller
+                log.warning("kv cache: a snapshot write failed (%s); continuing without it", e)
+                self.counters["errors"] += 1
         self._pending = []
 
     def close(self) -> None:

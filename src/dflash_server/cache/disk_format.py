@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 FORMAT = "dflash-prefix-snapshot"
@@ -50,8 +50,11 @@ def write_snapshot(path: Path, tensors: dict[str, torch.Tensor], token_ids, fing
               "sha256": data_hash(tensors)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-                  metadata={"dflash": json.dumps(record)})
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                      metadata={"dflash": json.dumps(record)})
+        except SafetensorError as e:   # its I/O errors (a full disk, a removed folder) are not OSErrors
+            raise OSError(f"safetensors: {e}") from None
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     finally:
