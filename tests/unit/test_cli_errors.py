@@ -239,3 +239,14 @@ def test_flag_errors_come_before_reading_the_model(tmp_path, extra, needle):
     """EngineConfig checks every flag it can before a weight is read: a bad flag with a
     missing model names the flag, not the model."""
     assert_clean_error(gen(tmp_path / "nope", *extra), needle)
+
+
+@pytest.mark.parametrize("flag", ["file", "flag", "flag-spaces"])
+def test_a_blank_api_key_is_refused_not_no_auth(tmp_path, flag):
+    """Hostile review (2026-11-27): an empty --api-key-file (a secret mount not populated yet)
+    or --api-key "" started an open server, without a word on loopback. Fail closed: one
+    error line, before the model loads."""
+    f = tmp_path / "key.txt"
+    f.write_text("  \n")
+    args = {"file": ["--api-key-file", str(f)], "flag": ["--api-key", ""], "flag-spaces": ["--api-key", "   "]}[flag]
+    assert_clean_error(run_cli("serve", "--port", "1", *args, timeout=60), "empty")

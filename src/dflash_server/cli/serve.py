@@ -86,6 +86,9 @@ def _config(args):
             api_key = Path(args.api_key_file).read_text().strip()
         except OSError as e:
             raise UserError(f"--api-key-file: {e}") from None
+    if api_key is not None and not api_key.strip():   # a blank key must not mean "no key" (fail closed)
+        raise UserError(f"--api-key-file {args.api_key_file}: the file is empty" if args.api_key_file
+                        else "--api-key: the key is empty")
     template = None
     if args.chat_template_file:
         try:
@@ -100,7 +103,7 @@ def _config(args):
     hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     try:
         return ServerConfig(host=args.host, port=args.port, model_name=name, model_aliases=tuple(args.model_alias),
-                            api_key=api_key or None, cors_origins=cors, allowed_hosts=hosts,
+                            api_key=api_key, cors_origins=cors, allowed_hosts=hosts,
                             default_max_tokens=args.default_max_tokens, default_temperature=args.default_temperature,
                             default_top_p=args.default_top_p, default_top_k=args.default_top_k,
                             default_min_p=args.default_min_p,
