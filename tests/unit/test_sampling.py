@@ -104,3 +104,19 @@ def test_sampling_matches_its_distribution_and_seed():
     torch.testing.assert_close(freq, s.probs(logits), atol=0.015, rtol=0)
     again = Sampler(params, 6, "cpu")
     assert [again.sample(logits) for _ in range(50)] == draws[:50]
+
+
+@pytest.mark.parametrize("t", [1e-40, 1e-300, 5e-6])
+@pytest.mark.parametrize("trunc", [dict(top_k=0, min_p=0.0, top_p=1.0), dict(top_k=40, min_p=0.05, top_p=0.95),
+                                   dict(top_k=0, min_p=0.05, top_p=1.0)])
+def test_a_vanishing_temperature_is_greedy(t, trunc):
+    """Hostile review (2026-11-27): a positive temperature too small for fp32 (logits / T
+    overflow) gave NaN probabilities: the last vocabulary id every step, or a crash (a 500
+    over HTTP) with min_p. Below 1e-5 a temperature is greedy."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g) * 3
+    s = Sampler(SamplingParams(temperature=t, seed=1, **trunc), 1000, "cpu")
+    assert s.params.greedy and s.sample(logits) == int(logits.argmax())
+    p = s.probs(logits)
+    assert torch.isfinite(p).all() and abs(float(p.sum()) - 1.0) < 1e-4
+    assert not SamplingParams(temperature=1e-4, **trunc).greedy

@@ -16,6 +16,9 @@ import torch
 from .. import kernels
 
 
+# below this a temperature is greedy (logits / T would overflow fp32 long before a draw differs)
+MIN_TEMPERATURE = 1e-5
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -42,7 +45,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that logits / T overflow fp32 (1e-40 gave NaN
+        probabilities: the last vocabulary id every step, or a crash with min_p): the argmax,
+        as vLLM does below 1e-5."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
