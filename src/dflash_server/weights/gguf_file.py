@@ -20,7 +20,7 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: no such file")
         try:
             header = parse_gguf(self.path)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, OverflowError, MemoryError) as e:
             raise ModelLoadError(f"{self.path}: not a valid GGUF file ({e})") from None
         self.meta, self.tensors = header.meta, header.tensors
         for t in self.tensors.values():

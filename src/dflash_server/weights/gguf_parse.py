@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+MAX_DIMS = 4  # GGML_MAX_DIMS
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
@@ -46,6 +47,10 @@ def parse_gguf(path: str | Path) -> GGUFHeader:
             if version < 2:
                 raise ValueError(f"GGUF v{version} is not supported")
             pos = 24
+            # every count is bounded by the bytes left before anything is allocated for it: a
+            # tiny hostile file must not claim 2**64 entries or 2**32 dimensions
+            if n_kv * 12 > len(buf) - pos or n_tensors * 24 > len(buf) - pos:
+                raise ValueError(f"{n_kv} metadata keys / {n_tensors} tensors claimed in a file of {len(buf)} bytes")
             meta: dict[str, object] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors,
                                        "GGUF.kv_count": n_kv}
 
@@ -64,6 +69,9 @@ def parse_gguf(path: str | Path) -> GGUFHeader:
                 if vtype == 9:
                     itype, count = struct.unpack_from(e + "IQ", buf, pos)
                     pos += 12
+                    least = struct.calcsize(_SCALAR[itype]) if itype in _SCALAR else (8 if itype == 8 else 12)
+                    if count * least > len(buf) - pos:
+                        raise ValueError(f"an array of {count} elements runs past the end of the file")
                     if itype in _SCALAR:
                         arr = np.frombuffer(buf, np.dtype(e + _SCALAR[itype]), count, pos)
                         pos += arr.nbytes
@@ -84,6 +92,8 @@ def parse_gguf(path: str | Path) -> GGUFHeader:
             for _ in range(n_tensors):
                 name = string()
                 (n_dims,) = struct.unpack_from(e + "I", buf, pos)
+                if n_dims > MAX_DIMS:
+                    raise ValueError(f"tensor {name}: {n_dims} dimensions (ggml has at most {MAX_DIMS})")
                 dims = struct.unpack_from(e + "Q" * n_dims, buf, pos + 4)
                 pos += 4 + 8 * n_dims
                 ttype, off = struct.unpack_from(e + "IQ", buf, pos)
