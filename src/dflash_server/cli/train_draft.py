@@ -244,7 +244,10 @@ def run(args: argparse.Namespace) -> int:
     max_ctx = min(mc.max_position_embeddings, 4096)
     if args.samples == 0 and not args.text:
         raise UserError("--samples 0 needs --text (no training data otherwise)")
-    man = read_manifest(data_dir)
+    try:
+        man = read_manifest(data_dir)
+    except ValueError as e:
+        raise UserError(f"--data: {e}") from None
     t0 = time.time()
     sampled_tok_s = None   # this run's sampling rate (None: nothing sampled now)
     if args.samples and (man is None or man["samples"] < args.samples):
@@ -284,7 +287,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.time()
         text_dir = Path(args.text_data) if args.text_data else out / "text-data"
         text_len = min(args.text_len, max_ctx)
-        man = read_manifest(text_dir)
+        try:
+            man = read_manifest(text_dir)
+        except ValueError as e:
+            raise UserError(f"--text-data: {e}") from None
         if man is None or (man["tokens"] < args.text_tokens and not man.get("exhausted")):
             pipe = _pipeline(source, device, dtype, args.quantize, max_ctx, args.gen_batch)
             try:

@@ -38,6 +38,8 @@ def _softcap(v) -> float | None:
     return float(v) if v is not None and float(v) > 0 else None
 
 
+MAX_DRAFT_LAYERS = 256   # a draft is a few layers; a config claiming millions is not one
+
 @dataclass(frozen=True)
 class DraftConfig:
     hidden_size: int
@@ -108,6 +110,17 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "DraftConfig":
+        """The config of a draft checkpoint (z-lab / reference names). Anything malformed is a
+        ValueError naming it, never another exception (hostile folders get one error line)."""
+        if not isinstance(cfg, dict):
+            raise ValueError("draft config: not a JSON object")
+        try:
+            return cls._from_dict(cfg)
+        except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as e:
+            raise ValueError(f"draft config: malformed ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict) -> "DraftConfig":
         arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
         if arch not in KNOWN_ARCHITECTURES:
             raise ValueError(f"draft config: unknown architecture {arch!r} (known: {', '.join(KNOWN_ARCHITECTURES)})")
@@ -121,6 +134,11 @@ class DraftConfig:
             n_layers = int(cfg["num_hidden_layers"])
         except KeyError as e:
             raise ValueError(f"draft config: missing {e.args[0]}") from None
+        if not 0 < n_layers <= MAX_DRAFT_LAYERS or nh <= 0 or hidden <= 0:
+            raise ValueError(f"draft config: {n_layers} layers, {nh} heads, hidden {hidden} (layers in "
+                             f"[1, {MAX_DRAFT_LAYERS}], heads and hidden > 0)")
+        if "intermediate_size" not in cfg:
+            raise ValueError("draft config: missing intermediate_size")
         block = value("block_size", 16)    # the reference's default
         mask = value("mask_token_id")
         if mask is None:
@@ -138,6 +156,8 @@ class DraftConfig:
         window = cfg.get("sliding_window")
         forced = dc.get("causal", value("is_causal"))
         types = cfg.get("layer_types")
+        if types and len(types) != n_layers:
+            raise ValueError(f"draft config: {len(types)} layer_types for {n_layers} layers")
         attn = []
         for i in range(n_layers):
             if types:

@@ -319,7 +319,7 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"{path}: no config.json (not a DFlash draft directory)")
         try:
             cfg = DraftConfig.from_dict(json.loads(cfg_file.read_text()))
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OSError) as e:
             raise ValueError(f"{cfg_file}: {e}") from None
         files = sorted(path.glob("*.safetensors"))
         if not files:

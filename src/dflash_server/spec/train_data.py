@@ -180,8 +180,17 @@ def _save_shard(path: Path, samples: list[Sample], dtype=torch.bfloat16) -> int:
 
 
 def read_manifest(data_dir: str | Path) -> dict | None:
+    """The dataset's manifest, None where there is none; ValueError when it is not one."""
     f = Path(data_dir) / MANIFEST
-    return json.loads(f.read_text()) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        man = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{f}: unreadable manifest ({e})") from None
+    if not isinstance(man, dict) or not isinstance(man.get("shards", []), list):
+        raise ValueError(f"{f}: not a train-draft dataset manifest")
+    return man
 
 
 def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tuple[int, ...], samples: int, *,
@@ -271,9 +280,13 @@ def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, 
     if man is None:
         raise ValueError(f"{data_dir}: no {MANIFEST} (not a train-draft dataset)")
     out: list[Sample] = []
-    for shard in man["shards"]:
-        t = load_file(str(Path(data_dir) / shard["file"]))
-        off, pl = t["offsets"].tolist(), t["prompt_len"].tolist()
+    for shard in man.get("shards", []):
+        try:
+            t = load_file(str(Path(data_dir) / shard["file"]))
+            off, pl = t["offsets"].tolist(), t["prompt_len"].tolist()
+            t["tokens"], t["features"]   # noqa: B018 - present, or the shard is not one of ours
+        except Exception as e:  # noqa: BLE001 - a truncated / foreign shard (SafetensorError, KeyError, ...)
+            raise ValueError(f"{data_dir}: corrupt dataset shard {shard!r:.80} ({type(e).__name__})") from None
         feat_off = 0
         for i in range(len(pl)):
             ids = t["tokens"][off[i]:off[i + 1]].long()

@@ -33,13 +33,18 @@ class SafetensorsDir:
             self.config = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{cfg_path}: cannot parse config.json: {e}") from None
+        if not isinstance(self.config, dict):
+            raise ModelLoadError(f"{cfg_path}: not a JSON object")
         index = self.path / "model.safetensors.index.json"
         files: dict[str, str] = {}
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ModelLoadError(f"{index}: bad index file: {e}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                          for k, v in weight_map.items()):
+                raise ModelLoadError(f"{index}: bad index file: weight_map is not a map of names to files")
             files = {_canonical(k): v for k, v in weight_map.items()}
             shards = sorted(set(files.values()))
         else:

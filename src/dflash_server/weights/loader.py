@@ -121,7 +121,7 @@ def open_model(path: str | Path) -> ModelSource:
         try:
             family = family_for_gguf_arch(gf.arch)
             config = family.config_from_gguf(gf.meta, gf.arch)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{path}: {e}") from None
         tokenizer = Tokenizer.from_gguf_meta(gf.meta)
         return ModelSource(path, "gguf", family, config, tokenizer, gf)
@@ -131,7 +131,7 @@ def open_model(path: str | Path) -> ModelSource:
     try:
         family = family_for_hf_config(d.config)
         config = family.config_from_hf(d.config)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
     tokenizer = Tokenizer.from_hf_dir(path, d.config)
     return ModelSource(path, "hf", family, config, tokenizer, d)

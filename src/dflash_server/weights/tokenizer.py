@@ -46,6 +46,8 @@ class Tokenizer:
                 tc = json.loads((path / "tokenizer_config.json").read_text())
             except ValueError as e:
                 raise ModelLoadError(f"{path}/tokenizer_config.json: {e}") from None
+            if not isinstance(tc, dict):
+                raise ModelLoadError(f"{path}/tokenizer_config.json: not a JSON object")
         template = tc.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
