@@ -242,6 +242,11 @@ class Service:
                                                                           compiler.lark_text, grammar)
             except ValueError as e:
                 raise bad_request(f"tools: a parameters schema cannot be enforced: {str(e)[:300]}", "tools") from None
+        # a grammar shapes the whole output: a forced call's prompt has closed the think block
+        # already (and a format grammar turned thinking off), so a reasoning budget has nothing
+        # to limit (reasoning_effort, which clients send on every call, must not refuse it)
+        budget = {} if grammar is not None and not prompt.think_open else \
+            budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens)
         sampling = opts.sampling
         if seed_offset and sampling.seed is not None:
             sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed + seed_offset) % 2**63})
@@ -251,7 +256,7 @@ class Service:
                                      cache_scope=opts.cache_scope, grammar=grammar, compress=keep,
                                      speculate=opts.speculative,
                                      compress_query=prompt.query if keep is not None else None,
-                                     **budget_fields(opts.thinking, prompt.think_open, max_tokens, self.think_tokens))
+                                     **budget)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
