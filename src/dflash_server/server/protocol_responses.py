@@ -156,6 +156,13 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
         return sse.event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
 
     cur = None  # (kind, output_index, item_id, accumulated text)
+    # top_logprobs: each text delta carries its tokens' entries; the first message item ends with
+    # every token's, as a whole response has them
+    want_lp = body.top_logprobs is not None
+    pending_lp: list = []
+    every_lp: list = []
+    cur_lp: list[dict] = []   # the open message's entries
+    first_msg: list[int] = []
     calling: dict[str, tuple[int, str, object]] = {}  # call id -> (output index, item id, call) while it streams
 
     def abandon() -> bytes:
@@ -181,10 +188,11 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
             part = {"type": "reasoning_text", "text": text}
             out = [ev("response.reasoning_text.done", item_id=iid, output_index=idx, content_index=0, text=text)]
         else:
-            item = message_item(iid, text)
+            item = message_item(iid, text, logprobs=list(cur_lp))
             part = item["content"][0]
             out = [ev("response.output_text.done", item_id=iid, output_index=idx, content_index=0, text=text,
-                      logprobs=[])]
+                      logprobs=list(cur_lp))]
+            first_msg[:] = first_msg or [idx]
         out.append(ev("response.content_part.done", item_id=iid, output_index=idx, content_index=0, part=part))
         out.append(ev("response.output_item.done", output_index=idx, item=item))
         resp.output.append(item)
@@ -192,6 +200,7 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
 
     def open_(kind: str) -> bytes:
         nonlocal cur
+        cur_lp.clear()
         idx, iid = len(resp.output), _id("rs" if kind == "reasoning" else "msg")
         cur = (kind, idx, iid, "")
         if kind == "reasoning":
@@ -206,6 +215,9 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
     yield ev("response.in_progress", response=resp.obj("in_progress"))
     try:
         async for step in run:
+            if want_lp:
+                pending_lp.extend(step.logprobs)
+                every_lp.extend(step.logprobs)
             for d in step.deltas:
                 if d.kind == "tool_start":
                     yield close()
@@ -235,12 +247,19 @@ async def _stream(app, run: Run, resp: _Response, body: ResponsesRequest, conver
                 k, idx, iid, text = cur
                 cur = (k, idx, iid, text + d.text)
                 name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-                extra = {} if kind == "reasoning" else {"logprobs": []}
+                extra = {}
+                if kind == "message":
+                    lp = chat_entries(pending_lp, app.token_texts) if pending_lp else []
+                    pending_lp.clear()
+                    cur_lp.extend(lp)
+                    extra = {"logprobs": lp}
                 yield ev(name, item_id=iid, output_index=idx, content_index=0, delta=d.text, **extra)
         yield abandon()
         if cur is None and not resp.output:
             yield open_("message")
         yield close()
+        if want_lp and first_msg:   # the final output as a whole response has it
+            resp.output[first_msg[0]]["content"][0]["logprobs"] = chat_entries(every_lp, app.token_texts)
         status = _status(run)
         obj = resp.obj(status, run)
         _remember(app, body, resp, obj, conversation)
