@@ -111,3 +111,36 @@ def test_a_writer_killed_mid_write_leaves_nothing_behind(tmp_path):
     assert left and not [n for n in left if n.endswith(SUFFIX)], f"the writer was not caught mid-write: {left}"
     DiskCache(tmp_path, "fp", 1 << 30).close()  # a restart removes what the crash left
     assert [n for n in os.listdir(folder) if n != MARKER] == []
+
+
+def test_servers_sharing_a_folder_share_its_budget(tmp_path):
+    """Two servers on one --kv-cache-dir each evicted only the files they had written: the
+    folder grew to ~N x the budget. Each write now sees the others' files (and forgets those
+    they removed); a start with a smaller budget evicts down to it."""
+    ids = tuple(range(1, 400))
+    budget = 200_000
+    a, b = DiskCache(tmp_path, "fp", budget), DiskCache(tmp_path, "fp", budget)
+    for i in range(6):
+        for c, base in ((a, 100), (b, 200)):
+            c.save(ids[:base + i], {"ls0.kv_k.0": torch.ones(1, 2, 100 + i, 64)}, force=True)
+            c.flush()
+    a.close()
+    b.close()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "fp").glob(f"*{SUFFIX}"))
+    assert 0 < on_disk <= budget, on_disk
+    c = DiskCache(tmp_path, "fp", budget // 2)       # restarted with half the budget
+    assert c.index.total_bytes <= budget // 2 and c.counters["evictions"] > 0
+    assert sum(p.stat().st_size for p in (tmp_path / "fp").glob(f"*{SUFFIX}")) == c.index.total_bytes
+    c.close()
+
+
+def test_a_live_writers_temporary_is_left_alone(tmp_path):
+    """A second server starting on the folder removed the temporary file the first was still
+    writing; only those of processes that no longer run go."""
+    DiskCache(tmp_path, "fp", 1 << 30).close()
+    live = tmp_path / "fp" / f".{'a' * 32}{SUFFIX}.{os.getppid()}.tmp"   # our parent runs
+    dead = tmp_path / "fp" / f".{'b' * 32}{SUFFIX}.{2 ** 22 + 12345}.tmp"
+    live.write_bytes(b"being written")
+    dead.write_bytes(b"crashed")
+    DiskCache(tmp_path, "fp", 1 << 30).close()
+    assert live.exists() and not dead.exists()

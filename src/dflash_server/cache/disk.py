@@ -26,6 +26,21 @@ from .prefix_index import prefix_key
 log = logging.getLogger("dflash_server.cache")
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process a temporary snapshot name belongs to (``.<name>.<pid>.tmp``) still
+    runs: a server sharing the folder is writing it, not a crash's leftover."""
+    try:
+        pid = int(tmp_name.rsplit(".", 2)[-2])
+        if pid == os.getpid():
+            return False
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:   # another user's live process
+        return True
+    return True
+
+
 class DiskCache:
     def __init__(self, root: str | Path, fingerprint: str, budget_bytes: int, min_tokens: int = 0):
         self.root = Path(root)
@@ -61,20 +76,57 @@ class DiskCache:
         if self.ignored or not self.dir.is_dir():
             return  # another user's folder, or a read-only root without a folder for this model
         if not self.read_only:
-            for tmp in temp_files(self.dir):  # left by a crash mid-write
-                tmp.unlink(missing_ok=True)
+            for tmp in temp_files(self.dir):  # left by a crash mid-write (not a live writer's)
+                if not _writer_alive(tmp.name):
+                    tmp.unlink(missing_ok=True)
         for path in snapshot_files(self.dir):
-            try:
-                rec = read_header(path, self.fingerprint)
-            except SnapshotFormatError as e:
-                self._bad(path, str(e))
-                continue
-            key = prefix_key(rec["token_ids"])
-            if path.name != f"{key}{SUFFIX}":
-                self._bad(path, "file name does not match its token ids")
-                continue
+            self._admit(path)
+        self._evict(self.index.victims())   # a smaller budget than last time, or several servers' files
+
+    def _admit(self, path: Path) -> None:
+        """Index a snapshot file found in the folder (a bad one is a warning, and removed)."""
+        try:
+            rec = read_header(path, self.fingerprint)
+        except SnapshotFormatError as e:
+            self._bad(path, str(e))
+            return
+        key = prefix_key(rec["token_ids"])
+        if path.name != f"{key}{SUFFIX}":
+            self._bad(path, "file name does not match its token ids")
+            return
+        try:
             st = path.stat()
+        except OSError:   # removed meanwhile (another server sharing the folder evicted it)
+            return
+        with self._lock:
             self.index.add(DiskEntry(key, tuple(rec["token_ids"]), st.st_size, st.st_mtime))
+
+    def _refresh(self) -> None:
+        """Servers may share a folder: before a write, files the others added are indexed and
+        those they removed forgotten, so the budget bounds the folder, not this process's
+        share of it."""
+        try:
+            present = {p.name: p for p in snapshot_files(self.dir)}
+        except OSError:   # the folder is gone (cleared under us): the write will say so
+            return
+        with self._lock:
+            known = {f"{k}{SUFFIX}": k for k in self.index.entries}
+            for name, key in known.items():
+                if name not in present:
+                    self.index.remove(key)
+        for name, path in present.items():
+            if name not in known:
+                self._admit(path)
+
+    def _evict(self, victims) -> None:
+        with self._lock:
+            for v in victims:
+                self.index.remove(v.key)
+        if self.read_only:
+            return
+        for v in victims:
+            self._path(v.key).unlink(missing_ok=True)
+            self.counters["evictions"] += 1
 
     def lookup(self, token_ids, boundaries) -> tuple[DiskEntry, dict] | None:
         """Longest snapshot whose ids equal ``token_ids[:n]`` for an ``n`` in ``boundaries``
@@ -133,13 +185,10 @@ class DiskCache:
 
     def _write(self, token_ids, tensors, nbytes) -> None:
         key = prefix_key(token_ids)
+        self._refresh()
         with self._lock:
             victims = self.index.victims(nbytes, keep=key)
-            for v in victims:
-                self.index.remove(v.key)
-        for v in victims:
-            self._path(v.key).unlink(missing_ok=True)
-            self.counters["evictions"] += 1
+        self._evict(victims)
         try:
             size = write_snapshot(self._path(key), tensors, token_ids, self.fingerprint)
         except OSError as e:  # disk full, permissions, ...
