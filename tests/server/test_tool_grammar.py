@@ -72,3 +72,21 @@ def test_format_with_forced_tools_is_the_call():
     assert tool_grammar(forced, "json", comp.lark_text, answer) == tool_grammar(forced, "json", comp.lark_text)
     assert tool_grammar(make_toolset(spec, choice="none"), "json", comp.lark_text, answer) == answer
     assert tool_grammar(make_toolset(spec, choice="auto"), "json", comp.lark_text, None) is None
+
+
+def test_xml_parameter_names_the_format_cannot_carry_are_refused():
+    """Hostile review (2026-11-27): a parameter name holding a newline or '>' cannot be read
+    back from ``<parameter=NAME>``: a forced call came back as text with finish_reason stop.
+    The grammar refuses such a schema (the server's 400 on ``tools``); JSON formats carry it."""
+    import pytest
+
+    from dflash_server.server.tool_grammar import tool_grammar
+    from helpers.grammar import smol_compiler
+
+    comp, _ = smol_compiler()
+    for bad in ("a\n>b", "x>y", "<p"):
+        tools = make_toolset([{"name": "f", "parameters": {"type": "object", "properties": {bad: {"type": "string"}}}}],
+                             choice="required")
+        with pytest.raises(ValueError, match="XML tool format"):
+            tool_grammar(tools, "xml", comp.lark_text)
+        assert tool_grammar(tools, "json", comp.lark_text) is not None

@@ -155,6 +155,9 @@ def _xml_function(tools: ToolSet, name: str, rule: str, out: list[str]) -> str:
     required = set(params.get("required") or [])
     parts = []
     for i, (key, schema) in enumerate(props.items()):
+        if ">" in key or "\n" in key or "<" in key:   # <parameter=NAME> could not be read back
+            raise ValueError(f"{name}: parameter name {key[:80]!r} cannot be written in this model's XML tool "
+                             f"format (no '<', '>' or newline)")
         r = f"{rule}_p{i}"
         out.append(f"{r}: {json.dumps(f'<parameter={key}>' + chr(10))} {_xml_value(schema)}")
         parts.append(r if key in required else f"{r}?")
