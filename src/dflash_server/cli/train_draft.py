@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     data_dir = Path(args.data) if args.data else out / "data"
-    model_dir = Path(args.model) if args.model else None   # the built-in one lives in a package
+    model_dir = Path(args.model) if args.model else default_model_path()
     # before any work: a folder that is not ours is refused (and one we take is marked as ours)
     claim_out(out, model_dir, write=not (args.data_only and args.data))
     claim_data(data_dir, "--data", model_dir)
