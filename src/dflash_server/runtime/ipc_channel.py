@@ -56,9 +56,9 @@ class ShardClient:
     def handshake(self, timeout_s: float) -> dict:
         nonce_c = secrets.token_bytes(16)
         res, _ = self.call("hello", {"nonce": nonce_c}, timeout_s=timeout_s)
-        nonce_w = res.get("nonce")
-        if not isinstance(nonce_w, bytes) or not hmac.compare_digest(
-                proof(self.secret, b"worker", nonce_c, nonce_w), res.get("proof", b"")):
+        nonce_w, got = res.get("nonce"), res.get("proof")
+        if not isinstance(nonce_w, bytes) or not isinstance(got, bytes) or not hmac.compare_digest(
+                proof(self.secret, b"worker", nonce_c, nonce_w), got):
             raise ShardError(f"shard worker at {self.address} failed authentication (check the shared secret)")
         args = {"proof": proof(self.secret, b"client", nonce_c, nonce_w)}
         areas = []

@@ -15,6 +15,7 @@ from .carry import carry_tensors
 from .ipc_codec import DTYPE_NAMES
 from .kv_pool import merge_stats
 from .stage import StageOutput
+from ..errors import ShardError
 from .worker_link import SECRET_ENV, RemoteOptions, WorkerLink  # noqa: F401 - re-exported
 
 
@@ -41,6 +42,10 @@ class RemoteStage:
         self.lengths = [0] * lanes
         self.link = WorkerLink(options, [("load", self._load)],
                                f"{self.label}, layers {self.begin}-{self.end - 1}")
+        # the worker epoch each slot's sequence began in: a restart loses every sequence, so a
+        # slot's later operations fail as the worker's fault (not as a bad request to the
+        # fresh worker, which holds nothing for it) until the slot starts again
+        self.lane_epoch = [self.link.epoch] * lanes
 
     @property
     def epoch(self) -> int:
@@ -59,6 +64,17 @@ class RemoteStage:
     @property
     def length(self) -> int:
         return self.lengths[self.lane]
+
+    def _live(self, lanes) -> None:
+        """ShardError unless every one of ``lanes`` began its sequence since the last restart."""
+        for lane in lanes:
+            if self.lane_epoch[lane] != self.link.epoch:
+                raise ShardError(f"shard worker ({self.label}) restarted: the sequence in slot {lane} was lost "
+                                 f"with it")
+
+    def _fresh(self) -> None:
+        """The selected slot's sequence starts (again) on the worker as it is now."""
+        self.lane_epoch[self.lane] = self.link.epoch
 
     def _call(self, op: str, args: dict | None = None, tensors: dict | None = None):
         """One operation on the selected sequence slot."""
@@ -83,6 +99,7 @@ class RemoteStage:
         args = {"lanes": [int(v) for v in lanes], "positions": [int(v) for v in positions], "capture": mine}
         if trees:   # msgpack maps take string keys here: [slot, parents] pairs
             args["trees"] = [[int(lane), [int(p) for p in tree]] for lane, tree in trees.items()]
+        self._live(set(int(v) for v in lanes))
         res, out = self._call("forward_rows", args, {"x": x.to(self.dtype), **carry_tensors(carry)})
         for lane, n in zip(lanes, res.get("lengths", [])):
             self.lengths[lane] = int(n)
@@ -148,6 +165,7 @@ class RemoteStage:
         args = {"start": start, "logits": logits, "capture": mine}
         if tree is not None:
             args["tree"] = [int(p) for p in tree]
+        self._live([self.lane])
         res, out = self._call("forward", args, {"x": x.to(self.dtype), **carry_tensors(carry)})
         caps = {c: out[f"cap.{c}"].to(self.device) for c in mine if f"cap.{c}" in out}
         if "kvflash" in res:
@@ -161,7 +179,10 @@ class RemoteStage:
         return merge_stats(self._kvflash_stats) if self._kvflash_stats else None
 
     def reselect(self) -> bool:
-        return bool(self._load["kvflash"]) and bool(self._call("reselect")[0]["changed"])
+        if not self._load["kvflash"]:
+            return False
+        self._live([self.lane])
+        return bool(self._call("reselect")[0]["changed"])
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         _, out = self._call("project", tensors={"hidden": hidden.to(self.dtype)})
@@ -169,24 +190,31 @@ class RemoteStage:
 
     def reset(self) -> None:
         self._call("reset")
+        self._fresh()
 
     def checkpoint(self) -> None:
+        self._live([self.lane])
         self._call("checkpoint")
 
     def rollback(self, length: int) -> None:
+        self._live([self.lane])
         self._call("rollback", {"length": int(length)})
 
     def rollback_tree(self, path: list[int]) -> None:
+        self._live([self.lane])
         self._call("rollback_tree", {"path": [int(r) for r in path]})
 
     def commit(self) -> None:
+        self._live([self.lane])
         self._call("commit")
 
     def snapshot_save(self, slot: int) -> None:
+        self._live([self.lane])
         self._call("snapshot_save", {"slot": int(slot)})
 
     def snapshot_restore(self, slot: int) -> None:
         self._call("snapshot_restore", {"slot": int(slot)})
+        self._fresh()
 
     def snapshot_free(self, slot: int) -> None:
         if not self.link.ok:

@@ -127,6 +127,11 @@ class WorkerLink:
         except ShardError:
             self._shutdown_worker()
             raise
+        except Exception as e:  # noqa: BLE001 - a full /tmp, no file descriptors, a garbled answer, ...
+            # any failure to start is a failed start: the worker comes down and the next
+            # request tries again (a thread dying on it left the split down for good)
+            self._shutdown_worker()
+            raise ShardError(f"shard worker ({self.label}) could not start: {type(e).__name__}: {e}") from None
         self._status, self._error = "ok", None
 
     def _shutdown_worker(self) -> None:
