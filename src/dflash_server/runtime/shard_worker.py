@@ -20,7 +20,7 @@ import zmq
 from ..layers.attention import KV_DTYPES
 from .carry import carry_from_tensors
 from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
-from .ipc_codec import DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header
+from .ipc_codec import DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header, unpack_header
 from .ipc_shm import SharedArea
 from .kv_pager import KvFlashConfig
 
@@ -313,6 +313,10 @@ class ShardWorker:
                 del self.clients[k]
         rid = None
         try:
+            if not client.authed and (len(frames) != 1 or unpack_header(frames[0]).get("tensors")):
+                # before authentication only a header is read: a peer without the secret gets
+                # nothing decoded or copied for what it sends (hello and auth carry no tensors)
+                raise PermissionError("not authenticated (no tensors before authentication)")
             header, tensors = decode(frames, client.req_area if client.authed else None, self.max_message)
             rid, op, args = header.get("id"), header.get("op"), header.get("args")
             if not isinstance(op, str) or not isinstance(args, dict):
