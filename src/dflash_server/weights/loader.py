@@ -98,14 +98,34 @@ class ModelSource:
 
     def fingerprint(self, mtime: bool = True) -> str:
         """Identity of the weights: file names, sizes and mtimes (cheap; no hashing of GBs).
-        Without ``mtime``: names and sizes only (copies on another host compare equal)."""
+        Without ``mtime`` (a shard worker's copy on another host): names, sizes and sampled
+        bytes of each file (its first and last 64 KiB and 16 pieces of 4 KiB spread through
+        it), so other weights of the same shapes (another fine-tune, a corrupt copy) do not
+        compare equal where mtimes cannot tell."""
         h = hashlib.sha256()
         files = [self.path] if self.path.is_file() else sorted(self.path.iterdir())
         for f in files:
             if f.is_file():
                 st = f.stat()
                 h.update(f"{f.name}:{st.st_size}".encode() + (f":{int(st.st_mtime)}".encode() if mtime else b""))
+                if not mtime:
+                    h.update(_sampled_bytes(f, st.st_size))
         return h.hexdigest()[:16]
+
+
+def _sampled_bytes(path: Path, size: int, edge: int = 64 << 10, piece: int = 4 << 10, pieces: int = 16) -> bytes:
+    """A file's first and last ``edge`` bytes and ``pieces`` reads of ``piece`` bytes spread
+    evenly between them (the whole file when it is small)."""
+    with open(path, "rb") as fh:
+        if size <= 2 * edge + pieces * piece:
+            return fh.read()
+        out = [fh.read(edge)]
+        for i in range(1, pieces + 1):
+            fh.seek(edge + (size - 2 * edge - piece) * i // (pieces + 1))
+            out.append(fh.read(piece))
+        fh.seek(size - edge)
+        out.append(fh.read(edge))
+        return b"".join(out)
 
 
 def open_model(path: str | Path) -> ModelSource:
