@@ -22,11 +22,15 @@ from .sdpa import sdpa
 
 
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
-# Prefill chunks (over 64 rows) ending at most here take the native attention step (exact
-# prefix-cache hits); longer contexts take aten's SDPA, faster there. Measured, default model,
-# 2 threads, 512-row chunks, native vs aten: tokens 0-512 1273 vs 1070-1112 tok/s, 0-1024
-# 972-1030 vs 1001-1005, 0-2048 744-764 vs 778-797, 0-4096 542-544 vs 650-681.
-NATIVE_PREFILL_CTX = 2048
+# Prefill chunks (over 64 rows) ending at most here take the native attention step, whose
+# rows are computed alike however the prompt is cut into chunks (exact prefix-cache hits, and
+# a prompt prefilled beside other sequences, in pieces the step budget sets, equals the same
+# prompt alone); past it aten's SDPA, whose rounding depends on the chunk. Until 2026-11-27
+# this was 2048 (aten was faster past it: 0-4096 in 512-row chunks 650-681 vs 542-544 tok/s);
+# since the attention step's later work the native step is the faster one there too
+# (positions 2048-4096, alternating in one process, Zen 4 VM: 417 vs 360, 432 vs 394 tok/s).
+# 16384 is where the op's grouped fast path ends.
+NATIVE_PREFILL_CTX = 16384
 # The KV cache's element type (``--kv-dtype``): "auto" is fp16 on the CPU where the native
 # attention reads the cache and the activations are 16-bit (half the bytes a decode step
 # reads at long context; keys and values rounded once, when written, as llama.cpp's default
