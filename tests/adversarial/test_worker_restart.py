@@ -73,3 +73,52 @@ def test_sequences_of_other_slots_fail_as_the_workers_fault(tiny_dir):
         assert eng.generate(GenerationRequest(a_ids, max_tokens=12, ignore_eos=True)).token_ids == ref
     finally:
         eng.close()
+
+
+def test_a_draft_worker_restart_fails_its_sequences_as_its_fault(tiny_dir, tmp_path):
+    """The same for a draft in its own worker: a restart loses every slot's draft context, so
+    a sequence in flight fails with a ShardError (503) instead of the fresh worker's ValueError
+    (a 400); a new request afterwards is served."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.server.generation import engine_error
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.proposer import DFlashProposer
+    from dflash_server.spec.remote_draft import RemoteDraft
+
+    from dflash_server.spec.config import DraftConfig
+
+    path = tiny_dir("llama")
+    pipe = pipeline(path, max_ctx=256, lanes=2)
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(0, 1),
+                      num_target_layers=c.num_layers)
+    local = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
+    (tmp_path / "config.json").write_text(json.dumps(local.cfg.to_dict()))
+    save_file(local.zlab_state_dict(), str(tmp_path / "model.safetensors"))
+    rd = RemoteDraft(tmp_path, device="cpu", home="cpu", dtype=torch.float32, max_ctx=pipe.max_ctx,
+                     options=RemoteOptions(timeout_s=10))
+    eng = Engine(pipe, proposer=DFlashProposer(rd, pipe))
+    try:
+        ids, other = tuple(prompt_ids(pipe, 12)), tuple(prompt_ids(pipe, 17, seed=1))
+        a = eng.submit(GenerationRequest(ids, max_tokens=24, ignore_eos=True))
+        while len(a.out.tokens) < 3:
+            eng.step()
+        old = rd.link.proc.proc
+        os.kill(old.pid, signal.SIGKILL)
+        old.wait()
+        b = eng.submit(GenerationRequest(other, max_tokens=24, ignore_eos=True))   # meets the dead worker
+        while not (a.done and b.done):
+            eng.step()
+        for s in (a, b):
+            assert isinstance(s.error, ShardError), repr(s.error)
+            assert engine_error(s.error).status == 503
+        assert len(eng.generate(GenerationRequest(ids, max_tokens=8, ignore_eos=True)).token_ids) == 8
+    finally:
+        eng.close()
+        rd.close()

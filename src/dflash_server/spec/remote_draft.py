@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ShardError
 from ..runtime.ipc_codec import DTYPE_NAMES, DTYPES
 from ..runtime.worker_link import RemoteOptions, WorkerLink
 from .config import DraftConfig
@@ -95,6 +96,7 @@ class RemoteDraft:
                                                           "dtype": DTYPE_NAMES[dtype], "max_ctx": max_ctx,
                                                           "quantize": quantize})],
                                f"draft on remote:{device}")
+        self.lane_epoch = {0: self.link.epoch}   # the worker epoch each slot's context began in (_live)
         res = self.link.setup_results[0]
         self.cfg = DraftConfig.from_dict(res["config"])
         self._nbytes = int(res["nbytes"])
@@ -108,6 +110,7 @@ class RemoteDraft:
             raise ValueError(f"sequence slot {lane} outside [0, {MAX_LANES})")
         self.lane = lane
         self.context = self.contexts.setdefault(lane, _Context())
+        self.lane_epoch.setdefault(lane, self.link.epoch)
 
     def _call(self, op, args=None, tensors=None):
         epoch = self.link.epoch
@@ -119,16 +122,29 @@ class RemoteDraft:
             self.context.length = int(res["context_length"])
         return res, out
 
+    def _live(self) -> None:
+        """A restart of the worker loses every slot's context: the selected slot's sequence
+        then fails as the worker's fault (ShardError, a 503), not as a bad request to the
+        fresh worker, until the slot starts again (reset or import)."""
+        if self.lane_epoch.get(self.lane, self.link.epoch) != self.link.epoch:
+            raise ShardError(f"the draft worker restarted: the draft context of slot {self.lane} was lost with it")
+
+    def _fresh(self) -> None:
+        self.lane_epoch[self.lane] = self.link.epoch
+
     def nbytes(self) -> int:
         return self._nbytes
 
     def reset(self) -> None:
         self._call("draft_reset")
+        self._fresh()
 
     def append_context(self, features: torch.Tensor, start: int) -> None:
+        self._live()
         self._call("draft_append", {"start": int(start)}, {"features": features.to(self.dtype)})
 
     def draft_hidden(self, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
+        self._live()
         return self._call("draft_hidden", {"start": int(start)}, {"embeds": block_embeds.to(self.dtype)})[1]["hidden"]\
             .to(self.device)
 
@@ -143,10 +159,12 @@ class RemoteDraft:
         return out
 
     def context_export(self) -> dict[str, torch.Tensor]:
+        self._live()
         return self._call("draft_export")[1]
 
     def context_import(self, tensors: dict[str, torch.Tensor]) -> None:
         self._call("draft_import", tensors=tensors)
+        self._fresh()
 
     def health(self) -> dict:
         return self.link.health()
