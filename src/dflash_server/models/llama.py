@@ -49,6 +49,28 @@ def gguf_meta(meta: dict, arch: str, key: str, default=None):
     return meta.get(f"{arch}.{key}", default)
 
 
+def sliding_layers(cfg: dict, n: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) as transformers reads a Llama-family config: Mistral's
+    ``sliding_window`` on every layer; Qwen2 / Qwen3's only with ``use_sliding_window``, on the
+    layers from ``max_window_layers`` on; an explicit ``layer_types`` list first; Llama has
+    none. ((), None): every layer full."""
+    kind = cfg.get("model_type")
+    window = cfg.get("sliding_window")
+    if kind == "llama" or (kind in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
+        window = None
+    if cfg.get("layer_types"):
+        types = tuple(cfg["layer_types"])
+        if not window:   # sliding layers without a window attend over everything, as there
+            types = tuple("full_attention" if t == "sliding_attention" else t for t in types)
+        return types, int(window) if window else None
+    if not window:
+        return (), None
+    if kind in ("qwen2", "qwen3"):
+        start = int(cfg.get("max_window_layers", n) if cfg.get("max_window_layers") is not None else n)
+        return tuple("sliding_attention" if i >= start else "full_attention" for i in range(n)), int(window)
+    return ("sliding_attention",) * n, int(window)
+
+
 class LlamaFamily(Family):
     name = "llama"
     hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -60,6 +82,9 @@ class LlamaFamily(Family):
     def config_from_hf(self, cfg: dict) -> ModelConfig:
         theta, scaling, partial = rope_from_hf(cfg)
         nh = int(cfg["num_attention_heads"])
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP projection biases are not supported")
+        layer_types, window = sliding_layers(cfg, int(cfg["num_hidden_layers"]))
         return ModelConfig(
             family=self.name, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
@@ -71,7 +96,7 @@ class LlamaFamily(Family):
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             qk_norm=self.qk_norm, bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")), layer_types=layer_types, sliding_window=window,
         )
 
     def config_from_gguf(self, meta: dict, arch: str) -> ModelConfig:
@@ -107,7 +132,7 @@ class LlamaFamily(Family):
             return name, lambda w: unpermute_rope(w, heads)
         return name, None
 
-    def build_attention(self, cfg: ModelConfig, p: str, w: Weights) -> Attention:
+    def build_attention(self, cfg: ModelConfig, p: str, w: Weights, index: int = 0) -> Attention:
         def opt(name):
             return w.get(name) if w.has(name) else None
         a = p + "self_attn."
@@ -120,14 +145,15 @@ class LlamaFamily(Family):
             o=w.get(a + "o_proj.weight"), q_bias=opt(a + "q_proj.bias"), k_bias=opt(a + "k_proj.bias"),
             v_bias=opt(a + "v_proj.bias"), o_bias=opt(a + "o_proj.bias"),
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            output_gate=cfg.attn_output_gate, **norms)
+            output_gate=cfg.attn_output_gate,
+            window=cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else None, **norms)
 
     def build_mlp(self, cfg: ModelConfig, p: str, w: Weights) -> SwiGLU:
         return SwiGLU(w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight"),
                       w.get(p + "mlp.down_proj.weight"))
 
     def build_mixer(self, cfg: ModelConfig, index: int, p: str, w: Weights):
-        return self.build_attention(cfg, p, w)
+        return self.build_attention(cfg, p, w, index)
 
     def build_layer(self, cfg: ModelConfig, index: int, w: Weights) -> DecoderLayer:
         p = f"model.layers.{index}."

@@ -75,7 +75,7 @@ class Qwen3_5Family(LlamaFamily):
 
     def build_mixer(self, cfg: ModelConfig, index: int, p: str, w: Weights):
         if cfg.layer_types[index] != "linear_attention":
-            return self.build_attention(cfg, p, w)
+            return self.build_attention(cfg, p, w, index)
         a = p + "linear_attn."
         return GatedDeltaNet(
             in_proj_qkv=w.get(a + "in_proj_qkv.weight"), in_proj_z=w.get(a + "in_proj_z.weight"),
