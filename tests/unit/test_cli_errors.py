@@ -250,3 +250,10 @@ def test_a_blank_api_key_is_refused_not_no_auth(tmp_path, flag):
     f.write_text("  \n")
     args = {"file": ["--api-key-file", str(f)], "flag": ["--api-key", ""], "flag-spaces": ["--api-key", "   "]}[flag]
     assert_clean_error(run_cli("serve", "--port", "1", *args, timeout=60), "empty")
+
+
+def test_prompt_ids_outside_the_vocabulary_are_a_clean_error(tiny_dir):
+    """Hostile review (2026-11-27): a tokenizer larger than the model's embedding gave prompt
+    ids past the vocabulary: an IndexError traceback in the embedding lookup."""
+    model = tiny_dir("llama", vocab_size=300)  # the SmolLM2 tokenizer has 49152 ids
+    assert_clean_error(gen(model, "--prompt", "hello wonderful world", "--threads", "1"), "vocabulary")

@@ -145,6 +145,10 @@ class Engine:
             raise ValueError("prefill compression needs a drafter: start with --prefill-drafter")
         # (a compressed prompt must fit the context too: checked when it exists, _compress)
         check_prompt(len(req.prompt_ids), pipe.max_ctx, self.compressor.max_tokens if req.compress is not None else None)
+        vocab = pipe.config.vocab_size
+        bad = next((t for t in req.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:   # (a tokenizer larger than the model's embedding; a client's own ids)
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary ({vocab} ids)")
         constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
         seq = Sequence(self._next_id, req, self.tokenizer, pipe.config.vocab_size, pipe.device, on_event,
                        cancelled, tag, constraint)
