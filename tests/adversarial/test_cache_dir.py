@@ -303,3 +303,13 @@ def test_ls_and_clear_in_a_root_with_private_folders_of_others():
         assert len(list((root / "aaaaaaaaaaaaaaaaaaaa").glob("*.snap.safetensors"))) == 2
     finally:
         subprocess.run(["rm", "-rf", str(root)])
+
+
+def test_clear_json_is_one_json_object(tmp_path):
+    """Hostile review (2026-11-27): `cache clear --json` printed the plain-text line."""
+    make_cache(tmp_path, "fp", n=2).close()
+    (tmp_path / "fp" / "mine.txt").write_text("user file")
+    r = cli("clear", "--json", "--kv-cache-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["removed_files"] == 2 and got["removed_model_dirs"] == 0 and len(got["kept"]) == 1

@@ -58,6 +58,10 @@ def run(args) -> int:
         check_root(root)
         if args.action == "clear":
             files, dirs, kept = clear(root)
+            if args.json:
+                print(json.dumps({"dir": str(root), "removed_files": files, "removed_model_dirs": dirs,
+                                  "kept": [str(k) for k in kept]}))
+                return 0
             print(f"removed {files} snapshot files and {dirs} model folders from {root}")
             if kept:
                 print(f"left {len(kept)} files that are not the cache's, e.g. {kept[0]}")
