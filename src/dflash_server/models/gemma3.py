@@ -62,10 +62,13 @@ class Gemma3Family(LlamaFamily):
             raise ValueError("gemma3: attn_logit_softcapping is not supported")
         if text.get("use_bidirectional_attention"):
             raise ValueError("gemma3: bidirectional attention (an embedding model) is not a generator")
+        if text.get("attention_bias"):
+            raise ValueError("gemma3: attention_bias (q/k/v/o projection biases) is not supported")
         n = int(text["num_hidden_layers"])
+        # the Hub's configs name the pattern sliding_window_pattern, transformers' own _sliding_...
+        pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or FULL_EVERY)
         layer_types = text.get("layer_types") or [
-            "full_attention" if (i + 1) % int(text.get("_sliding_window_pattern", FULL_EVERY)) == 0
-            else "sliding_attention" for i in range(n)]
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
         params = text.get("rope_parameters") or {}
         if "full_attention" in params or "sliding_attention" in params:
             theta, scaling = _rope(params.get("full_attention"), 1_000_000.0)

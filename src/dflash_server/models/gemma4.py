@@ -115,6 +115,8 @@ class Gemma4Family(Gemma3Family):
         text = dict(cfg.get("text_config") or cfg)
         if text.get("use_bidirectional_attention") == "all":
             raise ValueError("gemma4: bidirectional attention (an embedding model) is not a generator")
+        if text.get("attention_bias"):
+            raise ValueError("gemma4: attention_bias (q/k/v/o projection biases) is not supported")
         act = text.get("hidden_activation") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"gemma4: unsupported activation {act!r}")
@@ -145,7 +147,10 @@ class Gemma4Family(Gemma3Family):
             rope_theta=float(full.get("rope_theta", 1_000_000.0)),
             rope_scaling=full if full.get("rope_type", "default") != "default" else None,
             rope_local_theta=float(sliding.get("rope_theta", 10_000.0)),
-            local_partial_rotary_factor=float(sliding.get("partial_rotary_factor", 1.0)),
+            # transformers' default RoPE (the sliding layers') rotates the whole head, whatever
+            # partial_rotary_factor says (a GGUF's rope.dimension_count_swa is honoured, as llama.cpp does)
+            local_partial_rotary_factor=1.0 if sliding.get("rope_type", "default") == "default"
+            else float(sliding.get("partial_rotary_factor", 1.0)),
             max_position_embeddings=int(text.get("max_position_embeddings", 131072)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
             attention_bias=bool(text.get("attention_bias", False)), qk_norm=True, zero_centred_norm=False,

@@ -49,6 +49,14 @@ def gguf_meta(meta: dict, arch: str, key: str, default=None):
     return meta.get(f"{arch}.{key}", default)
 
 
+def check_silu(cfg: dict) -> None:
+    """The SwiGLU MLP (and Qwen3.5's convolution) compute SiLU: another ``hidden_act`` is refused
+    rather than silently replaced."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (SiLU only)")
+
+
 def sliding_layers(cfg: dict, n: int) -> tuple[tuple[str, ...], int | None]:
     """(layer_types, sliding_window) as transformers reads a Llama-family config: Mistral's
     ``sliding_window`` on every layer; Qwen2 / Qwen3's only with ``use_sliding_window``, on the
@@ -84,6 +92,7 @@ class LlamaFamily(Family):
         nh = int(cfg["num_attention_heads"])
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias: MLP projection biases are not supported")
+        check_silu(cfg)
         layer_types, window = sliding_layers(cfg, int(cfg["num_hidden_layers"]))
         return ModelConfig(
             family=self.name, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..layers.gdn import GatedDeltaNet
 from .base import Weights
 from .config import ModelConfig, eos_ids, rope_from_hf
-from .llama import LlamaFamily, gguf_name
+from .llama import LlamaFamily, check_silu, gguf_name
 from .qwen3_5_gguf import GGUF_LAYER_NAMES, config_from_gguf_meta, gguf_layer_name, gguf_transform
 
 
@@ -23,6 +23,7 @@ class Qwen3_5Family(LlamaFamily):
 
     def config_from_hf(self, cfg: dict) -> ModelConfig:
         text = dict(cfg.get("text_config") or cfg)
+        check_silu(text)
         theta, scaling, partial = rope_from_hf(text)
         if "partial_rotary_factor" not in (text.get("rope_parameters") or {}) and \
                 "partial_rotary_factor" not in text:
