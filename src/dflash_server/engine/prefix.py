@@ -104,11 +104,11 @@ class PrefixCache:
                 ids, slot = got
                 self._restore(slot)
                 hit_len, source = len(ids), "disk"
-                if self.index.enabled:
+                if self.index.enabled and self.index.fits(self._nbytes(slot)):
                     for old in self.index.insert(ids, slot, self._nbytes(slot)):
                         if old.slot != slot:
                             self._free(old.slot)
-                else:
+                else:   # (a snapshot larger than the memory budget was kept nowhere: freed)
                     self._free(slot)
         start = hit_len
         save_at = max((b for b in bounds if b > start), default=None)
@@ -147,6 +147,8 @@ class PrefixCache:
         token_ids, slot, scope = pending
         if self.disk is not None and scope != "memory":
             self.disk.save(token_ids, self.export(slot), force=scope == "full")
+        # a request that kept its prefix off the disk keeps it off at shutdown too (close)
+        self.extras[slot]["memory_only"] = scope == "memory"
         if not self.index.fits(self._nbytes(slot)):
             self._free(slot)
             return
@@ -186,7 +188,7 @@ class PrefixCache:
         if self.disk is None:
             return
         for e in list(self.index.entries.values()):
-            if not self.disk.contains(e.token_ids):
+            if not self.extras.get(e.slot, {}).get("memory_only") and not self.disk.contains(e.token_ids):
                 self.disk.save(e.token_ids, self.export(e.slot))
         self.disk.close()
 
