@@ -257,3 +257,18 @@ def test_prompt_ids_outside_the_vocabulary_are_a_clean_error(tiny_dir):
     ids past the vocabulary: an IndexError traceback in the embedding lookup."""
     model = tiny_dir("llama", vocab_size=300)  # the SmolLM2 tokenizer has 49152 ids
     assert_clean_error(gen(model, "--prompt", "hello wonderful world", "--threads", "1"), "vocabulary")
+
+
+def test_a_kv_cache_the_host_cannot_hold_is_refused(tiny_dir):
+    """Hostile review (2026-11-27): on a CPU an explicit --max-ctx / --parallel whose KV cannot
+    fit was accepted; the process then aborted in an allocation (a traceback and SIGABRT) or
+    was OOM-killed without a word. Refused now with the numbers, before the weights load."""
+    from dflash_server.cli.common import load_engine
+    from dflash_server.engine.config import EngineConfig
+    from dflash_server.errors import UserError
+
+    res = run_cli("generate", "--model", str(tiny_dir("llama")), "--prompt", "hi", "--max-tokens", "1",
+                  "--threads", "1", "--max-ctx", "100000000", timeout=120)
+    assert_clean_error(res, "available")
+    with pytest.raises(UserError, match="available"):   # serve --parallel 100000 --max-ctx 512
+        load_engine(EngineConfig(model=str(tiny_dir("llama")), max_ctx=512, parallel="100000"), progress=False)

@@ -355,11 +355,21 @@ def check_memory(source, shards, dtype, max_ctx, quantize, kvflash, progress: bo
     it grows into what is free)."""
     import sys
 
-    from ..runtime.memory import check_fits, estimate, gpu_free
+    from ..runtime.memory import GIB, check_fits, estimate, gpu_free, host_available
 
-    if all(s.device.removeprefix("remote:").startswith("cpu") for s in shards):
-        return  # (GPU placements only: there it decides whether the model loads at all)
     needs = estimate(source, shards, dtype, max_ctx, quantize, kv_pool_tokens(kvflash, max_ctx), lanes, kv_dtype)
+    if all(s.device.removeprefix("remote:").startswith("cpu") for s in shards):
+        # a CPU placement loads whatever fits (the weights are mapped), but a KV cache (and
+        # the RoPE tables) that the host cannot hold at all is refused here, not by an abort
+        # or the OOM killer later
+        local = sum(n.kv for n, sh in zip(needs, shards) if not sh.device.startswith("remote:"))
+        local += 2 * max_ctx * source.config.head_dim * 4
+        room = host_available()
+        if local > room:
+            raise UserError(f"the KV cache of {lanes} sequence slot(s) x --max-ctx {max_ctx} needs "
+                            f"~{local / GIB:.1f} GiB on this host, which has {room / GIB:.1f} GiB available: lower "
+                            f"--max-ctx or --parallel, or bound the KV with --kvflash")
+        return
     if progress:
         print("dflash-server: memory estimate: " + "; ".join(n.describe() for n in needs), file=sys.stderr)
     try:
