@@ -271,6 +271,9 @@ class Service:
 
     def start(self, prompt: Prompt, opts: GenOptions, n: int = 1, label: str = "") -> list[Run]:
         """Queue ``n`` generations of one prompt back to back (all or none)."""
+        if n > self.scheduler.capacity:   # never admissible: a retryable 503 would be retried for ever
+            raise bad_request(f"n={n} generations cannot all be queued on this server: it runs and queues "
+                              f"{self.scheduler.capacity} at most (--parallel, --max-queue)", "n")
         reqs = [self.request(prompt, opts, i) for i in range(n)]
         stop_ids = set() if opts.ignore_eos else set(self.tokenizer.eos_token_ids)
         runs: list[Run] = []

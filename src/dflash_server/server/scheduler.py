@@ -90,6 +90,11 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def capacity(self) -> int:
+        """Generations that can be in the server at once: running in the slots plus queued."""
+        return self._lanes + self.max_queue
+
     # --- event loop side ------------------------------------------------------------
     def submit(self, req: GenerationRequest, label: str = "") -> Job:
         job = Job(req, asyncio.get_running_loop(), label)
