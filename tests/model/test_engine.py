@@ -88,3 +88,17 @@ def test_think_budget_forces_close(engine):
     assert r.token_ids[:4] == free[:4]
     assert tuple(r.token_ids[4:4 + len(close)]) == close
     assert len(r.token_ids) == 20
+
+
+def test_warm_up_fits_a_tiny_context(tiny_dir):
+    """Hostile review (2026-11-27): ``serve --compile --max-ctx 10`` died at start: the warm-up
+    prompt (11 tokens) did not fit the context. It is cut to fit now."""
+    from dflash_server.cli.common import load_engine
+    from dflash_server.engine.config import EngineConfig
+
+    for ctx in (10, 2):
+        _, _, eng = load_engine(EngineConfig(model=str(tiny_dir("llama")), max_ctx=ctx, dtype="fp32"), progress=False)
+        try:
+            assert eng.warm_up().completion_tokens >= 1
+        finally:
+            eng.close()

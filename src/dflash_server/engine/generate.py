@@ -419,6 +419,7 @@ class Engine:
         blocks, which the adaptive block size tries all of in its first steps) are built
         before the first real request rather than during it."""
         ids = self.tokenizer.encode("Count from one to twenty, one number per line.")
+        ids = ids[:max(1, self.pipeline.max_ctx // 2)]   # a tiny --max-ctx still warms up
         room = self.pipeline.max_ctx - len(ids) - 1
         res = self.generate(GenerationRequest(tuple(ids), max_tokens=max(1, min(max_tokens, room)),
                                               ignore_eos=True, cache_scope="off"))
