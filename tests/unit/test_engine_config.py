@@ -31,7 +31,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk = 7
     assert hash(cfg) == hash(dataclasses.replace(cfg))  # frozen and hashable: one value, compared as such
-    assert EngineConfig(kv_cache_dir=None, disk_prefix_cache="full").disk_min_tokens is None
+    assert EngineConfig().disk_min_tokens is None
     assert EngineConfig(kv_cache_dir="/d").disk_min_tokens == 256
     assert EngineConfig(kvflash="auto").kvflash_pool == "auto" and EngineConfig().kvflash_pool is None
 
@@ -73,3 +73,24 @@ def test_a_hand_made_config_builds_an_engine(tiny_dir):
         assert len(r.token_ids) == 3
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kw,flags", [
+    ({"kv_cache_interval": 64, "disk_prefix_cache": "full"}, "--kv-cache-interval, --disk-prefix-cache"),
+    ({"kv_cache_budget": 1}, "--kv-cache-budget"), ({"kv_cache_min_tokens": 8}, "--kv-cache-min-tokens"),
+    ({"block_size": 4}, "--block-size"), ({"draft_device": "cpu"}, "--draft-device"),
+    ({"draft": "default", "no_draft": True, "block_size": 4}, "--block-size"),
+    ({"kvflash_policy": "score"}, "--kvflash-policy"), ({"kvflash_chunk": 16, "kvflash_tau": 8},
+                                                        "--kvflash-chunk, --kvflash-tau"),
+])
+def test_flags_that_need_another_are_refused_without_it(kw, flags):
+    """Hostile review (2026-11-27): these were dropped without a word (no disk cache, no draft,
+    no KV Flash), unlike --ddtree without --draft."""
+    with pytest.raises(ValueError, match=flags):
+        EngineConfig(**kw)
+
+
+def test_a_block_of_one_is_refused_with_the_flags():
+    """--block-size 1 passed the flags and stopped the server only after its port was bound."""
+    with pytest.raises(ValueError, match="--block-size must be an integer >= 2"):
+        EngineConfig(draft="default", block_size=1)
