@@ -84,8 +84,11 @@ def create_app(state, on_shutdown=None):
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         msg = "unknown route" if exc.status_code == 404 else str(exc.detail)
-        return _error_response(APIError(exc.status_code, f"{msg}: {request.method} {request.url.path}"),
+        resp = _error_response(APIError(exc.status_code, f"{msg}: {request.method} {request.url.path}"),
                                request.url.path)
+        if exc.headers and "allow" in {k.lower() for k in exc.headers}:   # a 405 names the methods
+            resp.headers["Allow"] = next(v for k, v in exc.headers.items() if k.lower() == "allow")
+        return resp
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -26,8 +26,11 @@ def is_loopback(host: str) -> bool:
 def host_name(header: str) -> str:
     """``Host`` header -> the name without port: ``[::1]:8080`` -> ``::1``."""
     h = header.strip().lower()
-    if h.startswith("["):
-        return h[1:h.find("]")] if "]" in h else h[1:]
+    if h.startswith("["):   # "[addr]" or "[addr]:port", nothing else after the bracket
+        end = h.find("]")
+        if end < 0 or not (h[end + 1:] == "" or (h[end + 1] == ":" and h[end + 2:].isdigit())):
+            return h            # not a bracketed address: compared whole (never loopback)
+        return h[1:end]
     if h.count(":") == 1:
         h = h.split(":", 1)[0]
     return h.rstrip(".")

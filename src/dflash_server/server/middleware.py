@@ -61,7 +61,10 @@ class Gate:
                 await send_error(send_wrapped, APIError(403, f"host {name!r} is not allowed; start the server with "
                                                         "--allowed-hosts NAME to accept it"), path)
                 return
-            if scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS and not authorized(headers, cfg.api_key):
+            # only a real CORS preflight (which browsers send without credentials) skips the key
+            preflight = (scope["method"] == "OPTIONS" and bool(cfg.cors_origins) and b"origin" in headers
+                         and b"access-control-request-method" in headers)
+            if not preflight and path not in PUBLIC_PATHS and not authorized(headers, cfg.api_key):
                 await send_error(send_wrapped, APIError(401, "invalid or missing API key"), path)
                 return
             if scope["method"] == "POST" and media_type(headers.get(b"content-type")) != "application/json":
