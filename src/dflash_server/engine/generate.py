@@ -286,7 +286,7 @@ class Engine:
         its taps and each row's features extend that sequence's draft context."""
         pipe, spec = self.pipeline, self.proposer
         if spec is not None:
-            for seq in [s for s in rows if s.pos >= pipe.max_ctx]:
+            for seq in [s for s in rows if s.pos + 1 >= pipe.max_ctx]:   # (as plain decoding stops)
                 self._end(seq, "length", ended)
             rows = [s for s in rows if not s.done]
             if not rows:
@@ -328,7 +328,7 @@ class Engine:
             self._end(seq, finish, ended)
 
     def _speculate_rows(self, rows: list[Sequence], ended: list) -> None:
-        for seq in [s for s in rows if s.pos >= self.pipeline.max_ctx]:
+        for seq in [s for s in rows if s.pos + 1 >= self.pipeline.max_ctx]:   # no token past the context
             self._end(seq, "length", ended)
         rows = [s for s in rows if not s.done]
         if not rows:

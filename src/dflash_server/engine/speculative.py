@@ -176,8 +176,10 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
 
 def block_room(pipe, seq) -> int:
     """The most rows ``seq``'s next verify block may take: its tokens left, the context's
-    room after its position, the pipeline's limit on a speculative forward."""
-    return min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - seq.pos, pipe.max_spec_rows)
+    room after its position (a block of B rows commits up to B tokens, the last at pos + B,
+    which must lie inside the context as plain decoding's last token does), the pipeline's
+    limit on a speculative forward."""
+    return min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - seq.pos - 1, pipe.max_spec_rows)
 
 
 def draft_block(proposer: Proposer, seq, block: int) -> tuple[list[int], torch.Tensor | None]:
@@ -229,7 +231,7 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     spec_begin(proposer, seq)
     anchor, pos = seq.last, seq.pos
     # depth: at most the draft's block, the tokens left, and the room in the context
-    block = min(proposer.block_size, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos)
+    block = min(proposer.block_size, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos - 1)
     if block < 1:
         return "length"
     chosen = sizer.choose() if sizer is not None else proposer.tree_budget
@@ -364,7 +366,7 @@ def tree_budgets(pipe, proposer: Proposer, seqs: list) -> tuple[list[int], list[
     cannot draft; the batch sizer's joint choice (adaptive), else the proposer's budget."""
     depths, caps = [], []
     for s in seqs:
-        depth = max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos))
+        depth = max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos - 1))
         room = min(proposer.tree_budget, pipe.max_ctx - s.pos - 1, pipe.max_spec_rows - 1)
         depths.append(depth)
         caps.append(max(0, room) if s.req.speculate and depth > 1 else 0)

@@ -1,0 +1,42 @@
+"""Hostile review (2026-11-27): at the context limit greedy output with a draft was one token
+longer than plain decoding (a verify block could commit its bonus token at position
+max_ctx): the speculative paths now stop, and size their blocks and trees, as plain decoding
+does, so draft == no draft there too and prompt + completion never exceed the context."""
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.spec.config import DraftConfig
+from dflash_server.spec.draft import DFlashDraft
+from dflash_server.spec.proposer import DFlashProposer
+from helpers.build import pipeline, prompt_ids
+
+
+def _proposer(pipe, tree_budget=0, block=8):
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=block, mask_token_id=5, target_layer_ids=(0, 1),
+                      num_target_layers=c.num_layers)
+    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
+    return DFlashProposer(draft, pipe, tree_budget=tree_budget)
+
+
+@pytest.mark.parametrize("mode", ["oracle chain", "tree"])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_draft_equals_plain_at_the_context_limit(tiny_dir, mode, lanes):
+    ctx = 48
+    pipe = pipeline(tiny_dir("llama"), max_ctx=ctx, lanes=lanes)
+    ids = tuple(prompt_ids(pipe, 30))
+    req = GenerationRequest(ids, max_tokens=100, ignore_eos=True)
+    plain = Engine(pipe).generate(req)
+    assert len(ids) + plain.completion_tokens == ctx and plain.finish_reason == "length"
+    prop = _proposer(pipe, tree_budget=7 if mode == "tree" else 0)
+    if mode == "oracle chain":   # the target's own continuation as drafts: whole blocks accepted to the limit
+        def propose(anchor, start, block):
+            done = start - len(ids) + 1
+            return list(plain.token_ids[done:done + block - 1]) + [5] * max(0, block - 1 - (len(plain.token_ids) - done))
+        prop.propose = propose
+    got = Engine(pipe, proposer=prop).generate(req)
+    assert got.token_ids == plain.token_ids and got.finish_reason == "length"
+    if mode == "oracle chain":
+        assert got.extra["spec"]["acceptance_length"] > 2
