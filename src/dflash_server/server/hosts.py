@@ -28,8 +28,10 @@ def host_name(header: str) -> str:
     h = header.strip().lower()
     if h.startswith("["):   # "[addr]" or "[addr]:port", nothing else after the bracket
         end = h.find("]")
-        if end < 0 or not (h[end + 1:] == "" or (h[end + 1] == ":" and h[end + 2:].isdigit())):
-            return h            # not a bracketed address: compared whole (never loopback)
+        if end < 0:
+            return h[1:]
+        if not (h[end + 1:] == "" or (h[end + 1] == ":" and h[end + 2:].isdigit())):
+            return h            # text after the address: compared whole (never loopback)
         return h[1:end]
     if h.count(":") == 1:
         h = h.split(":", 1)[0]
