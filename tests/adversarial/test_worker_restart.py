@@ -86,19 +86,14 @@ def test_a_draft_worker_restart_fails_its_sequences_as_its_fault(tiny_dir, tmp_p
 
     from dflash_server.engine.generate import Engine, GenerationRequest
     from dflash_server.server.generation import engine_error
-    from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.spec.remote_draft import RemoteDraft
 
-    from dflash_server.spec.config import DraftConfig
+    from helpers.build import random_draft
 
     path = tiny_dir("llama")
     pipe = pipeline(path, max_ctx=256, lanes=2)
-    c = pipe.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(0, 1),
-                      num_target_layers=c.num_layers)
-    local = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
+    local = random_draft(pipe, layers=1)
     (tmp_path / "config.json").write_text(json.dumps(local.cfg.to_dict()))
     save_file(local.zlab_state_dict(), str(tmp_path / "model.safetensors"))
     rd = RemoteDraft(tmp_path, device="cpu", home="cpu", dtype=torch.float32, max_ctx=pipe.max_ctx,

@@ -47,3 +47,16 @@ def start_slots(pipes, prompts) -> tuple[list[int], list[int]]:
             if p is pipes[0]:
                 toks.append(int(last.logits[-1].argmax()))
     return [len(ids) for ids in prompts], toks
+
+
+def random_draft(pipe, layers: int = 2, block: int = 4):
+    """A small DFlash draft with seeded random weights tapping target layers 0 and 1 (fp32, on
+    the CPU): for tests where what the draft proposes does not matter, or is overridden."""
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=layers, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=block, mask_token_id=5, target_layer_ids=(0, 1),
+                      num_target_layers=c.num_layers)
+    return DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)

@@ -338,16 +338,10 @@ def _same_draft_contexts(eng, seqs, slots, contexts, late) -> int:
 
 
 def _draft_proposer(pipe, adaptive=False, block=4):
-    from dflash_server.spec.config import DraftConfig
-    from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
+    from helpers.build import random_draft
 
-    c = pipe.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, block_size=block, mask_token_id=5, target_layer_ids=(0, 1),
-                      num_target_layers=c.num_layers)
-    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
-    return DFlashProposer(draft, pipe, adaptive=adaptive)
+    return DFlashProposer(random_draft(pipe, block=block), pipe, adaptive=adaptive)
 
 
 @pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("llama", "remote")])

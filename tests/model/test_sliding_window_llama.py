@@ -9,29 +9,18 @@ from helpers.build import pipeline, prompt_ids
 from helpers.tiny import _perturb, load_hf, make_tiny_model, write_smol_tokenizer
 
 
-def _mistral(dst):
-    from transformers import MistralConfig, MistralForCausalLM
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
+             bos_token_id=1)
+
+
+def _hf_model(kind, dst, **cfg):
+    """A small seeded ``transformers`` model of ``kind`` ("Mistral", "Qwen2") saved at ``dst``."""
+    import transformers
 
     torch.manual_seed(0)
-    m = MistralForCausalLM(MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, max_position_embeddings=1024, sliding_window=24,
-                                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1))
-    _perturb(m, 0)
-    dst.mkdir()
-    m.save_pretrained(dst, safe_serialization=True)
-    write_smol_tokenizer(dst)
-    return dst
-
-
-def _qwen2(dst):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                     use_sliding_window=True, sliding_window=24, max_window_layers=1,
-                                     tie_word_embeddings=True, eos_token_id=2, bos_token_id=1))
+    config = getattr(transformers, f"{kind}Config")(**SMALL, **cfg)
+    m = getattr(transformers, f"{kind}ForCausalLM")(config)
     _perturb(m, 0)
     dst.mkdir()
     m.save_pretrained(dst, safe_serialization=True)
@@ -42,9 +31,9 @@ def _qwen2(dst):
 @pytest.mark.parametrize("kind", ["mistral", "qwen3", "qwen2"])
 def test_sliding_window_matches_transformers(tmp_path, kind):
     if kind == "mistral":
-        path = _mistral(tmp_path / "m")
+        path = _hf_model("Mistral", tmp_path / "m", head_dim=16, sliding_window=24)
     elif kind == "qwen2":
-        path = _qwen2(tmp_path / "m")
+        path = _hf_model("Qwen2", tmp_path / "m", use_sliding_window=True, sliding_window=24, max_window_layers=1)
     else:
         path = make_tiny_model(kind, tmp_path / "q", use_sliding_window=True, sliding_window=24,
                                max_window_layers=1)

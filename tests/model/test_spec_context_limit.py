@@ -3,22 +3,14 @@ longer than plain decoding (a verify block could commit its bonus token at posit
 max_ctx): the speculative paths now stop, and size their blocks and trees, as plain decoding
 does, so draft == no draft there too and prompt + completion never exceed the context."""
 import pytest
-import torch
 
 from dflash_server.engine.generate import Engine, GenerationRequest
-from dflash_server.spec.config import DraftConfig
-from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
-from helpers.build import pipeline, prompt_ids
+from helpers.build import pipeline, prompt_ids, random_draft
 
 
 def _proposer(pipe, tree_budget=0, block=8):
-    c = pipe.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=16, block_size=block, mask_token_id=5, target_layer_ids=(0, 1),
-                      num_target_layers=c.num_layers)
-    draft = DFlashDraft(cfg, DFlashDraft.random_tensors(cfg, 3, 0.05), "cpu", torch.float32, pipe.max_ctx)
-    return DFlashProposer(draft, pipe, tree_budget=tree_budget)
+    return DFlashProposer(random_draft(pipe, layers=1, block=block), pipe, tree_budget=tree_budget)
 
 
 @pytest.mark.parametrize("mode", ["oracle chain", "tree"])
