@@ -83,7 +83,9 @@ def test_rows_are_invariant_and_paths_identical(qname):
     x = torch.randn(64, k) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different scales
     x[5, 7] = 300.0  # an outlier channel
     full = torch.ops.dflash.qmm(x, packed, qtype, n, k)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 16, 21, 33, 40):  # AMX from 6 rows (chunks of 8; a short chunk's spare rows), fewer on the vector path (4 rows a pass, then 1-3 in one)
+    # AMX from 6 rows (chunks of 8; a short chunk's spare rows); the 256-bit vector path 4 rows a pass, then 1-3
+    # in one; AVX-512 from 8 rows on two groups at once (8 rows a pass, then 4, then 1-3; an odd last group alone)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 21, 33, 40):
         part = torch.ops.dflash.qmm(x[:m], packed, qtype, n, k)
         assert torch.equal(part, full[:m]), m
     alone = torch.cat([torch.ops.dflash.qmm(x[i:i + 1], packed, qtype, n, k) for i in range(64)])
@@ -92,7 +94,7 @@ def test_rows_are_invariant_and_paths_identical(qname):
     assert 0 in paths and len(paths) >= 2  # the portable path and at least one SIMD path here
     for isa in paths:
         assert torch.equal(torch.ops.dflash.qmm(x, packed, qtype, n, k, isa), full), kernels.ISAS[isa]
-        for m in (2, 3, 5, 7):  # 4 rows a pass, the last 1-3 in one: every split gives the same bits
+        for m in (2, 3, 5, 7, 9, 12, 15):  # every split of the rows into passes gives the same bits
             assert torch.equal(torch.ops.dflash.qmm(x[:m], packed, qtype, n, k, isa), full[:m]), (kernels.ISAS[isa], m)
     # the activation quantizer and the output rounding are vectorized too: bf16 / fp16 inputs,
     # all-zero blocks, ties, and blocks holding NaN / inf give the same bits on every path
