@@ -9,7 +9,9 @@ text, so tool calling works with any chat model.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..weights.chat_template import render_chat
 from .errors import bad_request
@@ -39,6 +41,88 @@ class Prompt:
     markup: Markup = QWEN_MARKUP  # how this model writes reasoning and tool calls
 
 
+# Client text is text: a "<|im_start|>" written in a message, a tool result or a tool's
+# description must not become the template's control token (one tool result could forge a
+# system turn). The strings of the tokenizer's added tokens are hidden behind these sentinels
+# before rendering and encoded as plain text after it; only the template's own markup is
+# encoded as control tokens (as the OpenAI and Anthropic APIs tokenize message text).
+_OPEN, _CLOSE = "\U000FFFF0", "\U000FFFF1"
+_SENTINEL = re.compile(_OPEN + r"(\d+)" + _CLOSE)
+
+
+def _trie_pattern(strings: list[str]) -> str:
+    """A regex matching the longest of ``strings`` at a position, as a trie: an alternation of
+    thousands of added tokens (Gemma's) would try each one at every '<' of an HTML message."""
+    trie: dict = {}
+    for text in strings:
+        node = trie
+        for ch in text:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict) -> str:
+        alts = [re.escape(ch) + build(node[ch]) for ch in sorted(k for k in node if k)]
+        body = "" if not alts else alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node and body else body
+
+    return build(trie)
+
+
+def _strip(text: str) -> str:
+    """Without the halves of sentinels a template cut apart (a template slicing content)."""
+    return text.replace(_OPEN, "").replace(_CLOSE, "")
+
+
+class Literals:
+    """Hides a tokenizer's added-token strings in client text and encodes them as text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = {a.content for a in tokenizer.tok.get_added_tokens_decoder().values()}
+        # single characters and whitespace runs are ordinary text even when a tokenizer adds them
+        self.hidden = sorted((a for a in added if len(a) >= 2 and not a.isspace()), key=len, reverse=True)
+        self.hidden += [_OPEN, _CLOSE]  # a client's own sentinel characters stay what they are
+        self.index = {a: i for i, a in enumerate(self.hidden)}
+        self.pattern = re.compile(_trie_pattern(self.hidden))
+        self.control = set(tokenizer.tok.get_added_tokens_decoder())
+
+    def hide(self, value):
+        """``value`` (a string, or JSON-like lists / dicts of them) with every added-token
+        string replaced by its sentinel."""
+        if isinstance(value, str):
+            return self.pattern.sub(lambda m: f"{_OPEN}{self.index[m.group(0)]}{_CLOSE}", value)
+        if isinstance(value, list):
+            return [self.hide(v) for v in value]
+        if isinstance(value, dict):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        return value
+
+    def reveal(self, text: str) -> str:
+        return "".join(self.hidden[int(part)] if n % 2 else _strip(part) for n, part in enumerate(_SENTINEL.split(text)))
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of rendered text: the template's markup as it encodes, hidden strings as text."""
+        if _OPEN not in text and _CLOSE not in text:
+            return self.tokenizer.encode(text, add_bos=False)
+        ids: list[int] = []
+        for n, part in enumerate(_SENTINEL.split(text)):
+            if n % 2:
+                ids += self._as_text(self.hidden[int(part)])
+            elif _strip(part):
+                ids += self.tokenizer.encode(_strip(part), add_bos=False)
+        return ids
+
+    def _as_text(self, literal: str) -> list[int]:
+        """``literal`` in ordinary tokens: split where no added token can match."""
+        if len(literal) == 1:
+            return self.tokenizer.encode(literal, add_bos=False)
+        ids = self.tokenizer.encode(literal, add_bos=False)
+        if not self.control.intersection(ids):
+            return ids
+        half = len(literal) // 2 if len(literal) > 2 else 1
+        return self._as_text(literal[:half]) + self._as_text(literal[half:])
+
+
 def _args_obj(arguments):
     """Templates iterate tool-call arguments as a mapping; clients send a JSON string."""
     if isinstance(arguments, str):
@@ -63,6 +147,10 @@ class PromptBuilder:
         self.tool_format = tool_format(self.template) if self.template_tools else "json"
         self.markup = markup_for(self.tool_format)
 
+    @cached_property
+    def literals(self) -> Literals:
+        return Literals(self.tokenizer)
+
     def chat(self, messages: list[dict], tools: ToolSet | None = None, thinking: Thinking = Thinking(),
              template_kwargs: dict | None = None) -> Prompt:
         if not self.template:
@@ -71,24 +159,35 @@ class PromptBuilder:
             raise bad_request("messages must not be empty", "messages")
         self.check_size(sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages),
                         "messages")
-        msgs = [dict(m) for m in messages]
-        for m in msgs:
+        lit = self.literals
+        msgs = []
+        for m in messages:
+            m = {k: (v if k in ("role", "_continue") else lit.hide(v)) for k, v in m.items()}
             if m.get("tool_calls"):
                 m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _args_obj(
                     c["function"].get("arguments"))}} for c in m["tool_calls"]]
-        specs = list(tools.specs) if tools is not None and tools.active else []
+            msgs.append(m)
+        # an Anthropic prefill: the answer continues the final assistant message
+        prefill = msgs[-1].pop("_continue", False) and msgs[-1].get("content")
+        specs = lit.hide(list(tools.specs)) if tools is not None and tools.active else []
         if not self.template_tools:
             msgs = self._inline_tools(msgs, specs)
             specs = []
-        kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in RESERVED_KWARGS}
+        kwargs = {k: lit.hide(v) for k, v in (template_kwargs or {}).items() if k not in RESERVED_KWARGS}
         if thinking.enabled is not None:
             kwargs["enable_thinking"] = thinking.enabled
         try:
-            text = render_chat(self.template, msgs, add_generation_prompt=True, tools=specs or None,
+            text = render_chat(self.template, msgs, add_generation_prompt=not prefill, tools=specs or None,
                                bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",
                                **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors and template bugs alike are a 400
             raise bad_request(f"chat template: {e}") from None
+        if prefill:  # the rendered turn, cut after its content (transformers' continue_final_message)
+            at = text.rfind(prefill)
+            if at < 0:
+                raise bad_request("this model's chat template changes the final assistant message, so the "
+                                  "answer cannot continue it", "messages")
+            text = text[:at + len(prefill)]
         think_open = text.rstrip().endswith(self.markup.think_open)
         prefix = forced_prefix(tools, self.tool_format) if tools is not None and tools.active else ""
         if prefix and think_open:
@@ -96,7 +195,7 @@ class PromptBuilder:
         text += prefix
         self.check_size(len(text), "messages")
         users = [m for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
-        return Prompt(self.tokenizer.encode(text, add_bos=False), text, think_open, prefix,
+        return Prompt(lit.encode(text), lit.reveal(text), think_open, prefix,
                       query=users[-1]["content"] if users else None,
                       continuation=any(m.get("role") in ("assistant", "tool") for m in messages), markup=self.markup)
 

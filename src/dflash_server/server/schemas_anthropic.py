@@ -92,15 +92,21 @@ class CountTokensRequest(Model):
         out: list[dict] = []
         if self.system:
             out.append({"role": "system", "content": _text(self.system, "system")})
+        last = len(self.messages) - 1
         for i, m in enumerate(self.messages):
             where = f"messages.{i}.content"
+            if not m.content and not (i == last and m.role == "assistant"):  # the API's rule
+                raise bad_request(f"messages.{i}: all messages must have non-empty content except for the "
+                                  "optional final assistant message", where)
             if isinstance(m.content, str):
                 out.append({"role": m.role, "content": m.content})
                 continue
             texts, calls, thinking = [], [], []
             for b in m.content:
                 if b.type == "text":
-                    texts.append(b.text or "")
+                    if not b.text:
+                        raise bad_request(f"{where}: text content blocks must be non-empty", where)
+                    texts.append(b.text)
                 elif b.type == "tool_result" and m.role == "user":
                     content = _text(b.content, where) if b.content is not None else ""
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id or "",
@@ -123,6 +129,17 @@ class CountTokensRequest(Model):
                 if thinking:
                     msg["reasoning_content"] = "\n".join(thinking)
                 out.append(msg)
+        final = out[-1] if out else {}
+        if not self.messages or self.messages[-1].role != "assistant":
+            return out
+        if not final.get("content") and not final.get("tool_calls"):
+            out.pop()  # an empty final assistant message: nothing to continue
+        elif not final.get("tool_calls"):
+            # a prefill: "the response content will continue immediately from" it
+            if final["content"] != final["content"].rstrip():
+                raise bad_request("final assistant content cannot end with trailing whitespace",
+                                  f"messages.{last}.content")
+            final["_continue"] = True
         return out
 
 

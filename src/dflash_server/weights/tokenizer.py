@@ -50,8 +50,14 @@ class Tokenizer:
                 raise ModelLoadError(f"{path}/tokenizer_config.json: not a JSON object")
         template = tc.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            if not all(isinstance(t, dict) for t in template):
+                raise ModelLoadError(f"{path}/tokenizer_config.json: chat_template is a list of something "
+                                     "other than {\"name\", \"template\"} objects")
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(f"{path}/tokenizer_config.json: chat_template must be a string (or a list of "
+                                 f"named templates), not {type(template).__name__}")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         model_cfg = model_cfg or {}
