@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -36,10 +37,13 @@ class GrammarCompiler:
     """The tokenizer as llguidance sees it (built once, on the first constrained request:
     ~0.4 s for a 49k vocabulary) and grammar checks against it. Thread-safe."""
 
+    READY = 8  # compiled grammars kept for the requests that checked them
+
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll = None
         self._lock = threading.Lock()
+        self._ready: OrderedDict[str, object] = OrderedDict()
 
     @property
     def ll_tokenizer(self):
@@ -69,18 +73,34 @@ class GrammarCompiler:
         return json.dumps(text)
 
     def check(self, grammar: str) -> None:
-        """Raise ValueError with llguidance's message when ``grammar`` is not usable."""
+        """Compile ``grammar`` as the engine will use it (its limits included), or raise
+        ValueError with llguidance's message. Call it off the engine's thread: a large schema
+        takes seconds to compile, and ``constraint`` then starts from this compiled matcher
+        instead of compiling again on the thread every sequence waits on."""
         import llguidance
 
-        try:
-            json.loads(grammar)
-        except (ValueError, RecursionError):
-            raise ValueError("grammar: not JSON (or nested too deeply)") from None
-        err = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if err:
-            raise ValueError(f"grammar: {err[:500]}")
+        with self._lock:
+            if grammar in self._ready:
+                self._ready.move_to_end(grammar)
+                return
+        if grammar.lstrip().startswith("{"):  # llguidance's JSON form (else a Lark grammar)
+            try:
+                json.loads(grammar)
+            except (ValueError, RecursionError):
+                raise ValueError("grammar: not JSON (or nested too deeply)") from None
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, limits=_limits())
+        if matcher.is_error():
+            raise ValueError(f"grammar: {matcher.get_error()[:500]}")
+        with self._lock:
+            self._ready[grammar] = matcher
+            while len(self._ready) > self.READY:
+                self._ready.popitem(last=False)
 
     def constraint(self, grammar: str) -> "Constraint":
+        with self._lock:
+            ready = self._ready.get(grammar)
+        if ready is not None:
+            return Constraint(self.ll_tokenizer, grammar, self.vocab_size, ready.deep_copy())
         return Constraint(self.ll_tokenizer, grammar, self.vocab_size)
 
 
@@ -95,11 +115,15 @@ def _limits():
 
 
 class Constraint:
-    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int):
+    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int, matcher=None):
+        """``matcher``: one compiled already (GrammarCompiler.check), in its start state."""
         import llguidance
-        import llguidance.torch as lt
+        # (not llguidance.torch: its import pulls in torch._dynamo, seconds on the first
+        # constrained request, on the engine's thread)
+        import llguidance.numpy as lt
 
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, limits=_limits())
+        self.matcher = matcher if matcher is not None else llguidance.LLMatcher(ll_tokenizer, grammar,
+                                                                                limits=_limits())
         if self.matcher.is_error():
             raise ValueError(f"grammar: {self.matcher.get_error()[:500]}")
         self._fill = lt.fill_next_token_bitmask
@@ -114,7 +138,7 @@ class Constraint:
         # bit t % 32 of word t // 32 allows token t: unpacked by numpy in a few microseconds
         # (llguidance's own apply is a torch.compile'd kernel: 1.5 s to compile on the
         # first request, and a compile is not something a request should wait for)
-        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[:self.vocab_size]
         allowed = torch.from_numpy(bits).to(device=logits.device, dtype=torch.bool)
         return logits.float().masked_fill(~allowed, float("-inf"))
 

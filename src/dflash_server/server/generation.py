@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from anyio import to_thread
+
 from ..engine.budget import ContextBudgetError, plan_new_tokens
 from ..engine.generate import GenerationRequest, GenerationResult, TokenEvent
 from ..engine.sampling import SamplingParams
@@ -269,12 +271,19 @@ class Service:
             return ()
         return (self.prompts.markup.tool_markers[0][1],)  # "</tool_call>" (Gemma 4: "<tool_call|>")
 
-    def start(self, prompt: Prompt, opts: GenOptions, n: int = 1, label: str = "") -> list[Run]:
+    async def start(self, prompt: Prompt, opts: GenOptions, n: int = 1, label: str = "") -> list[Run]:
         """Queue ``n`` generations of one prompt back to back (all or none)."""
         if n > self.scheduler.capacity:   # never admissible: a retryable 503 would be retried for ever
             raise bad_request(f"n={n} generations cannot all be queued on this server: it runs and queues "
                               f"{self.scheduler.capacity} at most (--parallel, --max-queue)", "n")
         reqs = [self.request(prompt, opts, i) for i in range(n)]
+        if reqs[0].grammar is not None and reqs[0].grammar != opts.grammar:
+            # a tool call's grammar, compiled here off the engine's thread (a format grammar
+            # was, by check_grammar); the engine's sequences start from the compiled matcher
+            try:
+                await to_thread.run_sync(self.scheduler.engine.grammars.check, reqs[0].grammar)
+            except ValueError as e:
+                raise bad_request(f"tools: a parameters schema cannot be enforced: {str(e)[:300]}", "tools") from None
         stop_ids = set() if opts.ignore_eos else set(self.tokenizer.eos_token_ids)
         runs: list[Run] = []
         try:

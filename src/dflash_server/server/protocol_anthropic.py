@@ -54,7 +54,7 @@ async def handle(app, request: Request):
     opts = GenOptions(max_tokens=body.max_tokens, sampling=sampling.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop_sequences, 16, "stop_sequences"), thinking=thinking, tools=tools,
                       grammar=grammar, **body.engine_options())
-    runs = app.service.start(prompt, opts, 1, label="messages")
+    runs = await app.service.start(prompt, opts, 1, label="messages")
     run, mid = runs[0], "msg_" + secrets.token_hex(12)
     model = body.model or app.config.model_name
     if body.stream:

@@ -42,7 +42,7 @@ async def handle(app, request: Request):
     groups: list[list[Run]] = []
     try:
         for p in prompts:
-            groups.append(app.service.start(p, opts, n, label="completion"))
+            groups.append(await app.service.start(p, opts, n, label="completion"))
     except APIError:
         for g in groups:
             for r in g:

@@ -72,7 +72,7 @@ async def handle(app, request: Request):
                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                       ignore_eos=bool(body.ignore_eos), thinking=thinking, tools=tools,
                       grammar=grammar, **body.engine_options())
-    runs = app.service.start(prompt, opts, body.n or 1, label="chat")
+    runs = await app.service.start(prompt, opts, body.n or 1, label="chat")
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     model = body.model or app.config.model_name
     if body.stream:

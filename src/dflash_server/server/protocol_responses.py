@@ -127,7 +127,7 @@ async def handle(app, request: Request):
     opts = GenOptions(max_tokens=body.output_limit, sampling=body.sampling(app.sampling_defaults),
                       stop=stop_list(body.stop, 4), logprobs=body.top_logprobs, thinking=thinking, tools=tools,
                       grammar=grammar, **body.engine_options())
-    runs = app.service.start(prompt, opts, 1, label="responses")
+    runs = await app.service.start(prompt, opts, 1, label="responses")
     resp = _Response(app, body, body.model or app.config.model_name)
     if body.stream:
         return await sse.start_stream(request, runs, _stream(app, runs[0], resp, body, conversation))
