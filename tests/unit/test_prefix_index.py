@@ -59,3 +59,36 @@ def test_disabled_and_bad_limits():
     assert not idx.enabled and not idx.fits(1)
     with pytest.raises(ValueError):
         PrefixIndex(-1)
+
+
+def test_lookup_hashes_only_boundaries_an_entry_can_match(monkeypatch):
+    """A prompt of thousands of end-of-turn ids has thousands of boundaries: hashing each
+    prefix was quadratic (8000 tokens: 16M token hashes, ~6 s on the engine's thread)."""
+    from dflash_server.cache import prefix_index
+
+    hashed: list[int] = []
+    orig = prefix_index.prefix_key
+    monkeypatch.setattr(prefix_index, "prefix_key", lambda ids: hashed.append(len(ids)) or orig(ids))
+    ids = [2, 198] * 4000                       # "<|im_end|>\n" x 4000: 4000 turn boundaries
+    idx = prefix_index.PrefixIndex(32)
+    assert idx.lookup(ids, range(2, len(ids) + 1, 2)) is None
+    assert sum(hashed) == 0
+    idx.insert(ids[:100], idx.new_slot(), 10)
+    idx.insert([7] * 300, idx.new_slot(), 10)   # a length at a boundary, other ids
+    hashed.clear()
+    e = idx.lookup(ids, range(2, len(ids) + 1, 2))
+    assert e is not None and e.length == 100    # the longest match is still found
+    assert sum(hashed) <= 100 + 300
+
+
+def test_keys_are_the_documented_bytes():
+    import hashlib
+
+    from dflash_server.cache.prefix_index import prefix_key
+
+    ids = [0, 1, -5, 2**31 - 1, 49151]
+    h = hashlib.blake2b(digest_size=16)
+    h.update(len(ids).to_bytes(8, "little"))
+    for t in ids:
+        h.update(t.to_bytes(4, "little", signed=True))
+    assert prefix_key(ids) == prefix_key(tuple(ids)) == h.hexdigest()  # (disk caches keep their names)

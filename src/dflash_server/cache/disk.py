@@ -54,7 +54,7 @@ class DiskCache:
             log.warning("kv cache: %s is not writable: its snapshots are read, none are written", self.dir)
         self.index = DiskIndex(budget_bytes)
         self.min_tokens = min_tokens
-        self.counters = {"hits": 0, "misses": 0, "reads": 0, "writes": 0, "evictions": 0, "errors": 0}
+        self.counters = {"hits": 0, "misses": 0, "reads": 0, "writes": 0, "evictions": 0, "errors": 0, "dropped": 0}
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-cache-writer")
         self._pending: list[Future] = []
@@ -169,18 +169,30 @@ class DiskCache:
     def contains(self, token_ids) -> bool:
         return prefix_key(token_ids) in self.index.entries
 
+    MAX_QUEUED = 4  # snapshot copies waiting for the writer at most; more are dropped
+
+    def backlog(self) -> int:
+        """Writes queued or running."""
+        self._pending = [f for f in self._pending if not f.done()]
+        return len(self._pending)
+
     def save(self, token_ids, tensors: dict, force: bool = False) -> Future | None:
-        """Queue a write (skipped if too short, already present or over budget)."""
+        """Queue a write (skipped if too short, already present or over budget, or when the
+        writer is MAX_QUEUED behind: each queued write holds a copy of the state, and a disk
+        slower than decoding would otherwise grow memory by a snapshot per checkpoint)."""
         token_ids = tuple(token_ids)
         if self.read_only:
             return None
         if (len(token_ids) < self.min_tokens and not force) or self.contains(token_ids):
             return None
+        if self.backlog() >= self.MAX_QUEUED:
+            self.counters["dropped"] += 1
+            return None
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if nbytes > self.index.budget:
             return None
         fut = self._writer.submit(self._write, token_ids, tensors, nbytes)
-        self._pending = [f for f in self._pending if not f.done()] + [fut]
+        self._pending.append(fut)
         return fut
 
     def _write(self, token_ids, tensors, nbytes) -> None:

@@ -11,12 +11,14 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 def prefix_key(token_ids) -> str:
+    """blake2b-128 of the length (8 bytes) and the ids (4 bytes each, little-endian)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(len(token_ids).to_bytes(8, "little"))
-    for t in token_ids:
-        h.update(int(t).to_bytes(4, "little", signed=True))
+    h.update(np.asarray(token_ids, dtype="<i4").tobytes())  # (an id outside int32: OverflowError)
     return h.hexdigest()
 
 
@@ -54,7 +56,10 @@ class PrefixIndex:
     def lookup(self, token_ids, boundaries) -> PrefixEntry | None:
         """Longest cached prefix ``token_ids[:b]`` over ``boundaries`` (confirmed by ids);
         marks it most recently used."""
-        for b in sorted(set(boundaries), reverse=True):
+        # only boundaries at the length of some entry can hit: a prompt of thousands of
+        # end-of-turn ids has thousands of boundaries, and hashing each prefix was quadratic
+        lengths = {e.length for e in self.entries.values()}
+        for b in sorted(set(boundaries) & lengths, reverse=True):
             if b <= 0 or b > len(token_ids):
                 continue
             e = self.entries.get(prefix_key(token_ids[:b]))

@@ -162,7 +162,10 @@ class PrefixCache:
     def checkpoint(self, token_ids: list[int], logits: torch.Tensor) -> None:
         """Write the current state (positions of ``token_ids``) to the disk cache; the
         memory slots are left alone (a long answer is resumed after a restart or by the
-        next turn, which resends it)."""
+        next turn, which resends it). Skipped while an earlier write is still queued: only
+        the latest checkpoint is worth keeping, and each copy costs the whole state."""
+        if self.disk.backlog():
+            return
         slot = self.index.new_slot()
         try:
             self.pipeline.snapshot_save(slot)

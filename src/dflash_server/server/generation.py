@@ -285,17 +285,11 @@ class Service:
             except ValueError as e:
                 raise bad_request(f"tools: a parameters schema cannot be enforced: {str(e)[:300]}", "tools") from None
         stop_ids = set() if opts.ignore_eos else set(self.tokenizer.eos_token_ids)
-        runs: list[Run] = []
         try:
-            for req in reqs:
-                runs.append(Run(self.scheduler.submit(req, label), prompt, opts, stop_ids, self.observe))
+            jobs = self.scheduler.submit_all(reqs, label)   # all n, or none
         except QueueFull as e:
-            for r in runs:
-                r.cancel()
             raise APIError(503, "the server is busy: the request queue is full; retry later",
                            code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
         except ShuttingDown as e:
-            for r in runs:
-                r.cancel()
             raise engine_error(e) from None
-        return runs
+        return [Run(job, prompt, opts, stop_ids, self.observe) for job in jobs]

@@ -72,7 +72,8 @@ class _CacheCollector:
               "evictions": "memory snapshots evicted", "tokens_saved": "prompt tokens restored from memory"}
     DISK = {"hits": "snapshots restored from disk", "misses": "disk lookups without a hit",
             "reads": "snapshot files read", "writes": "snapshot files written",
-            "evictions": "snapshot files evicted by the budget", "errors": "bad files and failed writes"}
+            "evictions": "snapshot files evicted by the budget", "errors": "bad files and failed writes",
+            "dropped": "snapshot writes dropped while the writer was behind"}
 
     def __init__(self):
         self.engine = None

@@ -97,19 +97,25 @@ class Scheduler:
 
     # --- event loop side ------------------------------------------------------------
     def submit(self, req: GenerationRequest, label: str = "") -> Job:
-        job = Job(req, asyncio.get_running_loop(), label)
+        return self.submit_all([req], label)[0]
+
+    def submit_all(self, reqs: list[GenerationRequest], label: str = "") -> list[Job]:
+        """Queue the generations of one request together, or none of them (QueueFull) when
+        they do not all fit in the free slots plus ``max_queue``."""
+        loop = asyncio.get_running_loop()
+        jobs = [Job(req, loop, label) for req in reqs]
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
-            if self.queue_depth >= self.max_queue and self._busy_locked():
+            if self._in_server_locked() + len(jobs) > self.capacity:
                 if self.hooks:
                     self.hooks.rejected()
                 raise QueueFull(self._retry_after_locked())
-            self._incoming.append(job)
+            self._incoming.extend(jobs)
             self._cv.notify()
         if self.hooks:
             self.hooks.queue_changed(self.queue_depth, self._running)
-        return job
+        return jobs
 
     @property
     def worker_alive(self) -> bool:
@@ -117,16 +123,16 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting for a sequence slot."""
-        return len(self._incoming) + self._waiting
+        """Requests waiting for a sequence slot (those a free slot is about to take aside)."""
+        return max(0, self._in_server_locked() - self._lanes)
 
     @property
     def running(self) -> int:
         """Requests holding a sequence slot (prefilling or decoding)."""
         return self._running
 
-    def _busy_locked(self) -> bool:
-        return self._running + len(self._incoming) + self._waiting >= self._lanes
+    def _in_server_locked(self) -> int:
+        return self._running + len(self._incoming) + self._waiting
 
     def _retry_after_locked(self) -> int:
         per_job = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0

@@ -2,8 +2,8 @@
 
 A stream is committed (status 200 and headers sent) only after the engine produced its
 first event, so a request that fails before generating anything gets a proper 4xx/5xx.
-When the client disconnects, Starlette cancels the body iterator; the ``finally`` below
-cancels the engine job, which stops within one decode step. Non-streaming requests watch
+When the client disconnects, the response ends and cancels the engine jobs (``_RunsStream``),
+which stop within one decode step. Non-streaming requests watch
 for the disconnect themselves (``collect``).
 """
 from __future__ import annotations
@@ -62,15 +62,24 @@ async def start_stream(request: Request, runs, body: AsyncIterator[bytes]) -> St
             r.cancel()
         raise
 
-    async def guarded():
-        try:
-            async for chunk in body:
-                yield chunk
-        finally:
-            for r in runs:
-                r.cancel()
+    return _RunsStream(runs, body, media_type="text/event-stream", headers=SSE_HEADERS)
 
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+class _RunsStream(StreamingResponse):
+    """A streaming response that cancels its runs when it ends, whatever its body did: a
+    client already gone when the response starts never starts the body iterator, so a
+    ``finally`` inside it would never run (the engine would generate for nobody)."""
+
+    def __init__(self, runs, body: AsyncIterator[bytes], **kw):
+        super().__init__(body, **kw)
+        self.runs = runs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for r in self.runs:
+                r.cancel()   # (a finished run: nothing to do)
 
 
 async def _disconnected(request: Request) -> None:

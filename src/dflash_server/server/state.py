@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+import anyio
 from anyio import to_thread
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -19,6 +20,8 @@ from .response_store import ResponseStore
 from .scheduler import Scheduler
 
 log = logging.getLogger("dflash_server")
+BODY_READ_TIMEOUT_S = 60     # a request body must arrive within this (else 408)
+BODIES_BEYOND_CAPACITY = 8   # bodies received at once: (slots + --max-queue + this) x --max-body-mb
 PARSE_INLINE_BYTES = 256 << 10  # bodies at least this large are parsed on a worker thread
 # a request carrying text is refused unparsed when its body is larger than this many times the
 # characters the context can hold, plus this slack (tools, schemas): validating 30 MB of
@@ -39,6 +42,7 @@ class ServerState:
         self.service: Service | None = None
         self.responses = ResponseStore()
         self._closed = False
+        self._body_bytes = 0   # bytes reserved by request bodies being received
 
     # --- lifecycle ---------------------------------------------------------------------
     def attach(self, engine, info: dict) -> None:
@@ -108,12 +112,29 @@ class ServerState:
                            param="model", code="model_not_found")
 
     async def read_body(self, request: Request) -> bytes:
+        """The whole body, within ``--max-body-mb``, BODY_READ_TIMEOUT_S (a 408 for a client
+        that stops sending) and a budget for all bodies being received at once (a 503: a
+        hundred connections each holding back the last byte of a large body otherwise pin a
+        body's memory each, whatever ``--max-queue`` says)."""
         limit, chunks, size = self.config.max_body_bytes, [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
+        declared = request.headers.get("content-length", "")
+        reserve = min(limit, int(declared)) if declared.isdigit() else limit
+        budget = (BODIES_BEYOND_CAPACITY + (self.scheduler.capacity if self.scheduler else 0)) * limit
+        if self._body_bytes + reserve > budget:
+            raise APIError(503, "the server is busy receiving other requests; retry later", code="queue_full",
+                           headers={"Retry-After": "1"})
+        self._body_bytes += reserve
+        try:
+            with anyio.fail_after(BODY_READ_TIMEOUT_S):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S} s") from None
+        finally:
+            self._body_bytes -= reserve
         return b"".join(chunks)
 
     async def parse(self, request: Request, model_cls, prompt_sized: bool = True):
