@@ -107,8 +107,17 @@ class DiskCache:
         share of it."""
         try:
             present = {p.name: p for p in snapshot_files(self.dir)}
-        except OSError:   # the folder is gone (cleared under us): the write will say so
-            return
+        except OSError:   # the folder is gone (`cache clear` under a live server): start it again
+            with self._lock:
+                for key in list(self.index.entries):
+                    self.index.remove(key)
+            try:
+                self.dir, mode = open_model_dir(self.root, self.fingerprint)
+            except OSError:
+                return    # (the write will say why)
+            if mode != "rw":
+                return
+            present = {}
         with self._lock:
             known = {f"{k}{SUFFIX}": k for k in self.index.entries}
             for name, key in known.items():

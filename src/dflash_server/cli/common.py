@@ -238,7 +238,7 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
                 "family": mcfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
                 "draft": draft_identity(draft_path) + [proposer.draft.quantize] if proposer else None,
-                "kvflash": [kvflash.pool_tokens(max_ctx), kvflash.chunk] if kvflash else None}
+                "kvflash": [kvflash_pools(pipeline, kvflash, max_ctx), kvflash.chunk] if kvflash else None}
     if (kv := cache_dtypes(pipeline)) != ["float32"]:  # (absent for fp32: earlier caches stay valid)
         fp_parts["kv_dtype"] = kv
     # what else changes the state a prefill leaves (absent at the defaults: earlier caches stay
@@ -324,6 +324,15 @@ def cache_dtypes(pipeline) -> list[str]:
         else:
             kinds.update(str(b.k.dtype).removeprefix("torch.") for b in st.banks if b is not None)
     return sorted(kinds) or ["float32"]
+
+
+def kvflash_pools(pipeline, kvflash, max_ctx: int):
+    """The KV Flash pool size for the cache fingerprint: the one the settings give (what
+    earlier caches recorded), or, where a stage built another (``auto`` on a GPU sizes it
+    from free memory and the slots), every local stage's."""
+    nominal = kvflash.pool_tokens(max_ctx)
+    built = [st.kv_pool_tokens for st in pipeline.stages if not st.is_remote]
+    return nominal if all(b == nominal for b in built) else built
 
 
 def choose_lanes(flag: int | str, source, shards, dtype, max_ctx: int, quantize, kv_tokens: int | None = None,

@@ -164,6 +164,7 @@ class LocalStage:
         pagers = [kvflash.new_pager(max_ctx, self._kv_budget_tokens(kvflash, lanes)) for _ in range(lanes)] \
             if kvflash is not None else None
         kv_rows = pagers[0].pool_tokens if pagers else max_ctx
+        self.kv_pool_tokens = kv_rows if pagers else None   # (auto on a GPU: from free memory)
         # per layer: the KV bank of all lanes (None for recurrent layers: a state per lane)
         self.banks = []
         per_lane: list[list] = [[] for _ in range(lanes)]
