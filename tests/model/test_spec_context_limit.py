@@ -32,3 +32,18 @@ def test_draft_equals_plain_at_the_context_limit(tiny_dir, mode, lanes):
     assert got.token_ids == plain.token_ids and got.finish_reason == "length"
     if mode == "oracle chain":
         assert got.extra["spec"]["acceptance_length"] > 2
+
+
+def test_block_sizes_past_the_verify_limit_are_refused(tiny_dir, caplog):
+    """A verify block is at most 64 rows (the native attention step's limit): a larger one
+    is an error at start-up, not a failure on the first request; one past the draft's trained
+    block is allowed with a warning (its extra positions are drafted out of distribution)."""
+    pipe = pipeline(tiny_dir("llama"))
+    draft = random_draft(pipe, layers=1, block=4)
+    for bad in (1, 65, 200):
+        with pytest.raises(ValueError, match="block size"):
+            DFlashProposer(draft, pipe, block_size=bad)
+    with caplog.at_level("WARNING", logger="dflash_server"):
+        DFlashProposer(draft, pipe, block_size=8)
+    assert "larger than the draft's trained block" in caplog.text
+    DFlashProposer(draft, pipe, block_size=64)

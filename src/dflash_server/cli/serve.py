@@ -18,6 +18,7 @@ from ..errors import UserError
 from .common import add_model_args, cache_dtypes, positive_int
 
 log = logging.getLogger("dflash_server")
+MAX_CONNECTIONS = 2048  # open connections (and their tasks) at once; beyond: 503 (uvicorn limit_concurrency)
 
 
 def _non_negative_int(text: str) -> int:
@@ -166,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
 
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                    access_log=args.access_log, timeout_graceful_shutdown=config.shutdown_grace_s + 5,
-                                   lifespan="on", server_header=False))
+                                   lifespan="on", server_header=False,
+                                   # a backstop for connections that never finish a request
+                                   # (uvicorn has no deadline for a request's head): 503 beyond
+                                   limit_concurrency=MAX_CONNECTIONS))
     outcome = {"code": 0}
 
     def load():

@@ -6,6 +6,8 @@ draft, matching against target-sampled tokens is exactly lossless.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .. import kernels
@@ -13,10 +15,11 @@ from .. import kernels
 from .batch_sizer import BatchSizer
 from .block_sizer import BlockSizer
 from .ddtree import DraftTree, build_tree
+from .draft import DFlashDraft
 from .tree_sizer import TreeSizer
 
 MAX_TREE_BUDGET = 63  # nodes: with the anchor, a verify of at most 64 rows (the native step's limit)
-from .draft import DFlashDraft
+log = logging.getLogger("dflash_server")
 
 
 def truncate(q: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -52,8 +55,12 @@ class DFlashProposer:
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
         trained = draft.cfg.block_size
         self.block_size = block_size or trained
-        if not 2 <= self.block_size:
-            raise ValueError(f"block size must be >= 2, got {self.block_size}")
+        if not 2 <= self.block_size <= MAX_TREE_BUDGET + 1:
+            raise ValueError(f"block size must be in [2, {MAX_TREE_BUDGET + 1}] (a verify of at most "
+                             f"{MAX_TREE_BUDGET + 1} rows), got {self.block_size}")
+        if self.block_size > trained:
+            log.warning("block size %d is larger than the draft's trained block (%d): positions past %d are "
+                        "drafted out of distribution and rarely accepted", self.block_size, trained, trained)
         if sampled_verify not in ("auto", "rejection", "exact"):
             raise ValueError(f"sampled_verify must be auto, rejection or exact, got {sampled_verify!r}")
         # sampled requests: "rejection" draws drafts from the draft's distribution and keeps
