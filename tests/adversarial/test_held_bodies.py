@@ -4,11 +4,17 @@ connections x --max-body-mb (--max-queue bounds only jobs in the scheduler). 100
 with --parallel 1 --max-queue 1 and 1 MiB bodies must not cost the server anywhere near 100 MiB."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 
 import httpx
+import pytest
+
+from dflash_server.server import state as state_mod
+from dflash_server.server.config import ServerConfig
+from dflash_server.server.errors import APIError
 
 from server.conftest import start_tiny
 
@@ -54,14 +60,6 @@ def _request(receive, length: int):
 
 
 def test_a_body_that_stops_arriving_is_a_408(monkeypatch):
-    import asyncio
-
-    import pytest
-
-    from dflash_server.server import state as state_mod
-    from dflash_server.server.config import ServerConfig
-    from dflash_server.server.errors import APIError
-
     monkeypatch.setattr(state_mod, "BODY_READ_TIMEOUT_S", 0.2)
     st = state_mod.ServerState(ServerConfig(model_name="x"))
 
@@ -78,14 +76,6 @@ def test_a_body_that_stops_arriving_is_a_408(monkeypatch):
 
 
 def test_bodies_in_flight_have_a_budget():
-    import asyncio
-
-    import pytest
-
-    from dflash_server.server import state as state_mod
-    from dflash_server.server.config import ServerConfig
-    from dflash_server.server.errors import APIError
-
     st = state_mod.ServerState(ServerConfig(model_name="x", max_body_bytes=1024))
     gate = asyncio.Event
 
@@ -106,3 +96,46 @@ def test_bodies_in_flight_have_a_budget():
         assert st._body_bytes == 0
 
     asyncio.run(main())
+
+
+# A request with 'Transfer-Encoding: chunked' is framed by its chunks (h11, RFC 9112 6.3: the
+# Content-Length beside it is ignored): reserving its 'Content-Length: 1' let connections
+# each holding back the end of a full-size body pin memory past the budget.
+def _chunked_request(receive):
+    from starlette.requests import Request
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [
+        (b"content-length", b"1"), (b"transfer-encoding", b"chunked"), (b"content-type", b"application/json")]}
+    return Request(scope, receive)
+
+
+def test_chunked_body_with_a_small_content_length_does_not_bypass_the_budget():
+    limit = 1024
+    st = state_mod.ServerState(ServerConfig(model_name="x", max_body_bytes=limit))
+    n = 4 * state_mod.BODIES_BEYOND_CAPACITY   # budget: BODIES_BEYOND_CAPACITY bodies (no scheduler)
+
+    async def main():
+        held = asyncio.Event()
+
+        def receiver():
+            sent = []
+
+            async def receive():
+                if not sent:
+                    sent.append(1)   # most of a body (far more than the 1 byte declared) ...
+                    return {"type": "http.request", "body": b"x" * (limit - 1), "more_body": True}
+                await held.wait()    # ... and the last byte held back
+                return {"type": "http.request", "body": b"x", "more_body": False}
+            return receive
+
+        tasks = [asyncio.create_task(st.read_body(_chunked_request(receiver()))) for _ in range(n)]
+        await asyncio.sleep(0.1)
+        refused = sum(1 for t in tasks if t.done() and isinstance(t.exception(), APIError))
+        held.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return refused
+
+    refused = asyncio.run(main())
+    # n bodies of `limit` bytes held at once, n - refused of them admitted: at most the budget's worth
+    assert n - refused <= state_mod.BODIES_BEYOND_CAPACITY, \
+        f"{n - refused} bodies of {limit} bytes held at once (budget: {state_mod.BODIES_BEYOND_CAPACITY})"

@@ -5,7 +5,6 @@ Two starts whose pools differ (another --parallel, or less free memory) share on
 fingerprint folder: the second restores nothing and deletes every snapshot the first wrote
 ("does not fit this model"). The CUDA query is faked as in test_kvflash's
 test_auto_pool_budget_from_free_device_memory (no GPU in CI)."""
-import torch
 
 from dflash_server.cache.disk_format import SUFFIX
 from dflash_server.engine.generate import GenerationRequest

@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
 from .disk_format import SUFFIX, SnapshotFormatError, read_header, read_tensors, write_snapshot
@@ -185,15 +186,18 @@ class DiskCache:
         self._pending = [f for f in self._pending if not f.done()]
         return len(self._pending)
 
-    def save(self, token_ids, tensors: dict, force: bool = False) -> Future | None:
+    def save(self, token_ids, tensors: dict, force: bool = False, wait: bool = False) -> Future | None:
         """Queue a write (skipped if too short, already present or over budget, or when the
         writer is MAX_QUEUED behind: each queued write holds a copy of the state, and a disk
-        slower than decoding would otherwise grow memory by a snapshot per checkpoint)."""
+        slower than decoding would otherwise grow memory by a snapshot per checkpoint).
+        ``wait``: rather than drop it, wait for the writer to catch up (shutdown)."""
         token_ids = tuple(token_ids)
         if self.read_only:
             return None
         if (len(token_ids) < self.min_tokens and not force) or self.contains(token_ids):
             return None
+        while wait and self.backlog() >= self.MAX_QUEUED:
+            wait_futures(self._pending, return_when=FIRST_COMPLETED)
         if self.backlog() >= self.MAX_QUEUED:
             self.counters["dropped"] += 1
             return None

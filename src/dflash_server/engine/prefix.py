@@ -192,7 +192,7 @@ class PrefixCache:
             return
         for e in list(self.index.entries.values()):
             if not self.extras.get(e.slot, {}).get("memory_only") and not self.disk.contains(e.token_ids):
-                self.disk.save(e.token_ids, self.export(e.slot))
+                self.disk.save(e.token_ids, self.export(e.slot), wait=True)
         self.disk.close()
 
     def stats(self) -> dict:

@@ -47,6 +47,7 @@ class Prompt:
 # before rendering and encoded as plain text after it; only the template's own markup is
 # encoded as control tokens (as the OpenAI and Anthropic APIs tokenize message text).
 _OPEN, _CLOSE = "\U000FFFF0", "\U000FFFF1"
+_END = "\U000FFFF2"  # marks where a prefill (an Anthropic final assistant message) ends
 _SENTINEL = re.compile(_OPEN + r"(\d+)" + _CLOSE)
 
 
@@ -70,7 +71,7 @@ def _trie_pattern(strings: list[str]) -> str:
 
 def _strip(text: str) -> str:
     """Without the halves of sentinels a template cut apart (a template slicing content)."""
-    return text.replace(_OPEN, "").replace(_CLOSE, "")
+    return text.replace(_OPEN, "").replace(_CLOSE, "").replace(_END, "")
 
 
 class Literals:
@@ -81,7 +82,7 @@ class Literals:
         added = {a.content for a in tokenizer.tok.get_added_tokens_decoder().values()}
         # single characters and whitespace runs are ordinary text even when a tokenizer adds them
         self.hidden = sorted((a for a in added if len(a) >= 2 and not a.isspace()), key=len, reverse=True)
-        self.hidden += [_OPEN, _CLOSE]  # a client's own sentinel characters stay what they are
+        self.hidden += [_OPEN, _CLOSE, _END]  # a client's own sentinel characters stay what they are
         self.index = {a: i for i, a in enumerate(self.hidden)}
         self.pattern = re.compile(_trie_pattern(self.hidden))
         self.control = set(tokenizer.tok.get_added_tokens_decoder())
@@ -102,7 +103,7 @@ class Literals:
 
     def encode(self, text: str) -> list[int]:
         """Ids of rendered text: the template's markup as it encodes, hidden strings as text."""
-        if _OPEN not in text and _CLOSE not in text:
+        if _OPEN not in text and _CLOSE not in text and _END not in text:
             return self.tokenizer.encode(text, add_bos=False)
         ids: list[int] = []
         for n, part in enumerate(_SENTINEL.split(text)):
@@ -167,8 +168,12 @@ class PromptBuilder:
                 m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _args_obj(
                     c["function"].get("arguments"))}} for c in m["tool_calls"]]
             msgs.append(m)
-        # an Anthropic prefill: the answer continues the final assistant message
-        prefill = msgs[-1].pop("_continue", False) and msgs[-1].get("content")
+        # an Anthropic prefill: the answer continues the final assistant message, cut after
+        # its end marker (a search for its text could match the template's markup or an
+        # earlier message, and templates trim content)
+        prefill = bool(msgs[-1].pop("_continue", False) and msgs[-1].get("content"))
+        if prefill:
+            msgs[-1]["content"] += _END
         specs = lit.hide(list(tools.specs)) if tools is not None and tools.active else []
         if not self.template_tools:
             msgs = self._inline_tools(msgs, specs)
@@ -183,11 +188,10 @@ class PromptBuilder:
         except Exception as e:  # noqa: BLE001 - template errors and template bugs alike are a 400
             raise bad_request(f"chat template: {e}") from None
         if prefill:  # the rendered turn, cut after its content (transformers' continue_final_message)
-            at = text.rfind(prefill)
-            if at < 0:
+            if text.count(_END) != 1:
                 raise bad_request("this model's chat template changes the final assistant message, so the "
                                   "answer cannot continue it", "messages")
-            text = text[:at + len(prefill)]
+            text = text[:text.index(_END)]
         think_open = text.rstrip().endswith(self.markup.think_open)
         prefix = forced_prefix(tools, self.tool_format) if tools is not None and tools.active else ""
         if prefix and think_open:

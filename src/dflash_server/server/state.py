@@ -118,7 +118,9 @@ class ServerState:
         body's memory each, whatever ``--max-queue`` says)."""
         limit, chunks, size = self.config.max_body_bytes, [], 0
         declared = request.headers.get("content-length", "")
-        reserve = min(limit, int(declared)) if declared.isdigit() else limit
+        # a chunked body is read as its chunks say, whatever Content-Length claims beside it
+        chunked = "transfer-encoding" in request.headers
+        reserve = min(limit, int(declared)) if declared.isdigit() and not chunked else limit
         budget = (BODIES_BEYOND_CAPACITY + (self.scheduler.capacity if self.scheduler else 0)) * limit
         if self._body_bytes + reserve > budget:
             raise APIError(503, "the server is busy receiving other requests; retry later", code="queue_full",
