@@ -59,3 +59,13 @@ def test_added_token_strings_in_client_fields_stay_text(builder, evil):
 def test_raw_prompts_keep_parsing_control_tokens(builder):
     # /v1/completions and /tokenize text: the client writes the markup on purpose
     assert controls(builder, builder.raw("<|im_start|>user\nhi<|im_end|>").ids)
+
+
+def test_other_added_tokens_stay_single_tokens(builder):
+    """An added token that is not control markup (SmolLM2's pretraining '<filename>', Gemma's
+    HTML tags) is text the model reads as one token: not split."""
+    tok = builder.tokenizer.tok
+    fid = tok.token_to_id("<filename>")
+    assert fid is not None and "<filename>" not in builder.literals.hidden
+    p = builder.chat([{"role": "user", "content": "open <filename> now"}])
+    assert fid in p.ids

@@ -48,6 +48,7 @@ class Prompt:
 # encoded as control tokens (as the OpenAI and Anthropic APIs tokenize message text).
 _OPEN, _CLOSE = "\U000FFFF0", "\U000FFFF1"
 _END = "\U000FFFF2"  # marks where a prefill (an Anthropic final assistant message) ends
+_CONTROL_SHAPE = re.compile(r"<\|[^<>|]*\|>")  # <|im_start|>, <|endoftext|>, <|eot_id|>: control by their shape
 _SENTINEL = re.compile(_OPEN + r"(\d+)" + _CLOSE)
 
 
@@ -75,17 +76,26 @@ def _strip(text: str) -> str:
 
 
 class Literals:
-    """Hides a tokenizer's added-token strings in client text and encodes them as text."""
+    """Hides a tokenizer's control-token strings in client text and encodes them as text.
 
-    def __init__(self, tokenizer):
+    Control tokens: the special added tokens, BOS / EOS, those shaped ``<|...|>``, and the
+    added tokens that ``markup`` (the chat template's source and the server's own reasoning /
+    tool-call markup) writes, such as Qwen's ``<think>``, which tokenizers do not always flag
+    as special. Other added tokens (Gemma's HTML tags) are ordinary text a model
+    was trained to read as one token, and stay so."""
+
+    def __init__(self, tokenizer, markup: str = ""):
         self.tokenizer = tokenizer
-        added = {a.content for a in tokenizer.tok.get_added_tokens_decoder().values()}
+        decoder = tokenizer.tok.get_added_tokens_decoder()
+        ends = {tokenizer.bos_token_id, *tokenizer.eos_token_ids}
+        control = {a.content for i, a in decoder.items()
+                   if a.special or i in ends or a.content in markup or _CONTROL_SHAPE.fullmatch(a.content)}
         # single characters and whitespace runs are ordinary text even when a tokenizer adds them
-        self.hidden = sorted((a for a in added if len(a) >= 2 and not a.isspace()), key=len, reverse=True)
+        self.hidden = sorted((a for a in control if len(a) >= 2 and not a.isspace()), key=len, reverse=True)
         self.hidden += [_OPEN, _CLOSE, _END]  # a client's own sentinel characters stay what they are
         self.index = {a: i for i, a in enumerate(self.hidden)}
         self.pattern = re.compile(_trie_pattern(self.hidden))
-        self.control = set(tokenizer.tok.get_added_tokens_decoder())
+        self.control = set(decoder)   # ids a hidden string must not encode to
 
     def hide(self, value):
         """``value`` (a string, or JSON-like lists / dicts of them) with every added-token
@@ -150,7 +160,10 @@ class PromptBuilder:
 
     @cached_property
     def literals(self) -> Literals:
-        return Literals(self.tokenizer)
+        m = self.markup
+        markup = "\n".join([self.template or "", _HERMES_TOOLS, m.think_open, m.think_close,
+                            *(t for marker in m.tool_markers for t in marker[:2])])
+        return Literals(self.tokenizer, markup)
 
     def chat(self, messages: list[dict], tools: ToolSet | None = None, thinking: Thinking = Thinking(),
              template_kwargs: dict | None = None) -> Prompt:
