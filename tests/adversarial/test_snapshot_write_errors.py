@@ -15,14 +15,15 @@ from dflash_server.cache.disk_layout import clear
 IDS = tuple(range(1, 40))
 
 
-def test_write_into_a_cleared_folder_is_a_warning(tmp_path, caplog):
+def test_write_into_a_folder_that_became_a_file_is_a_warning(tmp_path, caplog):
     c = DiskCache(tmp_path, "fp", 1 << 30)
     c.save(IDS[:10], {"ls0.kv_k.0": torch.zeros(1, 2, 10, 4)}, force=True)
     c.flush()
     assert clear(tmp_path)[:2] == (1, 1)          # `dflash-server cache clear` while the server runs
+    (tmp_path / "fp").write_text("not a folder")  # ... and something else took the folder's name
     caplog.set_level(logging.WARNING, logger="dflash_server.cache")
     c.save(IDS[:20], {"ls0.kv_k.0": torch.zeros(1, 2, 20, 4)}, force=True)
-    c.close()                                     # raises SafetensorError today
+    c.close()                                     # (raised SafetensorError once)
     assert c.counters["errors"] == 1
     assert any("cannot write snapshot" in r.getMessage() for r in caplog.records)
 
