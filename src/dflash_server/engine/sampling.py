@@ -150,6 +150,9 @@ class Sampler:
         if self.params.greedy:
             return int(kernels.argmax(self.process(logits)))
         probs, ids = self._truncated(logits)
+        if ids is not None:  # the candidates in token-id order, as without truncation: ranked by
+            ids, order = ids.sort()   # probability, two near-equal ones swap under a rounding-sized
+            probs = probs[order]      # change and move every draw that fell in either interval
         i = self.draw(probs)
         return int(ids[i]) if ids is not None else i
 
