@@ -32,9 +32,55 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+MAX_THREADS = 1024  # torch / OpenMP crash (or hang) creating tens of thousands of threads
+
+
+def thread_count(text: str) -> int:
+    v = _int_at_least(text, 1)
+    if v > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_THREADS}, got {v}")
+    return v
+
+
+def utf8_text(text: str) -> str:
+    """A text argument: valid UTF-8 (Python hands undecodable argv bytes over as lone
+    surrogates, which the tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return text
+
+
+def non_empty_path(text: str) -> str:
+    """A path argument: an empty one (an unset shell variable) would mean the working directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+MAX_TEXT_FILE = 64 << 20  # no prompt, template or key file is larger (a context holds far less)
+
+
+def read_text_file(path, what: str, limit: int = MAX_TEXT_FILE) -> str:
+    """A UTF-8 text file read within ``limit`` bytes (a UserError naming ``what`` otherwise:
+    /dev/zero must not be read until the OOM killer comes)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as e:
+        raise UserError(f"{what} {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise UserError(f"{what} {path}: larger than {limit >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and placement")
-    g.add_argument("--model", help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--model", type=non_empty_path, help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps, xpu (default: cuda if present)")
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (default bf16; fp16 is very slow on CPU)")
@@ -71,7 +117,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
                    help="replay GPU stages' decode steps, DFlash verify blocks and batched decode rows as CUDA "
                         "graphs (auto: where the stage allows it: no MoE layers, no KV Flash, no --compile)")
-    g.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=thread_count, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--kernels", choices=["native", "aten"], default=None,
                    help="CPU kernels of quantized linears, RMSNorm and decode/verify attention: 'native' (default; "
                         "the project's C++ kernels, built at first use: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks "
@@ -83,7 +129,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="in-memory prefix snapshots (chat-turn boundaries); 0 disables")
     c.add_argument("--prefix-cache-bytes", type=int, default=4 << 30,
                    help="memory budget of the prefix snapshots in bytes (default 4 GiB)")
-    c.add_argument("--kv-cache-dir", help="directory of the restart-persistent prefix cache (disk); off if unset")
+    c.add_argument("--kv-cache-dir", type=non_empty_path, help="directory of the restart-persistent prefix cache (disk); off if unset")
     c.add_argument("--kv-cache-budget", type=int, default=4096, help="disk cache budget in MB (default 4096)")
     c.add_argument("--kv-cache-min-tokens", type=int, default=256,
                    help="with --disk-prefix-cache auto: only prefixes of at least this many tokens go to disk")

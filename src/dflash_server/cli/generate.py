@@ -6,17 +6,17 @@ import json
 import sys
 
 from ..errors import UserError
-from .common import add_model_args, engine_config, load_engine, positive_int
+from .common import add_model_args, engine_config, load_engine, positive_int, read_text_file, utf8_text
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="raw prompt text (no chat template)")
-    src.add_argument("--chat", help="user message; the model's chat template is applied")
+    src.add_argument("--prompt", type=utf8_text, help="raw prompt text (no chat template)")
+    src.add_argument("--chat", type=utf8_text, help="user message; the model's chat template is applied")
     src.add_argument("--chat-file", help="--chat read from a file (UTF-8), e.g. a long document and a question")
-    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--system", type=utf8_text, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -53,11 +53,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(args.prompt)
     else:
         if args.chat_file is not None:
-            try:
-                with open(args.chat_file, encoding="utf-8") as fh:
-                    query = fh.read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise UserError(f"--chat-file {args.chat_file}: {e}") from None
+            query = read_text_file(args.chat_file, "--chat-file")
         else:
             query = args.chat if args.chat is not None else "What is the capital of France?"
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

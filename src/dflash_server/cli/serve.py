@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-from .common import add_model_args, cache_dtypes, positive_int
+from .common import add_model_args, cache_dtypes, positive_int, read_text_file
 
 log = logging.getLogger("dflash_server")
 MAX_CONNECTIONS = 2048  # open connections (and their tasks) at once; beyond: 503 (uvicorn limit_concurrency)
@@ -83,20 +83,15 @@ def _config(args):
 
     api_key = args.api_key
     if args.api_key_file:
-        try:
-            api_key = Path(args.api_key_file).read_text().strip()
-        except OSError as e:
-            raise UserError(f"--api-key-file: {e}") from None
+        api_key = read_text_file(args.api_key_file, "--api-key-file", 1 << 20).strip()
     if api_key is not None and not api_key.strip():   # a blank key must not mean "no key" (fail closed)
         raise UserError(f"--api-key-file {args.api_key_file}: the file is empty" if args.api_key_file
                         else "--api-key: the key is empty")
     template = None
     if args.chat_template_file:
+        template = read_text_file(args.chat_template_file, "--chat-template-file")
         try:
-            template = Path(args.chat_template_file).read_text()
             compile_template(template)
-        except OSError as e:
-            raise UserError(f"--chat-template-file: {e}") from None
         except TemplateError as e:
             raise UserError(f"--chat-template-file: {e}") from None
     name = args.model_name or (Path(args.model).name.removesuffix(".gguf") if args.model else "SmolLM2-135M-Instruct")

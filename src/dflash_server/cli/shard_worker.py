@@ -6,6 +6,7 @@ import logging
 import os
 import re
 
+from ..engine.config import address_problem
 from ..errors import UserError
 
 SECRET_ENV = "DFLASH_SHARD_SECRET"
@@ -48,8 +49,8 @@ def run(args) -> int:
 
     if args.bind.startswith("tcp://") and not _LOOPBACK.match(args.bind) and not args.allow_remote:
         raise UserError(f"--bind {args.bind}: not a loopback address; add --allow-remote to accept other hosts")
-    if not args.bind.startswith(("tcp://", "ipc://")):
-        raise UserError(f"--bind {args.bind}: use ipc:///path or tcp://host:port")
+    if why := address_problem(args.bind):
+        raise UserError(f"--bind {args.bind}: {why}")
     secret = read_secret(args.secret_file)
     logging.basicConfig(level=logging.INFO, format="shard-worker %(levelname)s %(message)s")
     import zmq

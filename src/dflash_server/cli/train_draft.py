@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UserError
 from .train_out import claim_data, claim_out
-from .common import DTYPES, non_negative_int, positive_int, quantize_plan, resolve_device
+from .common import DTYPES, non_negative_int, positive_int, quantize_plan, resolve_device, thread_count
 
 
 def add_parser(sub) -> None:
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target compute dtype (default bf16)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="target weights for sampling and evaluation (as in generate)")
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch")
+    p.add_argument("--threads", type=thread_count, help="CPU threads for torch")
     p.add_argument("--seed", type=int, default=0)
     a = p.add_argument_group("draft architecture")
     a.add_argument("--init", metavar="DRAFT",
@@ -219,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.greedy_after < 0:
         raise UserError("--greedy-after must be >= 0")
+    if not 0 <= args.temperature <= 100:   # (NaN fails both)
+        raise UserError(f"--temperature must be in [0, 100], got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -45,7 +45,10 @@ def claim_out(out: Path, model: Path | None, write: bool) -> None:
     ``write``: mark it as ours (creating it) when it is."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: not a folder")
-    where = out.resolve()
+    try:
+        where = out.resolve()
+    except (OSError, RuntimeError) as e:   # a symlink loop: RuntimeError before Python 3.13
+        raise UserError(f"--out {out}: {e}") from None
     if model is not None and _overlaps(where, model.resolve()):
         raise UserError(f"--out {out}: is, holds or lies in the --model folder {model}; train-draft writes its "
                         f"draft there: choose another folder")

@@ -28,6 +28,20 @@ def _at_least(flag: str, value, low, *, optional: bool = False) -> None:
         raise ValueError(f"{flag} must be >= {low}, got {value!r}")
 
 
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with a ZeroMQ address a user gave (None: nothing): ipc:///path or
+    tcp://host:port with a port in [1, 65535] (ZeroMQ keeps a larger port's low 16 bits,
+    so tcp://host:99999 would listen on, or reach, port 34463)."""
+    if address.startswith("ipc://"):
+        return None if len(address) > len("ipc://") else "an empty ipc path"
+    if not address.startswith("tcp://"):
+        return "use ipc:///path or tcp://host:port"
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "the port must be in [1, 65535]"
+    return None
+
 @dataclass(frozen=True)
 class EngineConfig:
     # model and placement
@@ -116,6 +130,8 @@ class EngineConfig:
             raise ValueError("--kv-cache-budget must be >= 0")
         if not self.shard_timeout > 0:
             raise ValueError("--shard-timeout must be > 0")
+        if self.target_shard_connect and (why := address_problem(self.target_shard_connect)):
+            raise ValueError(f"--target-shard-connect {self.target_shard_connect}: {why}")
         if self.target_shard_connect and self.target_shard_python:
             raise ValueError("--target-shard-connect attaches to a running worker: --target-shard-python "
                              "does not apply")

@@ -112,13 +112,11 @@ def create_app(state, on_shutdown=None):
     async def responses(request: Request):
         return await protocol_responses.handle(state, request)
 
-    @api.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
+    @api.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])  # one route: a 405 names both
+    async def stored_response(request: Request, response_id: str):
+        if request.method == "DELETE":
+            return await protocol_responses.delete(state, response_id)
         return await protocol_responses.get(state, response_id)
-
-    @api.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return await protocol_responses.delete(state, response_id)
 
     @api.post("/v1/messages")
     async def messages(request: Request):
@@ -152,8 +150,8 @@ def create_app(state, on_shutdown=None):
         return {"content": text, "prompt": text}
 
     # --- introspection -------------------------------------------------------------------------
-    def model_card():
-        return {"id": state.config.model_name, "object": "model", "created": created, "owned_by": "dflash-server",
+    def model_card(name: str | None = None):
+        return {"id": name or state.config.model_name, "object": "model", "created": created, "owned_by": "dflash-server",
                 "context_length": state.info.get("max_ctx"), "max_model_len": state.info.get("max_ctx")}
 
     @api.get("/v1/models")
@@ -173,9 +171,9 @@ def create_app(state, on_shutdown=None):
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != state.config.model_name:
+        if not model_id or not state.config.accepts_model(model_id):   # (a --model-alias name too)
             raise APIError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
-        return model_card()
+        return model_card(model_id)
 
     @api.api_route("/", methods=["GET", "HEAD"])
     async def chat_page():

@@ -44,6 +44,12 @@ class Sample:
 def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[dict]:
     """Prompts as ``{"id", "kind", "messages", "split"}``; ``split`` filters ("train"/"heldout")."""
     rows = [json.loads(line) for line in Path(path or PROMPTS_FILE).read_text().splitlines() if line.strip()]
+    for n, r in enumerate(rows, 1):
+        msgs = r.get("messages") if isinstance(r, dict) else None
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                         and isinstance(m.get("content"), str) for m in msgs)):
+            raise ValueError(f"{path or PROMPTS_FILE}: prompt {n} is not an object with a \"messages\" list of "
+                             "{\"role\", \"content\"} strings")
     return [r for r in rows if split is None or r.get("split", "train") == split]
 
 

@@ -1,0 +1,41 @@
+"""Hostile review (CLI): train-draft bad inputs that end in a traceback instead of one line:
+--out a symbolic-link loop (Path.resolve RuntimeError), --temperature nan (torch.multinomial
+RuntimeError after the model loaded and sampling began: --temperature / --top-p are never
+checked; --top-p nan is silently accepted), and a --prompts line without "messages"
+(KeyError)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+FAST = ["--samples", "1", "--max-new-tokens", "2", "--gen-batch", "1", "--steps", "1", "--eval-prompts", "0",
+        "--batch", "1", "--anchors", "1"]
+
+
+def run_train(tiny_dir, out, *extra):
+    return subprocess.run([sys.executable, "-m", "dflash_server", "train-draft", "--model", str(tiny_dir("llama")),
+                           "--out", str(out), *FAST, *extra], capture_output=True, text=True, timeout=120)
+
+
+def assert_clean(res, needle):
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (res.returncode, res.stderr[-2000:])
+    assert needle in res.stderr, res.stderr
+
+
+def test_out_symlink_loop(tiny_dir, tmp_path):
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    assert_clean(run_train(tiny_dir, tmp_path / "a"), "--out")
+
+
+@pytest.mark.parametrize("flag", ["--temperature", "--top-p"])
+def test_nan_sampling_flags(tiny_dir, tmp_path, flag):
+    assert_clean(run_train(tiny_dir, tmp_path / "out", flag, "nan"), flag)
+
+
+def test_prompt_line_without_messages(tiny_dir, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "hi"}\n')
+    assert_clean(run_train(tiny_dir, tmp_path / "out", "--prompts", str(p)), "--prompts")
