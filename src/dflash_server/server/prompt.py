@@ -43,9 +43,9 @@ class Prompt:
 
 # Client text is text: a "<|im_start|>" written in a message, a tool result or a tool's
 # description must not become the template's control token (one tool result could forge a
-# system turn). The strings of the tokenizer's added tokens are hidden behind these sentinels
-# before rendering and encoded as plain text after it; only the template's own markup is
-# encoded as control tokens (as the OpenAI and Anthropic APIs tokenize message text).
+# system turn). The strings of the tokenizer's control tokens (Literals) are hidden behind
+# these sentinels before rendering and encoded as plain text after it; only the template's own
+# markup is encoded as control tokens (as the OpenAI and Anthropic APIs tokenize message text).
 _OPEN, _CLOSE = "\U000FFFF0", "\U000FFFF1"
 _END = "\U000FFFF2"  # marks where a prefill (an Anthropic final assistant message) ends
 _CONTROL_SHAPE = re.compile(r"<\|[^<>|]*\|>")  # <|im_start|>, <|endoftext|>, <|eot_id|>: control by their shape
@@ -98,7 +98,7 @@ class Literals:
         self.control = set(decoder)   # ids a hidden string must not encode to
 
     def hide(self, value):
-        """``value`` (a string, or JSON-like lists / dicts of them) with every added-token
+        """``value`` (a string, or JSON-like lists / dicts of them) with every control-token
         string replaced by its sentinel."""
         if isinstance(value, str):
             return self.pattern.sub(lambda m: f"{_OPEN}{self.index[m.group(0)]}{_CLOSE}", value)
