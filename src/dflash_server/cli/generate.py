@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(args.prompt)
     else:
         if args.chat_file is not None:
-            query = read_text_file(args.chat_file, "--chat-file")
+            query = read_text_file(args.chat_file, "--chat-file").replace("\r\n", "\n")  # (as text mode read it)
         else:
             query = args.chat if args.chat is not None else "What is the capital of France?"
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -48,6 +48,7 @@ class ShardClient:
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+        self.sock.setsockopt(zmq.IPV6, 1)   # tcp://[::1]:port (IPv4 addresses work as well)
         self.sock.connect(address)
         self.max_message = max_message
         self.req_area = self.rep_area = None

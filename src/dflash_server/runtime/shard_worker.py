@@ -346,6 +346,7 @@ class ShardWorker:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
+        sock.setsockopt(zmq.IPV6, 1)   # tcp://[::1]:port (IPv4 addresses work as well)
         sock.bind(address)
         print(f"shard worker ready on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
         try:

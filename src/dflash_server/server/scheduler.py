@@ -186,6 +186,7 @@ class Scheduler:
                     return  # closing and drained
                 new = list(self._incoming)
                 self._incoming.clear()
+                self._waiting += len(new)   # counted until _count reads the engine's figures after the step
             for job in new:
                 self._hand_over(job)
             if engine.has_work:
