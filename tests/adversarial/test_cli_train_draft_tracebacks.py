@@ -39,3 +39,13 @@ def test_prompt_line_without_messages(tiny_dir, tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('{"prompt": "hi"}\n')
     assert_clean(run_train(tiny_dir, tmp_path / "out", "--prompts", str(p)), "--prompts")
+
+
+@pytest.mark.parametrize("block", ["1", "65"])
+def test_train_draft_block_size_bounds(block):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dflash_server", "train-draft", "--out", "unused", "--block-size", block],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--block-size" in r.stderr, r.stderr

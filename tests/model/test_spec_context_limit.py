@@ -47,3 +47,8 @@ def test_block_sizes_past_the_verify_limit_are_refused(tiny_dir, caplog):
         DFlashProposer(draft, pipe, block_size=8)
     assert "larger than the draft's trained block" in caplog.text
     DFlashProposer(draft, pipe, block_size=64)
+
+
+def test_a_draft_trained_on_longer_blocks_verifies_at_most_64(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    assert DFlashProposer(random_draft(pipe, layers=1, block=80), pipe).block_size == 64

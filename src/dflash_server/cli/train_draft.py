@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     a.add_argument("--heads", type=positive_int, help="attention heads (default: the target's)")
     a.add_argument("--kv-heads", type=positive_int, help="KV heads (default: the target's when it divides --heads)")
     a.add_argument("--head-dim", type=positive_int, help="default hidden/heads")
-    a.add_argument("--block-size", type=positive_int, help="default 16")
+    a.add_argument("--block-size", type=draft_block, help="2-64, default 16")
     a.add_argument("--target-layers", type=layer_ids,
                    help="comma-separated tapped target layer ids (default: 5 spread uniformly)")
     a.add_argument("--mask-token-id", type=int, help="MASK id (default: an id the target never generates)")
@@ -208,6 +208,14 @@ def acceptance(pipe, draft, prompts: list[list[int]], max_tokens: int) -> dict:
         committed += spec.get("acceptance_length", 0) * spec.get("steps", 0)
         steps += spec.get("steps", 0)
     return {"tau": committed / steps if steps else 0.0}
+
+
+def draft_block(text: str) -> int:
+    """A draft's block: 2-64 (a verify block is at most 64 rows)."""
+    v = positive_int(text)
+    if not 2 <= v <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [2, 64], got {v}")
+    return v
 
 
 def run(args: argparse.Namespace) -> int:

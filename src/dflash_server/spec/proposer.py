@@ -54,7 +54,7 @@ class DFlashProposer:
         cfg = pipeline.config
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
         trained = draft.cfg.block_size
-        self.block_size = block_size or trained
+        self.block_size = block_size or min(trained, MAX_TREE_BUDGET + 1)   # (a draft trained on longer blocks)
         if not 2 <= self.block_size <= MAX_TREE_BUDGET + 1:
             raise ValueError(f"block size must be in [2, {MAX_TREE_BUDGET + 1}] (a verify of at most "
                              f"{MAX_TREE_BUDGET + 1} rows), got {self.block_size}")
