@@ -35,11 +35,15 @@ def non_negative_int(text: str) -> int:
 MAX_THREADS = 1024  # torch / OpenMP crash (or hang) creating tens of thousands of threads
 
 
-def thread_count(text: str) -> int:
-    v = _int_at_least(text, 1)
-    if v > MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_THREADS}, got {v}")
+def int_in(text: str, low: int, high: int) -> int:
+    v = _int_at_least(text, low)
+    if v > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high}, got {v}")
     return v
+
+
+def thread_count(text: str) -> int:
+    return int_in(text, 1, MAX_THREADS)
 
 
 def utf8_text(text: str) -> str:

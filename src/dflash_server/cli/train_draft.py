@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UserError
 from .train_out import claim_data, claim_out
-from .common import DTYPES, non_negative_int, positive_int, quantize_plan, resolve_device, thread_count
+from .common import DTYPES, int_in, non_negative_int, positive_int, quantize_plan, resolve_device, thread_count
 
 
 def add_parser(sub) -> None:
@@ -211,11 +211,10 @@ def acceptance(pipe, draft, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def draft_block(text: str) -> int:
-    """A draft's block: 2-64 (a verify block is at most 64 rows)."""
-    v = positive_int(text)
-    if not 2 <= v <= 64:
-        raise argparse.ArgumentTypeError(f"must be in [2, 64], got {v}")
-    return v
+    """A draft's block: 2-64 (a verify block is at most MAX_VERIFY_ROWS rows)."""
+    from ..spec.proposer import MAX_VERIFY_ROWS
+
+    return int_in(text, 2, MAX_VERIFY_ROWS)
 
 
 def run(args: argparse.Namespace) -> int:

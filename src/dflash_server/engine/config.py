@@ -145,26 +145,20 @@ class EngineConfig:
         if (self.ddtree or self.ddtree_budget) and (self.no_draft or self.draft is None):
             raise ValueError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
         # flags that only take effect with another one: refused without it, rather than silently dropped
-        without = []
-        if self.kv_cache_dir is None:
-            without += [("--kv-cache-interval", self.kv_cache_interval != 0), ("--disk-prefix-cache",
-                        self.disk_prefix_cache != "auto"), ("--kv-cache-budget", self.kv_cache_budget != 4096),
-                        ("--kv-cache-min-tokens", self.kv_cache_min_tokens != 256)]
-            need = "--kv-cache-dir"
-            bad = [f for f, on in without if on]
-            if bad:
+        for need, missing, flags in (
+                ("--kv-cache-dir", self.kv_cache_dir is None,
+                 (("--kv-cache-interval", self.kv_cache_interval != 0),
+                  ("--disk-prefix-cache", self.disk_prefix_cache != "auto"),
+                  ("--kv-cache-budget", self.kv_cache_budget != 4096),
+                  ("--kv-cache-min-tokens", self.kv_cache_min_tokens != 256))),
+                ("--draft", self.no_draft or self.draft is None,
+                 (("--block-size", self.block_size != "auto"), ("--draft-device", self.draft_device is not None))),
+                ("--kvflash", self.kvflash is None,
+                 (("--kvflash-policy", self.kvflash_policy != "lru"), ("--kvflash-chunk", self.kvflash_chunk != 64),
+                  ("--kvflash-tau", self.kvflash_tau != 64)))):
+            bad = [f for f, on in flags if on]
+            if missing and bad:
                 raise ValueError(f"{', '.join(bad)} only take effect with {need}: give it (or leave them out)")
-        if self.no_draft or self.draft is None:
-            bad = [f for f, on in (("--block-size", self.block_size != "auto"),
-                                    ("--draft-device", self.draft_device is not None)) if on]
-            if bad:
-                raise ValueError(f"{', '.join(bad)} only take effect with --draft: give it (or leave them out)")
-        if self.kvflash is None:
-            bad = [f for f, on in (("--kvflash-policy", self.kvflash_policy != "lru"),
-                                    ("--kvflash-chunk", self.kvflash_chunk != 64),
-                                    ("--kvflash-tau", self.kvflash_tau != 64)) if on]
-            if bad:
-                raise ValueError(f"{', '.join(bad)} only take effect with --kvflash: give it (or leave them out)")
 
     @property
     def kvflash_pool(self) -> int | str | None:

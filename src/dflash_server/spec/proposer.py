@@ -18,7 +18,8 @@ from .ddtree import DraftTree, build_tree
 from .draft import DFlashDraft
 from .tree_sizer import TreeSizer
 
-MAX_TREE_BUDGET = 63  # nodes: with the anchor, a verify of at most 64 rows (the native step's limit)
+MAX_VERIFY_ROWS = 64  # rows of one verify forward (the native attention step's limit)
+MAX_TREE_BUDGET = MAX_VERIFY_ROWS - 1  # nodes: with the anchor, a verify of at most MAX_VERIFY_ROWS
 log = logging.getLogger("dflash_server")
 
 
@@ -54,10 +55,10 @@ class DFlashProposer:
         cfg = pipeline.config
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
         trained = draft.cfg.block_size
-        self.block_size = block_size or min(trained, MAX_TREE_BUDGET + 1)   # (a draft trained on longer blocks)
-        if not 2 <= self.block_size <= MAX_TREE_BUDGET + 1:
-            raise ValueError(f"block size must be in [2, {MAX_TREE_BUDGET + 1}] (a verify of at most "
-                             f"{MAX_TREE_BUDGET + 1} rows), got {self.block_size}")
+        self.block_size = block_size or min(trained, MAX_VERIFY_ROWS)   # (a draft trained on longer blocks)
+        if not 2 <= self.block_size <= MAX_VERIFY_ROWS:
+            raise ValueError(f"block size must be in [2, {MAX_VERIFY_ROWS}] (a verify of at most "
+                             f"{MAX_VERIFY_ROWS} rows), got {self.block_size}")
         if self.block_size > trained:
             log.warning("block size %d is larger than the draft's trained block (%d): positions past %d are "
                         "drafted out of distribution and rarely accepted", self.block_size, trained, trained)
