@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
+from safetensors.torch import load_file
 
 from dflash_server import kernels
 from dflash_server.layers.linear import Linear
@@ -216,6 +217,34 @@ def test_isa_cap_from_the_environment():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split()[-1] == expect, (want, r.stdout)
+
+
+def test_prefetch_hint_from_the_environment_changes_no_bits(tmp_path):
+    """The weight prefetch hint is chosen per CPU maker (NTA on AMD, into L2 elsewhere);
+    DFLASH_KERNELS_PREFETCH=nta|l2 overrides it, an unknown value leaves the default, and the
+    hint never changes a result (it only moves memory earlier)."""
+    code = ("import sys, torch\nfrom safetensors.torch import save_file\nfrom dflash_server import kernels\n"
+            "assert kernels.load()\n"
+            "torch.manual_seed(0)\nw = torch.randn(200, 256)\n"
+            "outs = []\n"
+            "for fn in (kernels.blocks_q4_1, kernels.blocks_q8_0):\n"
+            "    qt, packed = kernels.repack(fn(w), 256)\n"
+            "    for m in (1, 2, 9):\n"
+            "        outs.append(torch.ops.dflash.qmm(torch.randn(m, 256), packed, qt, 200, 256))\n"
+            "save_file({str(i): o for i, o in enumerate(outs)}, sys.argv[1])\n"
+            "print(kernels.status()['prefetch'])\n")
+    got = {}
+    for want in ("nta", "l2", "nonsense"):
+        out = str(tmp_path / f"{want}.safetensors")
+        env = {**os.environ, "DFLASH_KERNELS_PREFETCH": want, "DFLASH_KERNELS": "1"}
+        r = subprocess.run([sys.executable, "-c", code, out], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        got[want] = (r.stdout.split()[-1], load_file(out))
+    assert got["nta"][0] == "nta" and got["l2"][0] == "l2"
+    assert got["nonsense"][0] == torch.ops.dflash.prefetch() == kernels.status()["prefetch"]
+    assert len(got["nta"][1]) == 6
+    for key, a in got["nta"][1].items():
+        assert torch.equal(a, got["l2"][1][key]) and torch.equal(a, got["nonsense"][1][key])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -13,7 +13,8 @@ build) ``load()`` warns once and returns False; callers keep the
 aten path. The ops pick their instruction set at run time (AMX tiles for ``qmm`` of 7+ rows
 on Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q8_0 weights, AVX-512 VNNI, AVX-VNNI, AVX2+FMA, portable C++), all
 bit-identical; ``DFLASH_KERNELS_ISA=<name in ISAS>`` caps the choice (benchmarks compare paths
-with it).
+with it). The weights' prefetch hint is chosen per CPU maker (NTA on AMD, into L2 elsewhere;
+``DFLASH_KERNELS_PREFETCH=nta|l2`` overrides it): it moves memory earlier, never a result.
 
 Ops: ``qmm(x, w, qtype, n, k)`` (quantized matmul on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K; see ``csrc/qmm.cpp``), ``repack(blocks, qtype, n, k)`` (GGUF blocks -> the layout
@@ -164,6 +165,7 @@ def status() -> dict:
     out = {"enabled": enabled(), "native": bool(ok), "reason": _state.get("why")}
     if ok:
         out["isa"] = ISAS[torch.ops.dflash.isa()]
+        out["prefetch"] = torch.ops.dflash.prefetch()
     return out
 
 

@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -43,18 +44,43 @@
 #include <unistd.h>
 
 namespace {
-// The vector paths prefetch the weights this far ahead of the block they compute. A one-row
-// call (decode) otherwise computes a block, then waits for the next one's memory: measured on
-// the default model, 2 threads, alternating in one process, a one-row forward took 24-28% less
-// time with 2-6 KB (13.9 -> 10.6, 17.6 -> 12.6 ms in two busier moments); 8 rows (the AMX
-// path, which prefetches itself, or compute-bound VNNI) were unchanged. The hint is
-// non-temporal: a call streams each weight once, and a T0 prefetch of ~100 MB a token only
-// evicts what is reused (activations, KV, the draft's weights). Measured on an AMD Zen 4 VM,
-// default model, 2 threads, alternating in one process (2026-11-27): forwards of 1 / 2 / 8
-// rows 4.87 / 5.40 / 13.1 ms with T0 -> 4.03 / 4.81 / 12.8 with NTA, and over whole greedy
-// generations 1-row decode steps 4.45 -> 4.28 and 4.71 -> 4.41 ms in two runs (1,364 steps
-// each); 1-8 KB ahead all within 3% of each other with NTA.
-constexpr int64_t PREFETCH_BYTES = 4096;
+// The vector paths prefetch the weights ahead of the block they compute. A one-row call
+// (decode) otherwise computes a block, then waits for the next one's memory: measured on the
+// default model, 2 threads, alternating in one process, a one-row forward took 24-28% less time
+// with 2-6 KB ahead (13.9 -> 10.6, 17.6 -> 12.6 ms in two busier moments); 8 rows (the AMX
+// path, which prefetches itself, or compute-bound VNNI) were unchanged. Which hint streams best
+// depends on the CPU, so it is chosen at load (DFLASH_KERNELS_PREFETCH=nta|l2 overrides, for
+// benchmarks):
+// - AMD (Zen 4 VM, 2026-11-27, default model, 2 threads, alternating in one process): NTA 4 KB
+//   ahead. Forwards of 1 / 2 / 8 rows 4.87 / 5.40 / 13.1 ms with T0 -> 4.03 / 4.81 / 12.8 with
+//   NTA; over whole greedy generations 1-row decode steps 4.45 -> 4.28 and 4.71 -> 4.41 ms in two
+//   runs (1,364 steps each); 1-8 KB ahead all within 3% of each other with NTA.
+// - Intel (Xeon VM with AMX, 2026-12-01, the same measurement, each variant a fresh process,
+//   three rounds): NTA 4 KB 11.2-11.8 ms a one-row forward, T0 4 KB 7.3-7.8, T1 (into L2) 4 KB
+//   6.4-7.5, T1 8 KB 6.1-7.1, T1 12 KB 5.8-6.7, T2 8 KB 6.3-7.3: an NTA prefetch fills L1 only,
+//   whose few fill buffers cap a core's stream (~10 GB/s here), while L2 keeps more misses in
+//   flight (the AMX path's T1 prefetch read the 30 MB LM head at ~27 GB/s). T1 8 KB there, and on
+//   CPUs of other makers.
+struct Prefetch {
+  bool nta;
+  int64_t bytes;
+};
+const Prefetch prefetch = [] {
+  const char* want = std::getenv("DFLASH_KERNELS_PREFETCH");
+  __builtin_cpu_init();
+  const bool nta = want && std::strcmp(want, "nta") == 0   ? true
+                   : want && std::strcmp(want, "l2") == 0  ? false
+                                                            : __builtin_cpu_is("amd");
+  return Prefetch{nta, nta ? 4096 : 8192};
+}();
+
+// one line of weights, prefetch.bytes past p (a read past the end of the weights is harmless: a
+// prefetch never faults)
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p) {
+  const char* line = reinterpret_cast<const char*>(p + prefetch.bytes);
+  if (prefetch.nta) _mm_prefetch(line, _MM_HINT_NTA);
+  else _mm_prefetch(line, _MM_HINT_T1);
+}
 
 constexpr int QK = 32;  // values per block
 constexpr int NR = 8;   // output rows per group
@@ -305,8 +331,8 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
   const __m256i low4 = _mm256_set1_epi8(0x0F);                                                       \
   for (int64_t b = 0; b < nb; ++b) {                                                                 \
     const uint8_t* blk = g + b * gb;                                                                 \
-    for (int64_t o = 0; o < gb; o += 64) /* the block PREFETCH_BYTES ahead, one line at a time */ \
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES + o), _MM_HINT_NTA);       \
+    for (int64_t o = 0; o < gb; o += 64) /* the block prefetch.bytes ahead, one line at a time */ \
+      prefetch_ahead(blk + o);                                                                       \
     __m256i wv[8];                                                                                   \
     if (!Q8) {                                                                                       \
       for (int c = 0; c < 4; ++c) {                                                                  \
@@ -431,8 +457,8 @@ DFLASH_TARGET_AVX512 void rows_pair512(const uint8_t* g0, int64_t gbytes, int64_
     const uint8_t* b0 = g0 + b * gb;
     const uint8_t* b1 = g1 + b * gb;
     for (int64_t o = 0; o < gb; o += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(b0 + PREFETCH_BYTES + o), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(b1 + PREFETCH_BYTES + o), _MM_HINT_NTA);
+      prefetch_ahead(b0 + o);
+      prefetch_ahead(b1 + o);
     }
     __m512i wv[8];
     if (!Q8) {
@@ -998,6 +1024,7 @@ at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k)
 }
 
 int64_t isa_level() { return static_cast<int64_t>(active_isa); }
+std::string prefetch_mode() { return prefetch.nta ? "nta" : "l2"; }
 bool isa_supported(int64_t isa) { return isa >= 0 && isa < 5 && supported(static_cast<Isa>(isa)); }
 
 }  // namespace
@@ -1013,6 +1040,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def("repack(Tensor blocks, int qtype, int n, int k) -> Tensor");
   m.def("isa() -> int", &isa_level);
   m.def("isa_supported(int isa) -> bool", &isa_supported);
+  m.def("prefetch() -> str", &prefetch_mode);
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
