@@ -10,7 +10,7 @@ with the machine's C++ compiler and ninja into a per-user cache keyed by the sou
 torch and Python versions (a progress line on stderr, ~1 min on 2 cores), and later runs
 load the cached library at once. Where that cannot work (no compiler, no ninja, a failed
 build) ``load()`` warns once and returns False; callers keep the
-aten path. The ops pick their instruction set at run time (AMX tiles for ``qmm`` of 7+ rows
+aten path. The ops pick their instruction set at run time (AMX tiles for ``qmm`` of 6+ rows
 on Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q8_0 weights, AVX-512 VNNI, AVX-VNNI, AVX2+FMA, portable C++), all
 bit-identical; ``DFLASH_KERNELS_ISA=<name in ISAS>`` caps the choice (benchmarks compare paths
 with it). The weights' prefetch hint is chosen per CPU maker (NTA on AMD, into L2 elsewhere;
