@@ -524,7 +524,11 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
 // and the weighted sum is no longer bound by one accumulator chain's latency. Measured against
 // group_avx2, alternating in one process (9 / 3 heads of 64, fp16 cache, 2 threads): 8 rows after
 // 256 keys 97 -> 63 us, after 2048 597 -> 352, 1 row after 2048 125 -> 80 (after 256: even);
-// an 8-row forward of the default model 0.85x the time, a one-row forward 0.92x.
+// an 8-row forward of the default model 0.85x the time, a one-row forward 0.92x. Four queries
+// instead of two a pass (2026-12-01, the Intel Xeon VM; two for the values at head_dim 128, whose
+// accumulators would spill), the op alone, 9 / 3 heads of 64, fp16 cache, 2 threads, the two
+// builds alternating by process: after 256 keys 4 / 8 / 16 rows 47-48 -> 39, 64-66 -> 54, 107-113
+// -> 91-93 us, after 2048 8 / 16 rows 328-351 -> 295-302, 590-650 -> 559-563 us, 1 row even.
 #define DFLASH_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
 
 bool has_avx512() {
@@ -585,11 +589,14 @@ DFLASH_AVX512 inline void values_avx512(const float* vf, int64_t kb, int64_t j0,
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[q] + 16 * i, o[q][i]);
 }
 
-// group_avx2's computation (same queries, same keys, same bits), two queries at a time
+// group_avx2's computation (same queries, same keys, same bits), four queries at a time (QS, QV)
 template <typename T, typename KT, int NV>
 DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, S = NV, KB = 32;
+  // queries per pass over a block's keys (scores) and values: each key / value register load
+  // serves QS / QV queries; a query's own lane chains are the same whatever the count
+  constexpr int QS = 4, QV = NV / 2 == 4 ? 4 : 2;  // (head_dim 128: 4 queries' accumulators would spill)
   const int64_t G = g.nh / g.nkv, Q = u1 - u0, width = g.start + g.T, stride = 4 * hd + width;
   buf.resize(static_cast<size_t>(Q * stride));
   float* base = buf.data();  // per query: q (hd), the output accumulator (hd), q with steps doubled (2 hd), scores
@@ -615,15 +622,24 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
         _mm256_storeu_ps(d, load8(kc + j * hd + 8 * st));
         _mm256_storeu_ps(d + 8, load8(kc + (j + 1) * hd + 8 * st));
       }
-    int64_t u = 0;
-    for (; u < Q; u += 2) {
-      const int nq = u + 1 < Q ? 2 : 1;
-      const int64_t reach = nq == 2 ? std::max(n[u], n[u + 1]) : n[u];
-      const float* qd[2] = {base + u * stride + 2 * hd, base + (u + nq - 1) * stride + 2 * hd};
+    for (int64_t u = 0; u < Q; u += QS) {
+      const int nq = static_cast<int>(std::min<int64_t>(QS, Q - u));
+      int64_t reach = 0;
+      const float* qd[QS];
+      for (int e = 0; e < nq; ++e) {
+        reach = std::max(reach, n[u + e]);
+        qd[e] = base + (u + e) * stride + 2 * hd;
+      }
       for (int64_t j = kb; j < std::min(full, reach); j += 8) {  // keys past a query's reach: unused scores
-        float* out[2] = {scores(u) + j, scores(u + nq - 1) + j};
+        float* out[QS];
+        for (int e = 0; e < nq; ++e) out[e] = scores(u + e) + j;
         const float* kg = kp + ((j - kb) / 2) * S * 16;
-        nq == 2 ? scores8_avx512<2, S>(qd, kg, g.scale, out) : scores8_avx512<1, S>(qd, kg, g.scale, out);
+        switch (nq) {
+          case 4: scores8_avx512<4, S>(qd, kg, g.scale, out); break;
+          case 3: scores8_avx512<3, S>(qd, kg, g.scale, out); break;
+          case 2: scores8_avx512<2, S>(qd, kg, g.scale, out); break;
+          default: scores8_avx512<1, S>(qd, kg, g.scale, out);
+        }
       }
       for (int e = 0; e < nq; ++e)  // the block's last keys, fewer than 8, one by one
         if (full < std::min(kend, n[u + e]))
@@ -638,21 +654,26 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
   for (int64_t kb = 0; kb < width; kb += KB) {
     const int64_t kend = std::min(kb + KB, width);
     const float* vf = block_f32(vc, kb, kend, hd, blk);  // key kb is vf's row 0
-    for (int64_t u = 0; u < Q; u += 2) {
-      if (u + 1 == Q) {
-        const float* sc[1] = {scores(u)};
-        float* acc[1] = {base + u * stride + hd};
-        values_avx512<1, NV / 2>(vf, kb, kb, std::min(kend, n[u]), sc, inv + u, acc);
-        continue;
+    for (int64_t u = 0; u < Q; u += QV) {
+      const int nq = static_cast<int>(std::min<int64_t>(QV, Q - u));
+      const float* sc[QV];
+      float* acc[QV];
+      int64_t all = kend;  // keys [kb, all) are seen by every query of these
+      for (int e = 0; e < nq; ++e) {
+        sc[e] = scores(u + e);
+        acc[e] = base + (u + e) * stride + hd;
+        all = std::min(all, n[u + e]);
       }
-      const float* sc[2] = {scores(u), scores(u + 1)};
-      float* acc[2] = {base + u * stride + hd, base + (u + 1) * stride + hd};
-      const int64_t both = std::min({kend, n[u], n[u + 1]});
-      values_avx512<2, NV / 2>(vf, kb, kb, std::max(kb, both), sc, inv + u, acc);
-      for (int e = 0; e < 2; ++e)  // the longer query's keys past the other's
-        if (std::max(kb, both) < std::min(kend, n[u + e]))
-          values_avx512<1, NV / 2>(vf, kb, std::max(kb, both), std::min(kend, n[u + e]), sc + e, inv + u + e,
-                                  acc + e);
+      all = std::max(kb, all);
+      switch (nq) {
+        case 4: values_avx512<QV == 4 ? 4 : 1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
+        case 3: values_avx512<QV == 4 ? 3 : 1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
+        case 2: values_avx512<2, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
+        default: values_avx512<1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
+      }
+      for (int e = 0; e < nq; ++e)  // a longer query's keys past the shortest one's, in order after them
+        if (all < std::min(kend, n[u + e]))
+          values_avx512<1, NV / 2>(vf, kb, all, std::min(kend, n[u + e]), sc + e, inv + u + e, acc + e);
     }
   }
   for (int64_t u = 0; u < Q; ++u)
