@@ -665,7 +665,7 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
         all = std::min(all, n[u + e]);
       }
       all = std::max(kb, all);
-      switch (nq) {
+      switch (nq) {  // (QV == 2: nq <= 2, the first two cases never run)
         case 4: values_avx512<QV == 4 ? 4 : 1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
         case 3: values_avx512<QV == 4 ? 3 : 1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
         case 2: values_avx512<2, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
