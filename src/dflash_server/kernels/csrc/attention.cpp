@@ -665,12 +665,12 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
         all = std::min(all, n[u + e]);
       }
       all = std::max(kb, all);
-      switch (nq) {  // (QV == 2: nq <= 2, the first two cases never run)
-        case 4: values_avx512<QV == 4 ? 4 : 1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
-        case 3: values_avx512<QV == 4 ? 3 : 1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
-        case 2: values_avx512<2, NV / 2>(vf, kb, kb, all, sc, inv + u, acc); break;
-        default: values_avx512<1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
+      if constexpr (QV == 4) {
+        if (nq == 4) values_avx512<4, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
+        if (nq == 3) values_avx512<3, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
       }
+      if (nq == 2) values_avx512<2, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
+      if (nq == 1) values_avx512<1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
       for (int e = 0; e < nq; ++e)  // a longer query's keys past the shortest one's, in order after them
         if (all < std::min(kend, n[u + e]))
           values_avx512<1, NV / 2>(vf, kb, all, std::min(kend, n[u + e]), sc + e, inv + u + e, acc + e);

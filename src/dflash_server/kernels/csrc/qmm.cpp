@@ -61,25 +61,20 @@ namespace {
 //   whose few fill buffers cap a core's stream (~10 GB/s here), while L2 keeps more misses in
 //   flight (the AMX path's T1 prefetch read the 30 MB LM head at ~27 GB/s). T1 8 KB there, and on
 //   CPUs of other makers.
-struct Prefetch {
-  bool nta;
-  int64_t bytes;
-};
-const Prefetch prefetch = [] {
+const bool prefetch_nta = [] {
   const char* want = std::getenv("DFLASH_KERNELS_PREFETCH");
   __builtin_cpu_init();
-  const bool nta = want && std::strcmp(want, "nta") == 0   ? true
-                   : want && std::strcmp(want, "l2") == 0  ? false
-                                                            : __builtin_cpu_is("amd");
-  return Prefetch{nta, nta ? 4096 : 8192};
+  if (want && std::strcmp(want, "nta") == 0) return true;
+  if (want && std::strcmp(want, "l2") == 0) return false;
+  return __builtin_cpu_is("amd") != 0;
 }();
 
-// one line of weights, prefetch.bytes past p (a read past the end of the weights is harmless: a
-// prefetch never faults)
+// one line of weights ahead of p (a read past the end of the weights is harmless: a prefetch
+// never faults)
 inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p) {
-  const char* line = reinterpret_cast<const char*>(p + prefetch.bytes);
-  if (prefetch.nta) _mm_prefetch(line, _MM_HINT_NTA);
-  else _mm_prefetch(line, _MM_HINT_T1);
+  const char* line = reinterpret_cast<const char*>(p);
+  if (prefetch_nta) _mm_prefetch(line + 4096, _MM_HINT_NTA);
+  else _mm_prefetch(line + 8192, _MM_HINT_T1);
 }
 
 constexpr int QK = 32;  // values per block
@@ -331,7 +326,7 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
   const __m256i low4 = _mm256_set1_epi8(0x0F);                                                       \
   for (int64_t b = 0; b < nb; ++b) {                                                                 \
     const uint8_t* blk = g + b * gb;                                                                 \
-    for (int64_t o = 0; o < gb; o += 64) /* the block prefetch.bytes ahead, one line at a time */ \
+    for (int64_t o = 0; o < gb; o += 64) /* the block 4-8 KB ahead, one line at a time */    \
       prefetch_ahead(blk + o);                                                                       \
     __m256i wv[8];                                                                                   \
     if (!Q8) {                                                                                       \
@@ -1024,7 +1019,7 @@ at::Tensor repack(const at::Tensor& blocks, int64_t qtype, int64_t n, int64_t k)
 }
 
 int64_t isa_level() { return static_cast<int64_t>(active_isa); }
-std::string prefetch_mode() { return prefetch.nta ? "nta" : "l2"; }
+std::string prefetch_mode() { return prefetch_nta ? "nta" : "l2"; }
 bool isa_supported(int64_t isa) { return isa >= 0 && isa < 5 && supported(static_cast<Isa>(isa)); }
 
 }  // namespace
