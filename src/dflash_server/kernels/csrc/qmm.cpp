@@ -77,6 +77,16 @@ inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p) {
   else _mm_prefetch(line + 8192, _MM_HINT_T1);
 }
 
+// The AVX-512 pair path (5 or more rows) computes longer per weight line, and there an L2
+// prefetch streams better on every CPU measured: on the Zen 4 VM (2026-12-02, default model's
+// matrices, 2 threads, alternating in one process) the 30 MB Q8_0 LM head at 8 rows took 1.82 ->
+// 1.12 ms with T1 8 KB ahead instead of NTA 4 KB (the Q4_1 layers even, 0.97-1.05x); a whole
+// 8-row forward 0.93x (16 rows 0.965x). Fewer rows stay on the CPU's hint above (with T1 there
+// the one- to four-row matrices were 0.94-1.33x the time, the LM head at 4 rows 1.33x).
+inline __attribute__((always_inline)) void prefetch_ahead_l2(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + 8192, _MM_HINT_T1);
+}
+
 constexpr int QK = 32;  // values per block
 constexpr int NR = 8;   // output rows per group
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml ids
@@ -452,8 +462,8 @@ DFLASH_TARGET_AVX512 void rows_pair512(const uint8_t* g0, int64_t gbytes, int64_
     const uint8_t* b0 = g0 + b * gb;
     const uint8_t* b1 = g1 + b * gb;
     for (int64_t o = 0; o < gb; o += 64) {
-      prefetch_ahead(b0 + o);
-      prefetch_ahead(b1 + o);
+      prefetch_ahead_l2(b0 + o);
+      prefetch_ahead_l2(b1 + o);
     }
     __m512i wv[8];
     if (!Q8) {
@@ -525,15 +535,27 @@ DFLASH_TARGET_AVX512 void rows_pair512(const uint8_t* g0, int64_t gbytes, int64_
 // matrices of the default model's MLP shapes, ~33 MB): Q4_1 8 / 16 / 64 rows 0.83x / 0.76x /
 // 0.74x the 256-bit path's time, 6 / 7 rows 0.94x / 0.89x, but 4 rows 1.07-1.13x (the inserts
 // and the second stream cost more than the wider dots save); Q8_0 4 rows 1.46x, 8 rows 0.98x,
-// 16 / 64 rows 0.80x / 0.71x. Hence from 8 rows.
-constexpr int64_t PAIR_MIN_ROWS = 8;
+// 16 / 64 rows 0.80x / 0.71x. Hence from 8 rows, until 2026-12-02: with the last 5-7 rows in
+// one pass (they took a pass of 4 and one of 1-3, on either path) and the L2 prefetch above, the
+// default model's matrices at 5 / 6 / 7 rows took 0.69-0.97x / 0.75-0.88x / 0.77-0.90x the time
+// of the 256-bit path (Zen 4 VM, 2 threads, alternating in one process; the LM head the most), a
+// whole forward of 5 / 6 / 7 rows 0.875x / 0.83-0.93x / 0.85x. From 2 to 4 rows the pair path
+// was slower in a whole forward (1.08-1.18x), so those stay on the 256-bit path.
+constexpr int64_t PAIR_MIN_ROWS = 5;
 
-// all rows of x against groups g and g + 1 on the AVX-512 pair path: 8 rows a pass (then 4,
-// then the last 1-3 in one pass)
+// all rows of x against groups g and g + 1 on the AVX-512 pair path: 8 rows a pass, then the
+// last 5-7 in one pass, or 4 and then 1-3 (each row's operations are the same whatever the
+// pass, so the bits are too)
 template <Kind K>
 void pair512(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int64_t m_rows, float* out0, float* out1) {
   int64_t m = 0;
   for (; m + 8 <= m_rows; m += 8) rows_pair512<K, 8>(g, gbytes, k, a, m, out0, out1);
+  switch (m_rows - m) {
+    case 7: return rows_pair512<K, 7>(g, gbytes, k, a, m, out0, out1);
+    case 6: return rows_pair512<K, 6>(g, gbytes, k, a, m, out0, out1);
+    case 5: return rows_pair512<K, 5>(g, gbytes, k, a, m, out0, out1);
+    default: break;
+  }
   for (; m + 4 <= m_rows; m += 4) rows_pair512<K, 4>(g, gbytes, k, a, m, out0, out1);
   switch (m_rows - m) {
     case 3: return rows_pair512<K, 3>(g, gbytes, k, a, m, out0, out1);
