@@ -85,8 +85,8 @@ def test_rows_are_invariant_and_paths_identical(qname):
     x[5, 7] = 300.0  # an outlier channel
     full = torch.ops.dflash.qmm(x, packed, qtype, n, k)
     # AMX from 6 rows (chunks of 8; a short chunk's spare rows); the 256-bit vector path 4 rows a pass, then 1-3
-    # in one; AVX-512 from 5 rows on two groups at once (8 rows a pass, then the last 5-7 in one, or 4 and then
-    # 1-3; an odd last group alone)
+    # in one; AVX-512 from 5 rows on two groups at once (8 rows a pass, then the last 1-7 in one; an odd last
+    # group alone)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15, 16, 21, 23, 33, 40):
         part = torch.ops.dflash.qmm(x[:m], packed, qtype, n, k)
         assert torch.equal(part, full[:m]), m

@@ -69,22 +69,21 @@ const bool prefetch_nta = [] {
   return __builtin_cpu_is("amd") != 0;
 }();
 
-// one line of weights ahead of p (a read past the end of the weights is harmless: a prefetch
-// never faults)
-inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p) {
-  const char* line = reinterpret_cast<const char*>(p);
-  if (prefetch_nta) _mm_prefetch(line + 4096, _MM_HINT_NTA);
-  else _mm_prefetch(line + 8192, _MM_HINT_T1);
-}
-
 // The AVX-512 pair path (5 or more rows) computes longer per weight line, and there an L2
 // prefetch streams better on every CPU measured: on the Zen 4 VM (2026-12-02, default model's
 // matrices, 2 threads, alternating in one process) the 30 MB Q8_0 LM head at 8 rows took 1.82 ->
 // 1.12 ms with T1 8 KB ahead instead of NTA 4 KB (the Q4_1 layers even, 0.97-1.05x); a whole
-// 8-row forward 0.93x (16 rows 0.965x). Fewer rows stay on the CPU's hint above (with T1 there
-// the one- to four-row matrices were 0.94-1.33x the time, the LM head at 4 rows 1.33x).
+// 8-row forward 0.93x (16 rows 0.965x). Fewer rows keep the CPU's hint (prefetch_ahead; with T1
+// there the one- to four-row matrices were 0.94-1.33x the time, the LM head at 4 rows 1.33x).
 inline __attribute__((always_inline)) void prefetch_ahead_l2(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + 8192, _MM_HINT_T1);
+}
+
+// one line of weights ahead of p (a read past the end of the weights is harmless: a prefetch
+// never faults)
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p) {
+  if (prefetch_nta) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_NTA);
+  else prefetch_ahead_l2(p);
 }
 
 constexpr int QK = 32;  // values per block
@@ -544,8 +543,8 @@ DFLASH_TARGET_AVX512 void rows_pair512(const uint8_t* g0, int64_t gbytes, int64_
 constexpr int64_t PAIR_MIN_ROWS = 5;
 
 // all rows of x against groups g and g + 1 on the AVX-512 pair path: 8 rows a pass, then the
-// last 5-7 in one pass, or 4 and then 1-3 (each row's operations are the same whatever the
-// pass, so the bits are too)
+// last 1-7 in one pass (each row's operations are the same whatever the pass, so the bits are
+// too)
 template <Kind K>
 void pair512(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int64_t m_rows, float* out0, float* out1) {
   int64_t m = 0;
@@ -554,10 +553,7 @@ void pair512(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int64_t
     case 7: return rows_pair512<K, 7>(g, gbytes, k, a, m, out0, out1);
     case 6: return rows_pair512<K, 6>(g, gbytes, k, a, m, out0, out1);
     case 5: return rows_pair512<K, 5>(g, gbytes, k, a, m, out0, out1);
-    default: break;
-  }
-  for (; m + 4 <= m_rows; m += 4) rows_pair512<K, 4>(g, gbytes, k, a, m, out0, out1);
-  switch (m_rows - m) {
+    case 4: return rows_pair512<K, 4>(g, gbytes, k, a, m, out0, out1);
     case 3: return rows_pair512<K, 3>(g, gbytes, k, a, m, out0, out1);
     case 2: return rows_pair512<K, 2>(g, gbytes, k, a, m, out0, out1);
     case 1: return rows_pair512<K, 1>(g, gbytes, k, a, m, out0, out1);
