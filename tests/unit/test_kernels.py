@@ -115,6 +115,34 @@ def test_rows_are_invariant_and_paths_identical(qname):
                                        equal_nan=True, msg=f"{kernels.ISAS[isa]} {dtype}")
 
 
+F16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), **D_AT}
+
+
+@pytest.mark.parametrize("qname", TYPES + K_TYPES)
+def test_extreme_codes_do_not_overflow(qname):
+    """Every code at its largest magnitude (15 / 31 / 63, Q8_0's -128) against activations all
+    at +-127: the int16 partial sums of the AVX2 path (and the VNNI paths' int32 dots) are at
+    their worst case, and every path must still give the portable path's bits and the fp64
+    result."""
+    n, k = 16, 512
+    size = gguf.GGML_QUANT_SIZES[getattr(GGMLQuantizationType, qname)][1]
+    b = np.full((n, k // (256 if qname in K_TYPES else 32), size), 0x80 if qname == "Q8_0" else 0xFF, np.uint8)
+    for off in F16_AT[qname]:
+        b[..., off:off + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    qt = getattr(GGMLQuantizationType, qname)
+    deq = torch.from_numpy(gguf.quants.dequantize(b.reshape(n, -1), qt).reshape(n, k)).double()
+    qtype, packed = kernels.repack(kernels.PackedRows(qname, torch.from_numpy(b.reshape(n, -1))), k)
+    x = torch.ones(9, k)
+    x[1::2] = -1.0  # rows of +1 and -1: every activation code +-127
+    ref = q8_reference(x, deq)
+    paths = [i for i in range(len(kernels.ISAS)) if torch.ops.dflash.isa_supported(i)]
+    portable = torch.ops.dflash.qmm(x, packed, qtype, n, k, 0)
+    assert ((portable.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    for isa in paths:
+        for m in (1, 2, 3, 4, 5, 8, 9):
+            assert torch.equal(torch.ops.dflash.qmm(x[:m], packed, qtype, n, k, isa), portable[:m]), (kernels.ISAS[isa], m)
+
+
 def test_zero_blocks_bf16_and_batch_dims():
     _, rows = gguf_rows("Q4_1", 16, 64)
     qtype, packed = kernels.repack(rows, 64)

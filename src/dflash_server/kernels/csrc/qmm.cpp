@@ -315,6 +315,14 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
   return _mm256_dpbusd_epi32(acc, u, s);
 }
 
+// How many 4-value chunks the AVX2 path sums in int16 before widening to int32: a chunk's pair
+// sum is at most 2 x 15 x 127 = 3810 for 4-bit codes (8 chunks: 30480), 7874 for 5-bit (4:
+// 31496), 16002 for 6-bit (2: 32004); Q8_0 (|w| <= 128) widens every chunk. On a CPU whose
+// vector multiplies share one pipe (AMD Zen 1/2: vpmaddubsw and vpmaddwd each 2 cycles a 256-bit
+// op on FP0), this takes 9 (Q4) / 10 (Q5) / 12 (Q6_K) multiplies a block-row instead of 16.
+template <Kind K>
+constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ? 2 : 4);
+
 // bit c of each byte of a plane, moved to bit `to` (the shift stays inside each byte)
 #define DFLASH_PLANE_BIT(plane, c, to)                                                               \
   _mm256_and_si256((c) <= (to) ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128((to) - (c)))              \
@@ -378,6 +386,20 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
       const int64_t m = m0 + r, mb = m * nb + b;                                                     \
       const int8_t* xq = a.q + m * k + b * QK;                                                       \
       __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();                           \
+      if (D == Dot::AVX2 && !Q8) { /* vpmaddubsw's int16 pair sums added in int16 over a run of */   \
+        /* chunks, then one vpmaddwd a run: exact, as codes <= 15 / 31 / 63 and |x| <= 127 keep */   \
+        /* 8 / 4 / 2 chunks' sums within +-32767 (AVX2_RUN) */                                       \
+        for (int c0 = 0; c0 < 8; c0 += AVX2_RUN<K>) {                                                \
+          __m256i p16 = _mm256_setzero_si256();                                                      \
+          for (int c = c0; c < c0 + AVX2_RUN<K>; ++c) {                                              \
+            int32_t chunk;                                                                           \
+            std::memcpy(&chunk, xq + 4 * c, 4);                                                      \
+            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(chunk)));      \
+          }                                                                                          \
+          __m256i& into = K == Kind::Q6K && c0 >= 4 ? dot2 : dot;                                    \
+          into = _mm256_add_epi32(into, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));               \
+        }                                                                                            \
+      } else                                                                                         \
       for (int c = 0; c < 8; ++c) {                                                                  \
         int32_t chunk;                                                                               \
         std::memcpy(&chunk, xq + 4 * c, 4);                                                          \
