@@ -317,9 +317,9 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
 
 // How many 4-value chunks the AVX2 path sums in int16 before widening to int32: a chunk's pair
 // sum is at most 2 x 15 x 127 = 3810 for 4-bit codes (8 chunks: 30480), 7874 for 5-bit (4:
-// 31496), 16002 for 6-bit (2: 32004); Q8_0 (|w| <= 128) widens every chunk. On a CPU whose
-// vector multiplies share one pipe (AMD Zen 1/2: vpmaddubsw and vpmaddwd each 2 cycles a 256-bit
-// op on FP0), this takes 9 (Q4) / 10 (Q5) / 12 (Q6_K) multiplies a block-row instead of 16.
+// 31496), 16002 for 6-bit (2: 32004); Q8_0 (|w| <= 128) widens every chunk. A block-row then
+// takes 9 (Q4) / 10 (Q5) / 12 (Q6_K) multiplies instead of 16 (AVX2 has no int8 dot product:
+// vpmaddubsw, then vpmaddwd by ones).
 template <Kind K>
 constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ? 2 : 4);
 
@@ -386,20 +386,6 @@ constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ?
       const int64_t m = m0 + r, mb = m * nb + b;                                                     \
       const int8_t* xq = a.q + m * k + b * QK;                                                       \
       __m256i dot = _mm256_setzero_si256(), dot2 = _mm256_setzero_si256();                           \
-      if (D == Dot::AVX2 && !Q8) { /* vpmaddubsw's int16 pair sums added in int16 over a run of */   \
-        /* chunks, then one vpmaddwd a run: exact, as codes <= 15 / 31 / 63 and |x| <= 127 keep */   \
-        /* 8 / 4 / 2 chunks' sums within +-32767 (AVX2_RUN) */                                       \
-        for (int c0 = 0; c0 < 8; c0 += AVX2_RUN<K>) {                                                \
-          __m256i p16 = _mm256_setzero_si256();                                                      \
-          for (int c = c0; c < c0 + AVX2_RUN<K>; ++c) {                                              \
-            int32_t chunk;                                                                           \
-            std::memcpy(&chunk, xq + 4 * c, 4);                                                      \
-            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(wv[c], _mm256_set1_epi32(chunk)));      \
-          }                                                                                          \
-          __m256i& into = K == Kind::Q6K && c0 >= 4 ? dot2 : dot;                                    \
-          into = _mm256_add_epi32(into, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));               \
-        }                                                                                            \
-      } else                                                                                         \
       for (int c = 0; c < 8; ++c) {                                                                  \
         int32_t chunk;                                                                               \
         std::memcpy(&chunk, xq + 4 * c, 4);                                                          \
@@ -429,6 +415,83 @@ template <Kind K, int MR>
 DFLASH_TARGET_AVX2 void rows_avx2(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   DFLASH_GROUP_BODY(Dot::AVX2)
 }
+// AVX2, 4- to 6-bit codes: chunk by chunk, each chunk's codes unpacked into one register that
+// serves the MR rows at once, vpmaddubsw's int16 pair sums added in int16 over a run of
+// AVX2_RUN chunks, then one vpmaddwd per run (the group body keeps all 8 chunks' codes in
+// registers, and with 16 of them spills at 4 rows). Each row's integer dot is exact and its
+// float operations are the group body's, so the bits are the other paths'. Measured on the
+// Zen 1 VM (2026-12-02, 3072x576 Q4_1, one thread, cache-hot, alternating in one process): 1 /
+// 2 / 4 / 8 / 16 rows 22.3 / 19.6 / 17.4 / 17.0 / 17.3 ns a block-row with the group body (a
+// vpmaddwd every chunk) -> 18.7 / 14.1 / 12.8 / 12.3 / 13.1 (8 rows a pass: within 3% of 4); at 1 / 4
+// / 8 rows on 1536x768, Q4_0 24.3 / 18.8 / 18.4 -> 20.6 / 14.1 / 13.2, Q5_0 31.1 / 21.3 / 20.3 -> 27.5 /
+// 15.1 / 14.9, Q4_K 27.9 / 19.6 / 18.8 -> 23.1 / 14.6 / 14.6, Q5_K 37.0 / 22.9 / 21.5 -> 30.4 / 16.1 /
+// 15.1.
+template <Kind K, int MR>
+DFLASH_TARGET_AVX2 void rows_avx2_chunks(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
+  static_assert(K != Kind::Q8, "Q8_0 takes the group body");
+  const int64_t nb = k / QK, gb = block_bytes(K);
+  constexpr int RUN = AVX2_RUN<K>;
+  __m256 acc[MR], acc_e[MR];
+  for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); acc_e[r] = _mm256_setzero_ps(); }
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* x0 = a.q + m0 * k;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = g + b * gb;
+    for (int64_t o = 0; o < gb; o += 64) prefetch_ahead(blk + o);
+    const int8_t* xb = x0 + b * QK;
+    __m256i dot[MR], dot2[MR];
+    for (int c0 = 0; c0 < 8; c0 += RUN) {
+      __m256i p16[MR];
+      for (int c = c0; c < c0 + RUN; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (c % 4) * 32));
+        __m256i w = _mm256_and_si256(c < 4 ? q : _mm256_srli_epi16(q, 4), low4);
+        if (has_plane4(K))
+          w = _mm256_or_si256(w, DFLASH_PLANE_BIT(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16)), c, 4));
+        if (K == Kind::Q6K)
+          w = _mm256_or_si256(w, DFLASH_PLANE_BIT(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16 + 32)), c, 5));
+        for (int r = 0; r < MR; ++r) {
+          int32_t chunk;
+          std::memcpy(&chunk, xb + r * k + 4 * c, 4);
+          const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(chunk));
+          p16[r] = c == c0 ? p : _mm256_add_epi16(p16[r], p);
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256i s = _mm256_madd_epi16(p16[r], ones);
+        if (K == Kind::Q6K && c0 >= 4) dot2[r] = c0 == 4 ? s : _mm256_add_epi32(dot2[r], s);
+        else dot[r] = c0 == 0 ? s : _mm256_add_epi32(dot[r], s);
+      }
+    }
+    const uint8_t* sp = blk + scales_at(K);
+    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+    __m256 dw = dh, dw2 = dh, ew = _mm256_setzero_ps();
+    if (K == Kind::Q4 || K == Kind::Q5) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+    if (K == Kind::Q4K || K == Kind::Q5K) {
+      dw = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+      ew = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
+    }
+    if (K == Kind::Q6K) {
+      dw = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 16));
+      dw2 = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 24));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t mb = (m0 + r) * nb + b;
+      const __m256 dx = _mm256_set1_ps(a.d[mb]);
+      if (K == Kind::Q6K) {
+        const __m256i lo = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(32 * a.s_lo[mb]));
+        const __m256i hi = _mm256_sub_epi32(dot2[r], _mm256_set1_epi32(32 * (a.s[mb] - a.s_lo[mb])));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(dw, dx), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(dw2, dx), acc[r]);
+        continue;
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dw, dx), acc[r]);
+      if (has_offset(K)) acc_e[r] = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[mb]), acc_e[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (m0 + r) * NR, _mm256_add_ps(acc[r], acc_e[r]));
+}
+
 template <Kind K, int MR>
 DFLASH_TARGET_AVXVNNI void rows_avxvnni(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   DFLASH_GROUP_BODY(Dot::AVXVNNI)
@@ -635,7 +698,11 @@ template <Kind K, int MR>
 void rows_on(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   if (isa == Isa::AVX512VNNI || isa == Isa::AMX) return rows_avx512<K, MR>(g, k, a, m0, out);
   if (isa == Isa::AVXVNNI) return rows_avxvnni<K, MR>(g, k, a, m0, out);
-  rows_avx2<K, MR>(g, k, a, m0, out);
+  // Q6_K alone: its two bit planes re-unpacked per chunk cost more than the int16 sums save (1536x768,
+  // one thread, cache-hot: 41 ns a block-row on the group body, 45 chunk by chunk; 4 / 8 rows 23.7 / 22.7
+  // -> 20.0 / 19.3)
+  if constexpr (K == Kind::Q8 || (K == Kind::Q6K && MR == 1)) rows_avx2<K, MR>(g, k, a, m0, out);
+  else rows_avx2_chunks<K, MR>(g, k, a, m0, out);
 }
 
 // all rows of x against one group: 4 rows a pass over the group's weights, then the last 1-3 in
