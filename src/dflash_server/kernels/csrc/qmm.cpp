@@ -321,7 +321,7 @@ DFLASH_TARGET_AVX512 inline __m256i dot_add<Dot::AVX512VNNI>(__m256i acc, __m256
 // takes 9 (Q4) / 10 (Q5) / 12 (Q6_K) multiplies instead of 16 (AVX2 has no int8 dot product:
 // vpmaddubsw, then vpmaddwd by ones).
 template <Kind K>
-constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ? 2 : 4);
+constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ? 2 : (K == Kind::Q8 ? 1 : 4));
 
 // bit c of each byte of a plane, moved to bit `to` (the shift stays inside each byte)
 #define DFLASH_PLANE_BIT(plane, c, to)                                                               \
@@ -428,7 +428,6 @@ DFLASH_TARGET_AVX2 void rows_avx2(const uint8_t* g, int64_t k, const Acts& a, in
 // 15.1.
 template <Kind K, int MR>
 DFLASH_TARGET_AVX2 void rows_avx2_chunks(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
-  static_assert(K != Kind::Q8, "Q8_0 takes the group body");
   const int64_t nb = k / QK, gb = block_bytes(K);
   constexpr int RUN = AVX2_RUN<K>;
   __m256 acc[MR], acc_e[MR];
@@ -443,8 +442,9 @@ DFLASH_TARGET_AVX2 void rows_avx2_chunks(const uint8_t* g, int64_t k, const Acts
     for (int c0 = 0; c0 < 8; c0 += RUN) {
       __m256i p16[MR];
       for (int c = c0; c < c0 + RUN; ++c) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (c % 4) * 32));
-        __m256i w = _mm256_and_si256(c < 4 ? q : _mm256_srli_epi16(q, 4), low4);
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (K == Kind::Q8 ? c : c % 4) * 32));
+        // Q8_0 (signed codes): |w| times x with w's sign, the sign trick of the group body
+        __m256i w = K == Kind::Q8 ? _mm256_sign_epi8(q, q) : _mm256_and_si256(c < 4 ? q : _mm256_srli_epi16(q, 4), low4);
         if (has_plane4(K))
           w = _mm256_or_si256(w, DFLASH_PLANE_BIT(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + NR * 16)), c, 4));
         if (K == Kind::Q6K)
@@ -452,7 +452,8 @@ DFLASH_TARGET_AVX2 void rows_avx2_chunks(const uint8_t* g, int64_t k, const Acts
         for (int r = 0; r < MR; ++r) {
           int32_t chunk;
           std::memcpy(&chunk, xb + r * k + 4 * c, 4);
-          const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32(chunk));
+          const __m256i xv = _mm256_set1_epi32(chunk);
+          const __m256i p = _mm256_maddubs_epi16(w, K == Kind::Q8 ? _mm256_sign_epi8(xv, q) : xv);
           p16[r] = c == c0 ? p : _mm256_add_epi16(p16[r], p);
         }
       }
@@ -701,7 +702,7 @@ void rows_on(Isa isa, const uint8_t* g, int64_t k, const Acts& a, int64_t m0, fl
   // Q6_K alone: its two bit planes re-unpacked per chunk cost more than the int16 sums save (1536x768,
   // one thread, cache-hot: 41 ns a block-row on the group body, 45 chunk by chunk; 4 / 8 rows 23.7 / 22.7
   // -> 20.0 / 19.3)
-  if constexpr (K == Kind::Q8 || (K == Kind::Q6K && MR == 1)) rows_avx2<K, MR>(g, k, a, m0, out);
+  if constexpr (K == Kind::Q6K && MR == 1) rows_avx2<K, MR>(g, k, a, m0, out);
   else rows_avx2_chunks<K, MR>(g, k, a, m0, out);
 }
 
