@@ -415,9 +415,9 @@ template <Kind K, int MR>
 DFLASH_TARGET_AVX2 void rows_avx2(const uint8_t* g, int64_t k, const Acts& a, int64_t m0, float* out) {
   DFLASH_GROUP_BODY(Dot::AVX2)
 }
-// AVX2, 4- to 6-bit codes: chunk by chunk, each chunk's codes unpacked into one register that
-// serves the MR rows at once, vpmaddubsw's int16 pair sums added in int16 over a run of
-// AVX2_RUN chunks, then one vpmaddwd per run (the group body keeps all 8 chunks' codes in
+// AVX2: chunk by chunk, each chunk's codes unpacked into one register that serves the MR rows
+// at once, vpmaddubsw's int16 pair sums added in int16 over a run of AVX2_RUN chunks (Q8_0: 1),
+// then one vpmaddwd per run (the group body keeps all 8 chunks' codes in
 // registers, and with 16 of them spills at 4 rows). Each row's integer dot is exact and its
 // float operations are the group body's, so the bits are the other paths'. Measured on the
 // Zen 1 VM (2026-12-02, 3072x576 Q4_1, one thread, cache-hot, alternating in one process): 1 /
