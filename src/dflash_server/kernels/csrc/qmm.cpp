@@ -417,8 +417,8 @@ DFLASH_TARGET_AVX2 void rows_avx2(const uint8_t* g, int64_t k, const Acts& a, in
 }
 // AVX2: chunk by chunk, each chunk's codes unpacked into one register that serves the MR rows
 // at once, vpmaddubsw's int16 pair sums added in int16 over a run of AVX2_RUN chunks (Q8_0: 1),
-// then one vpmaddwd per run (the group body keeps all 8 chunks' codes in
-// registers, and with 16 of them spills at 4 rows). Each row's integer dot is exact and its
+// then one vpmaddwd per run (the group body keeps all 8 chunks' codes in registers: with AVX2's
+// 16, 4 rows' accumulators do not fit beside them). Each row's integer dot is exact and its
 // float operations are the group body's, so the bits are the other paths'. Measured on the
 // Zen 1 VM (2026-12-02, 3072x576 Q4_1, one thread, cache-hot, alternating in one process): 1 /
 // 2 / 4 / 8 / 16 rows 22.3 / 19.6 / 17.4 / 17.0 / 17.3 ns a block-row with the group body (a
