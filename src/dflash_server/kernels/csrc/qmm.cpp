@@ -333,6 +333,43 @@ constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ?
 #define DFLASH_U8_PS(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
 #define DFLASH_I8_PS(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))
 
+// A group block's 8 scales as fp32 (sp: its scale fields): dw for the dots (Q6_K: dw / dw2 for its
+// half blocks), ew for the offset term
+template <Kind K>
+DFLASH_TARGET_AVX2 __attribute__((always_inline)) inline void block_scales(const uint8_t* sp, __m256& dw, __m256& dw2,
+                                                                           __m256& ew) {
+  const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+  dw = dh, dw2 = dh, ew = _mm256_setzero_ps();
+  if (K == Kind::Q4 || K == Kind::Q5) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+  if (K == Kind::Q4K || K == Kind::Q5K) {
+    dw = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+    ew = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
+  }
+  if (K == Kind::Q6K) {
+    dw = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 16));
+    dw2 = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 24));
+  }
+}
+
+// one row's exact int32 dots of a block (Q6_K: dot / dot2 for its half blocks; Q8_0's VNNI offset
+// already removed) into its accumulators: acc += dot (dw dx), acc_e += ew (dx sx)
+template <Kind K>
+DFLASH_TARGET_AVX2 __attribute__((always_inline)) inline void scale_into(__m256i dot, __m256i dot2, __m256 dw, __m256 dw2,
+                                                                         __m256 ew, const Acts& a, int64_t mb,
+                                                                         __m256& acc, __m256& acc_e) {
+  const __m256 dx = _mm256_set1_ps(a.d[mb]);
+  if (K == Kind::Q6K) { /* exact: sum (q - 32) x = sum q x - 32 sum x, per half block */
+    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * a.s_lo[mb]));
+    dot2 = _mm256_sub_epi32(dot2, _mm256_set1_epi32(32 * (a.s[mb] - a.s_lo[mb])));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(dw2, dx), acc);
+    return;
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc);
+  if (has_offset(K)) acc_e = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[mb]), acc_e);
+}
+
 // MR rows of x against one group (8 outputs): the group's codes are loaded (and unpacked)
 // once per block and serve the MR rows
 #define DFLASH_GROUP_BODY(D)                                                                         \
@@ -369,19 +406,8 @@ constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ?
         wu[c] = D == Dot::AVX2 ? _mm256_sign_epi8(wv[c], wv[c])                                      \
                                : _mm256_xor_si256(wv[c], _mm256_set1_epi8(static_cast<char>(0x80))); \
     }                                                                                                \
-    const uint8_t* sp = blk + scales_at(K);                                                          \
-    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));        \
-    __m256 dw = dh, dw2 = dh, ew = _mm256_setzero_ps();                                              \
-    if (K == Kind::Q4 || K == Kind::Q5) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
-    if (K == Kind::Q4K || K == Kind::Q5K) {                                                          \
-      dw = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));                                                 \
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16))); \
-      ew = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));          \
-    }                                                                                                \
-    if (K == Kind::Q6K) {                                                                            \
-      dw = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 16));                                                 \
-      dw2 = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 24));                                                \
-    }                                                                                                \
+    __m256 dw, dw2, ew;                                                                              \
+    block_scales<K>(blk + scales_at(K), dw, dw2, ew);                                                \
     for (int r = 0; r < MR; ++r) {                                                                   \
       const int64_t m = m0 + r, mb = m * nb + b;                                                     \
       const int8_t* xq = a.q + m * k + b * QK;                                                       \
@@ -397,16 +423,7 @@ constexpr int AVX2_RUN = K == Kind::Q4 || K == Kind::Q4K ? 8 : (K == Kind::Q6K ?
       }                                                                                              \
       if (Q8 && D != Dot::AVX2) /* exact: sum (w + 128) x - 128 sum x */                             \
         dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * a.s[mb]));                               \
-      const __m256 dx = _mm256_set1_ps(a.d[mb]);                                                     \
-      if (K == Kind::Q6K) { /* exact: sum (q - 32) x = sum q x - 32 sum x, per half block */         \
-        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * a.s_lo[mb]));                             \
-        dot2 = _mm256_sub_epi32(dot2, _mm256_set1_epi32(32 * (a.s[mb] - a.s_lo[mb])));               \
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc[r]);            \
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(dw2, dx), acc[r]);          \
-        continue;                                                                                    \
-      }                                                                                              \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc[r]);              \
-      if (has_offset(K)) acc_e[r] = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[mb]), acc_e[r]);         \
+      scale_into<K>(dot, dot2, dw, dw2, ew, a, mb, acc[r], acc_e[r]);                                \
     }                                                                                                \
   }                                                                                                  \
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (m0 + r) * NR, _mm256_add_ps(acc[r], acc_e[r]));
@@ -438,7 +455,7 @@ DFLASH_TARGET_AVX2 void rows_avx2_chunks(const uint8_t* g, int64_t k, const Acts
     const uint8_t* blk = g + b * gb;
     for (int64_t o = 0; o < gb; o += 64) prefetch_ahead(blk + o);
     const int8_t* xb = x0 + b * QK;
-    __m256i dot[MR], dot2[MR];
+    __m256i dot[MR], dot2[MR] = {};  // dot2: Q6_K's second half block only
     for (int c0 = 0; c0 < 8; c0 += RUN) {
       __m256i p16[MR];
       for (int c = c0; c < c0 + RUN; ++c) {
@@ -463,32 +480,9 @@ DFLASH_TARGET_AVX2 void rows_avx2_chunks(const uint8_t* g, int64_t k, const Acts
         else dot[r] = c0 == 0 ? s : _mm256_add_epi32(dot[r], s);
       }
     }
-    const uint8_t* sp = blk + scales_at(K);
-    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-    __m256 dw = dh, dw2 = dh, ew = _mm256_setzero_ps();
-    if (K == Kind::Q4 || K == Kind::Q5) ew = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-    if (K == Kind::Q4K || K == Kind::Q5K) {
-      dw = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-      ew = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
-    }
-    if (K == Kind::Q6K) {
-      dw = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 16));
-      dw2 = _mm256_mul_ps(dh, DFLASH_I8_PS(sp + 24));
-    }
-    for (int r = 0; r < MR; ++r) {
-      const int64_t mb = (m0 + r) * nb + b;
-      const __m256 dx = _mm256_set1_ps(a.d[mb]);
-      if (K == Kind::Q6K) {
-        const __m256i lo = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(32 * a.s_lo[mb]));
-        const __m256i hi = _mm256_sub_epi32(dot2[r], _mm256_set1_epi32(32 * (a.s[mb] - a.s_lo[mb])));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(dw, dx), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(dw2, dx), acc[r]);
-        continue;
-      }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dw, dx), acc[r]);
-      if (has_offset(K)) acc_e[r] = _mm256_fmadd_ps(ew, _mm256_set1_ps(a.ds[mb]), acc_e[r]);
-    }
+    __m256 dw, dw2, ew;
+    block_scales<K>(blk + scales_at(K), dw, dw2, ew);
+    for (int r = 0; r < MR; ++r) scale_into<K>(dot[r], dot2[r], dw, dw2, ew, a, (m0 + r) * nb + b, acc[r], acc_e[r]);
   }
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + (m0 + r) * NR, _mm256_add_ps(acc[r], acc_e[r]));
 }
@@ -821,16 +815,8 @@ DFLASH_TARGET_AMX __attribute__((always_inline)) inline void amx_unpack_block(co
       }
       for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(tb + c * RB + j * 32), wv[c]);
     }
-    const uint8_t* sp = blk + scales_at(K);
-    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-    __m256 dwj = dh, ewj = _mm256_setzero_ps();
-    if (K == Kind::Q4 || K == Kind::Q5)
-      ewj = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-    if (K == Kind::Q4K || K == Kind::Q5K) {
-      dwj = _mm256_mul_ps(dh, DFLASH_U8_PS(sp + 32));
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-      ewj = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, DFLASH_U8_PS(sp + 40)));
-    }
+    __m256 dwj, dw2j, ewj;
+    block_scales<K>(blk + scales_at(K), dwj, dw2j, ewj);
     dw = j == 0 ? insert8<0>(dw, dwj) : insert8<1>(dw, dwj);
     ew = j == 0 ? insert8<0>(ew, ewj) : insert8<1>(ew, ewj);
   }
