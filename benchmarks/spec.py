@@ -2,12 +2,13 @@
 default model and its shipped draft, in one run.
 
     python benchmarks/spec.py [--draft DIR] [--prompts 5] [--max-tokens 128] [--block-size 8]
-                              [--threads 2] [--device cpu] [--compile] [--out FILE]
+                              [--lookup 5] [--threads 2] [--device cpu] [--compile] [--out FILE]
 
 All runs use the serving configuration (int4 layers + int8 LM head on CPU, int8 draft linears;
 bf16 on a GPU). Per prompt set:
-AR tokens/s, DFlash tokens/s with the fixed trained block and with the adaptive block size
-(the server's default), speedups over AR (geometric mean over prompts of each prompt's
+AR tokens/s, DFlash tokens/s with the fixed trained block, with the adaptive block size, and
+with the adaptive block size plus prompt lookup (``--lookup N`` drafts copied where the
+context repeats, spec.lookup: the server's default), speedups over AR (geometric mean over prompts of each prompt's
 DFlash / AR tokens/s; the three modes run each prompt back to back in rotating order, so the
 machine's drift hits them alike; tokens/s columns are medians), mean acceptance length (tau) and per-position
 acceptance of the fixed block, and whether each DFlash output is identical to AR's (bf16:
@@ -72,6 +73,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=5, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int)
+    ap.add_argument("--lookup", type=int, default=5, help="prompt-lookup depth of the 'lookup' mode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, ...")
     ap.add_argument("--compile", action="store_true",
@@ -90,22 +92,26 @@ def main():
     if draft_dir is None:
         sys.exit("no draft: pass --draft DIR (the shipped draft is missing)")
 
-    def proposer(adaptive):
-        return DFlashProposer(load_draft(draft_dir), pipe, args.block_size, adaptive=adaptive)
+    def proposer(adaptive, lookup=0):
+        return DFlashProposer(load_draft(draft_dir), pipe, args.block_size, adaptive=adaptive, lookup=lookup)
     engines = {"ar": Engine(pipe), "fixed": Engine(pipe, proposer=proposer(False)),
-               "adaptive": Engine(pipe, proposer=proposer(True))}
+               "adaptive": Engine(pipe, proposer=proposer(True)),
+               "lookup": Engine(pipe, proposer=proposer(True, args.lookup))}
     for e in engines.values():   # as `serve` does: builds compiled graphs, then the block sizer starts afresh
         e.warm_up()
     rows = []
     for name, file in SETS.items():
         tps = {k: [] for k in engines}
-        taus, rates, pos_acc, mean_block, same = [], [], [], [], {"fixed": 0, "adaptive": 0}
+        taus, rates, pos_acc, mean_block = [], [], [], []
+        same = {"fixed": 0, "adaptive": 0, "lookup": 0}
+        look_tau, look_share = [], []
         prompts = load_prompts(EVAL / file, args.prompts)
-        ratios = {"fixed": [], "adaptive": []}
+        ratios = {"fixed": [], "adaptive": [], "lookup": []}
         for i, messages in enumerate(prompts):
             ids = tuple(src.tokenizer.encode_chat(messages))
             req = GenerationRequest(ids, max_tokens=args.max_tokens)
-            order = list(engines)[i % 3:] + list(engines)[:i % 3]   # rotate: drift hits every mode alike
+            n = len(engines)
+            order = list(engines)[i % n:] + list(engines)[:i % n]   # rotate: drift hits every mode alike
             res = {k: engines[k].generate(req) for k in order}
             for k, r in res.items():      # decode speed after prefill (first token included)
                 tps[k].append(r.completion_tokens / r.decode_s if r.decode_s else 0.0)
@@ -119,10 +125,17 @@ def main():
             a = res["adaptive"].extra["spec"]           # mean block over all steps, plain ones as 1
             mean_block.append((a["mean_block_size"] * a["steps"] + a["plain_steps"]) /
                               max(1, a["steps"] + a["plain_steps"]))
+            lk = res["lookup"].extra["spec"]      # tokens per step over all its steps, plain ones included
+            look_tau.append(res["lookup"].completion_tokens / max(1, lk["steps"] + lk["plain_steps"]))
+            look_share.append(lk["lookup_steps"] / max(1, lk["steps"] + lk["plain_steps"]))
         med = {k: statistics.median(v) for k, v in tps.items()}
         row = {"set": name, "prompts": len(prompts), "ar_tok_s": med["ar"], "dflash_fixed_tok_s": med["fixed"],
                "dflash_adaptive_tok_s": med["adaptive"], "speedup_fixed": geomean(ratios["fixed"]),
-               "speedup_adaptive": geomean(ratios["adaptive"]), "acceptance_length": statistics.mean(taus),
+               "speedup_adaptive": geomean(ratios["adaptive"]), "lookup_tok_s": med["lookup"],
+               "speedup_lookup": geomean(ratios["lookup"]), "lookup_tokens_per_step": statistics.mean(look_tau),
+               "lookup_step_share": statistics.mean(look_share),
+               "identical_lookup": f"{same['lookup']}/{len(prompts)}",
+               "acceptance_length": statistics.mean(taus),
                "accept_rate": statistics.mean(rates),
                "position_acceptance": [round(statistics.mean(c), 3) for c in zip(*pos_acc)],
                "adaptive_mean_block": statistics.mean(mean_block),
@@ -131,18 +144,22 @@ def main():
         rows.append(row)
         print(row, file=sys.stderr)
     out = {"model": src.path.name, "draft": str(draft_dir), "block_size": engines["fixed"].proposer.block_size,
+           "lookup": args.lookup,
            "device": args.device, "threads": args.threads, "max_tokens": args.max_tokens, "compile": args.compile, "time": time.strftime("%Y-%m-%d %H:%M"),
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print("| set | AR tok/s | DFlash fixed B tok/s | DFlash adaptive tok/s | speedup fixed / adaptive | "
-          "tau (fixed B) | acceptance by position | adaptive mean block | identical to AR (fixed, adaptive) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| set | AR tok/s | DFlash fixed B tok/s | DFlash adaptive tok/s | + lookup tok/s | speedup fixed / adaptive / "
+          "+ lookup | tau (fixed B) | acceptance by position | adaptive mean block | + lookup: tokens a step, lookup "
+          "steps | identical to AR (fixed, adaptive, + lookup) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pa = " ".join(f"{x:.2f}" for x in r["position_acceptance"][:4])
         print(f"| {r['set']} | {r['ar_tok_s']:.1f} | {r['dflash_fixed_tok_s']:.1f} | {r['dflash_adaptive_tok_s']:.1f} | "
-              f"{r['speedup_fixed']:.2f}x / {r['speedup_adaptive']:.2f}x | {r['acceptance_length']:.2f} | {pa} ... | "
-              f"{r['adaptive_mean_block']:.2f} | {r['identical_fixed']}, {r['identical_adaptive']} |")
+              f"{r['lookup_tok_s']:.1f} | {r['speedup_fixed']:.2f}x / {r['speedup_adaptive']:.2f}x / "
+              f"**{r['speedup_lookup']:.2f}x** | {r['acceptance_length']:.2f} | {pa} ... | "
+              f"{r['adaptive_mean_block']:.2f} | {r['lookup_tokens_per_step']:.2f}, {r['lookup_step_share']:.0%} | "
+              f"{r['identical_fixed']}, {r['identical_adaptive']}, {r['identical_lookup']} |")
 
 
 if __name__ == "__main__":

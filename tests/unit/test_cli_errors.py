@@ -188,6 +188,14 @@ def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     assert auto["spec"]["steps"] + auto["spec"]["plain_steps"] > 0
     for bad in ("1", "x"):
         assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--block-size", bad), "block-size")
+    off = run_cli(*base, "--draft", str(draft), "--lookup", "0")     # prompt lookup off: the draft's steps only
+    assert off.returncode == 0, off.stderr
+    off = json.loads(off.stdout)
+    assert off["token_ids"] == plain["token_ids"] and off["spec"]["lookup_steps"] == 0
+    assert auto["spec"]["lookup_steps"] >= 0
+    for bad in ("-1", "17", "x", "1e3", "2.5"):
+        assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--lookup", bad), "lookup")
+    assert_clean_error(gen(tiny_dir("llama"), "--lookup", "3"), "lookup")   # needs --draft
 
 
 def test_bad_draft_gives_clean_error(tiny_dir, tmp_path):

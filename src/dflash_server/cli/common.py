@@ -154,6 +154,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(lossless; local stages without a KV Flash pool, else chains)")
     d.add_argument("--ddtree-budget", type=tree_budget_arg, default=None, metavar="N",
                    help="draft tree nodes per step, 1-63 (default 22; implies --ddtree)")
+    d.add_argument("--lookup", type=lookup_arg, default=5, metavar="N",
+                   help="prompt lookup beside the draft: where the context repeats its last 2-4 tokens, verify "
+                        "up to N tokens copied from after their earlier occurrence instead of drafting "
+                        "(0-16, default 5; 0: off; chains only, not --ddtree)")
     d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     f = p.add_argument_group("prefill compression (PFlash)")
     f.add_argument("--prefill-compression", default="off", choices=["off", "auto", "always"],
@@ -562,6 +566,18 @@ def block_size_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer >= 2 or auto, got {text!r}") from None
 
 
+def lookup_arg(text: str) -> int:
+    from ..spec.lookup import MAX_DEPTH
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_DEPTH}], got {text!r}") from None
+    if not 0 <= n <= MAX_DEPTH:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_DEPTH}], got {n}")
+    return n
+
+
 def tree_budget_arg(text: str) -> int:
     from ..spec.proposer import MAX_TREE_BUDGET
 
@@ -594,6 +610,6 @@ def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "d
             raise ValueError("--block-size must be >= 2 or auto")
         budget = cfg.ddtree_budget or (DEFAULT_TREE_BUDGET if cfg.ddtree else 0)
         return DFlashProposer(draft, pipeline, block_size=None if auto else cfg.block_size, adaptive=auto,
-                              tree_budget=budget)
+                              tree_budget=budget, lookup=cfg.lookup)
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

@@ -86,6 +86,7 @@ class EngineConfig:
     block_size: int | str = "auto"
     ddtree: bool = False
     ddtree_budget: int | None = None
+    lookup: int = 5           # prompt-lookup drafts per step beside the draft (spec.lookup; 0: off)
     no_draft: bool = False
     # prefill compression (PFlash)
     prefill_compression: str = "off"
@@ -142,6 +143,10 @@ class EngineConfig:
             raise ValueError(f"--block-size must be an integer >= 2 or auto, got {self.block_size!r}")
         if self.block_size != "auto" and self.block_size < 2:
             raise ValueError(f"--block-size must be an integer >= 2 or auto, got {self.block_size!r}")
+        from ..spec.lookup import MAX_DEPTH as LOOKUP_MAX
+
+        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or not 0 <= self.lookup <= LOOKUP_MAX:
+            raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
         if (self.ddtree or self.ddtree_budget) and (self.no_draft or self.draft is None):
             raise ValueError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
         # flags that only take effect with another one: refused without it, rather than silently dropped
@@ -152,7 +157,8 @@ class EngineConfig:
                   ("--kv-cache-budget", self.kv_cache_budget != 4096),
                   ("--kv-cache-min-tokens", self.kv_cache_min_tokens != 256))),
                 ("--draft", self.no_draft or self.draft is None,
-                 (("--block-size", self.block_size != "auto"), ("--draft-device", self.draft_device is not None))),
+                 (("--block-size", self.block_size != "auto"), ("--draft-device", self.draft_device is not None),
+                  ("--lookup", self.lookup != 5))),
                 ("--kvflash", self.kvflash is None,
                  (("--kvflash-policy", self.kvflash_policy != "lru"), ("--kvflash-chunk", self.kvflash_chunk != 64),
                   ("--kvflash-tau", self.kvflash_tau != 64)))):

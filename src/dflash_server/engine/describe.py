@@ -17,6 +17,8 @@ def speculative(proposer) -> dict:
     # DDTree: the node budget of each step's draft tree (0: chains); active where the
     # pipeline can verify trees (one sequence per forward)
     out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
+    # prompt lookup (spec.lookup): drafts copied where the context repeats, up to this many a step
+    out["lookup_depth"] = int(proposer.lookup_depth)
     # several running sequences verify their blocks (or trees) in one target forward
     out["batch_verify"] = bool(proposer.batch_verify(proposer.pipeline))
     if proposer.sizer is not None:

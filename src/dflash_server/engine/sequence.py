@@ -40,6 +40,7 @@ class Sequence:
         self.prefill_waits = 0             # steps it waited while others prefilled (the scheduler's)
         self.pre = None                    # prefix.Prefilled once prefilled
         self.spec = None                   # SpecStats when drafting
+        self.lookup = None                 # spec.lookup.LookupUse: its prompt-lookup drafts
         self.compressed = None             # pflash Compressed: the prompt was compressed
         self.on_commit = None              # disk checkpointer: (length, logits)
         self.t_submit = time.monotonic()

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..spec.lookup import LookupUse
+
 if TYPE_CHECKING:
     from ..spec.ddtree import DraftTree
     from ..spec.proposer_protocol import Proposer
@@ -34,6 +36,7 @@ class SpecStats:
     committed: int = 0
     plain_steps: int = 0  # steps the adaptive block size ran without drafting (not in tau)
     tree_steps: int = 0   # steps that verified a DDTree (their "proposed" counts its nodes)
+    lookup_steps: int = 0  # steps that verified prompt-lookup drafts (spec.lookup) instead of the draft's
     histogram: list[int] = field(default_factory=list)  # [k] = steps that accepted exactly k drafts
 
     def __post_init__(self):
@@ -48,6 +51,8 @@ class SpecStats:
         self.proposed += proposed
         self.accepted += accepted
         self.committed += accepted + 1
+        if accepted >= len(self.histogram):   # (a lookup may verify more drafts than the draft's block)
+            self.histogram += [0] * (accepted + 1 - len(self.histogram))
         self.histogram[accepted] += 1
 
     @property
@@ -67,6 +72,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "steps": self.steps, "proposed": self.proposed,
                 "accepted": self.accepted, "plain_steps": self.plain_steps, "tree_steps": self.tree_steps,
+                "lookup_steps": self.lookup_steps,
                 "mean_tree_nodes": round(self.proposed / self.steps, 3) if self.tree_steps and self.steps else 0.0,
                 "mean_block_size": round(1 + self.proposed / self.steps, 3) if self.steps else 0.0,
                 "acceptance_length": round(self.acceptance_length, 4),
@@ -102,6 +108,7 @@ class RowsVerify:
     q: torch.Tensor | None = None
     tree: DraftTree | None = None
     size: int = 1
+    lookup: bool = False   # the drafts are a prompt lookup's (spec.lookup), not the draft's
 
     @property
     def rows(self) -> int:
@@ -132,7 +139,17 @@ class RowsVerify:
             return
         if self.rows > 1:
             pipe.rollback(pos + len(kept))
-        proposer.add_context(captures, pos, len(kept), defer=self.rows == 1)
+        # (a lookup step did not use the draft: its features, like a plain step's, wait for the next draft)
+        proposer.add_context(captures, pos, len(kept), defer=self.rows == 1 or self.lookup)
+
+    def record(self, kept: list[int], done: bool) -> None:
+        """Count the step in the sequence's statistics (and its lookups' record)."""
+        spec = self.seq.spec
+        spec.record(self.rows - 1, len(kept) - 1)
+        spec.tree_steps += self.tree is not None
+        if self.lookup:
+            spec.lookup_steps += 1
+            self.seq.lookup.learn(len(kept) - 1)
 
     def learned(self, kept: list[int], done: bool) -> int | None:
         """What the sizer observed (None: the sequence ended, acceptance not observed): the
@@ -151,20 +168,23 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
         return tree_step(pipe, proposer, seq)
     sizer = proposer.sizer
     spec_begin(proposer, seq)
-    want = sizer.choose() if sizer is not None else proposer.block_size
     anchor, pos = seq.last, seq.pos
-    block = min(want, block_room(pipe, seq))
+    room = block_room(pipe, seq)
+    look = lookup_drafts(proposer, seq, room)
+    want = sizer.choose() if sizer is not None and not look else proposer.block_size
+    block = 1 + len(look) if look else min(want, room)
     if block < 1:
         return "length"
     t0 = time.perf_counter()
-    v = RowsVerify(seq, *draft_block(proposer, seq, block), size=block)
+    v = RowsVerify(seq, look, size=block, lookup=True) if look else \
+        RowsVerify(seq, *draft_block(proposer, seq, block), size=block)
     if block > 1:                               # a plain step (block 1) has nothing to roll back
         pipe.checkpoint()
     verify = pipe.forward([anchor] + v.drafts, pos, logits="all", capture=proposer.taps)
     kept, done = v.accept(verify.logits)        # positions pos .. pos + len(kept) - 1 are committed
     v.keep(pipe, proposer, kept, verify.captures)
-    seq.spec.record(block - 1, len(kept) - 1)
-    if sizer is not None:
+    v.record(kept, done)
+    if sizer is not None and not look:          # (the sizer learns the draft's acceptance and costs)
         sizer.observe(block, v.learned(kept, done), time.perf_counter() - t0)
     if done:
         return seq.out.finish
@@ -180,6 +200,22 @@ def block_room(pipe, seq) -> int:
     which must lie inside the context as plain decoding's last token does), the pipeline's
     limit on a speculative forward."""
     return min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - seq.pos - 1, pipe.max_spec_rows)
+
+
+def lookup_drafts(proposer: Proposer, seq, room: int) -> list[int]:
+    """``seq``'s prompt-lookup drafts for its next step (spec.lookup): up to the proposer's
+    lookup depth (within ``room - 1``) tokens that followed the latest earlier occurrence of
+    its last few tokens; [] when lookups are off, the request does not speculate, nothing
+    matches or its lookups stopped paying. Verified by exact match, like greedy drafts."""
+    depth = min(proposer.lookup_depth, room - 1)
+    if depth < 1 or not seq.req.speculate:
+        return []
+    if seq.lookup is None:
+        seq.lookup = LookupUse()
+    if not seq.lookup.paying:
+        return []
+    seq.lookup.index.sync(seq.prompt, seq.out.tokens)
+    return seq.lookup.index.propose(depth)
 
 
 def draft_block(proposer: Proposer, seq, block: int) -> tuple[list[int], torch.Tensor | None]:
@@ -250,8 +286,7 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
         v = RowsVerify(seq, tree.tokens, tree=tree, size=budget)
         path, done = v.accept(verify.logits)
         v.keep(pipe, proposer, path, verify.captures)
-        seq.spec.record(len(tree.tokens), len(path) - 1)
-        seq.spec.tree_steps += 1
+        v.record(path, done)
         logits = verify.logits[path[-1]]
     if sizer is not None:
         sizer.observe(chosen, None if done else len(path), time.perf_counter() - t0)
@@ -282,9 +317,13 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
     if trees:
         depths, sizes = tree_budgets(pipe, proposer, seqs)
         ahead = [(s.lane, s.last, s.pos, d) for s, d, b in zip(seqs, depths, sizes) if b > 0]
-    else:
+    looks = {}
+    if not trees:
         sizes = depths = batch_blocks(pipe, proposer, seqs)
-        ahead = [(s.lane, s.last, s.pos, b) for s, b in zip(seqs, sizes) if b > 1]
+        for s in seqs:   # a sequence whose context repeats verifies its lookup's drafts instead
+            if look := lookup_drafts(proposer, s, block_room(pipe, s)):
+                looks[s.id] = look
+        ahead = [(s.lane, s.last, s.pos, b) for s, b in zip(seqs, sizes) if b > 1 and s.id not in looks]
     t0 = time.perf_counter()
     try:             # one draft pass for every drafting sequence
         proposer.draft_ahead(ahead)
@@ -294,7 +333,9 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
     for seq, depth, size in zip(seqs, depths, sizes):
         select(seq)
         try:
-            if not trees:
+            if seq.id in looks:
+                v = RowsVerify(seq, looks[seq.id], size=1 + len(looks[seq.id]), lookup=True)
+            elif not trees:
                 drafts, q = draft_block(proposer, seq, size)
                 v = RowsVerify(seq, drafts, q, size=size)
             else:
@@ -340,9 +381,8 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
             continue
         try:
             v.keep(pipe, proposer, kept, caps)
-            seq.spec.record(n - 1, len(kept) - 1)
-            seq.spec.tree_steps += v.tree is not None
-            if sizer is not None:
+            v.record(kept, done)
+            if sizer is not None and not v.lookup:
                 sizer.select(seq.id)
                 sizer.learn(v.size, v.learned(kept, done))
             if done:

@@ -155,6 +155,8 @@ class Metrics:
                               registry=r)
         self.spec_tree = Counter(p + "spec_tree_steps", "verify passes over a DDTree (their drafted tokens are "
                                  "its nodes)", registry=r)
+        self.spec_lookup = Counter(p + "spec_lookup_steps", "verify passes over prompt-lookup drafts (tokens copied "
+                                   "where the context repeats) instead of the draft's", registry=r)
         self.cache_hits = Counter(p + "prefix_cache_hits", "requests that restored a cached prefix",
                                   registry=r)
 
@@ -214,7 +216,7 @@ class Metrics:
         if isinstance(spec, dict):
             for key, counter in (("proposed", self.spec_drafted), ("accepted", self.spec_accepted),
                                  ("steps", self.spec_steps), ("plain_steps", self.spec_plain),
-                                 ("tree_steps", self.spec_tree)):
+                                 ("tree_steps", self.spec_tree), ("lookup_steps", self.spec_lookup)):
                 v = spec.get(key)
                 if isinstance(v, (int, float)) and v > 0:
                     counter.inc(v)

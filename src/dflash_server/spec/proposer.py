@@ -16,6 +16,7 @@ from .batch_sizer import BatchSizer
 from .block_sizer import BlockSizer
 from .ddtree import DraftTree, build_tree
 from .draft import DFlashDraft
+from .lookup import MAX_DEPTH as LOOKUP_MAX_DEPTH
 from .tree_sizer import TreeSizer
 
 MAX_VERIFY_ROWS = 64  # rows of one verify forward (the native attention step's limit)
@@ -41,7 +42,7 @@ def truncate(q: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.T
 
 class DFlashProposer:
     def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None,
-                 adaptive: bool = False, sampled_verify: str = "auto", tree_budget: int = 0):
+                 adaptive: bool = False, sampled_verify: str = "auto", tree_budget: int = 0, lookup: int = 0):
         """``block_size``: verify block (default: the trained one); with ``adaptive`` the
         largest one, and each step picks the block expected to commit the most tokens per
         second (``BlockSizer``; 1 = a plain decode step).
@@ -51,7 +52,10 @@ class DFlashProposer:
         every step). Default: on when the target runs on CPU. ``tree_budget`` > 0: verify a
         DDTree of that many drafted nodes each step instead of the argmax chain (spec.ddtree;
         where the pipeline supports tree verify). A draft with ``vocab_ids``
-        always gets its own head, made of those rows only (int4 where ``fast_head``)."""
+        always gets its own head, made of those rows only (int4 where ``fast_head``).
+        ``lookup`` > 0: where the context repeats its last few tokens, a step verifies up to
+        that many tokens copied from the earlier occurrence instead of drafting
+        (spec.lookup; chains only, not DDTrees)."""
         cfg = pipeline.config
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
         trained = draft.cfg.block_size
@@ -73,6 +77,9 @@ class DFlashProposer:
         if not 0 <= tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree budget must be in [0, {MAX_TREE_BUDGET}], got {tree_budget}")
         self.tree_budget = int(tree_budget)
+        if not 0 <= lookup <= LOOKUP_MAX_DEPTH:
+            raise ValueError(f"lookup depth must be in [0, {LOOKUP_MAX_DEPTH}], got {lookup}")
+        self.lookup_depth = int(lookup)
         self.draft, self.pipeline = draft, pipeline
         self.selector = draft.selector                       # DFlash 2's candidate selector
         if draft.cfg.dflash2 and self.selector is None:

