@@ -8,7 +8,8 @@ All runs use the serving configuration (int4 layers + int8 LM head on CPU, int8 
 bf16 on a GPU). Per prompt set:
 AR tokens/s, DFlash tokens/s with the fixed trained block, with the adaptive block size, and
 with the adaptive block size plus prompt lookup (``--lookup N`` drafts copied where the
-context repeats, spec.lookup: the server's default), speedups over AR (geometric mean over prompts of each prompt's
+context repeats, spec.lookup: the server's default with a draft), and prompt lookup alone
+without the draft (``--lookup N`` without ``--draft``), speedups over AR (geometric mean over prompts of each prompt's
 DFlash / AR tokens/s; the three modes run each prompt back to back in rotating order, so the
 machine's drift hits them alike; tokens/s columns are medians), mean acceptance length (tau) and per-position
 acceptance of the fixed block, and whether each DFlash output is identical to AR's (bf16:
@@ -85,6 +86,7 @@ def main():
     if args.compile:
         pipe.compile_decode()
     from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.spec.lookup import LookupProposer
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.weights.default_model import default_draft_path
 
@@ -96,17 +98,18 @@ def main():
         return DFlashProposer(load_draft(draft_dir), pipe, args.block_size, adaptive=adaptive, lookup=lookup)
     engines = {"ar": Engine(pipe), "fixed": Engine(pipe, proposer=proposer(False)),
                "adaptive": Engine(pipe, proposer=proposer(True)),
-               "lookup": Engine(pipe, proposer=proposer(True, args.lookup))}
+               "lookup": Engine(pipe, proposer=proposer(True, args.lookup)),
+               "lookup_only": Engine(pipe, proposer=LookupProposer(pipe, args.lookup))}
     for e in engines.values():   # as `serve` does: builds compiled graphs, then the block sizer starts afresh
         e.warm_up()
     rows = []
     for name, file in SETS.items():
         tps = {k: [] for k in engines}
         taus, rates, pos_acc, mean_block = [], [], [], []
-        same = {"fixed": 0, "adaptive": 0, "lookup": 0}
+        same = {"fixed": 0, "adaptive": 0, "lookup": 0, "lookup_only": 0}
         look_tau, look_share = [], []
         prompts = load_prompts(EVAL / file, args.prompts)
-        ratios = {"fixed": [], "adaptive": [], "lookup": []}
+        ratios = {"fixed": [], "adaptive": [], "lookup": [], "lookup_only": []}
         for i, messages in enumerate(prompts):
             ids = tuple(src.tokenizer.encode_chat(messages))
             req = GenerationRequest(ids, max_tokens=args.max_tokens)
@@ -134,6 +137,8 @@ def main():
                "speedup_adaptive": geomean(ratios["adaptive"]), "lookup_tok_s": med["lookup"],
                "speedup_lookup": geomean(ratios["lookup"]), "lookup_tokens_per_step": statistics.mean(look_tau),
                "lookup_step_share": statistics.mean(look_share),
+               "lookup_only_tok_s": med["lookup_only"], "speedup_lookup_only": geomean(ratios["lookup_only"]),
+               "identical_lookup_only": f"{same['lookup_only']}/{len(prompts)}",
                "identical_lookup": f"{same['lookup']}/{len(prompts)}",
                "acceptance_length": statistics.mean(taus),
                "accept_rate": statistics.mean(rates),
@@ -150,16 +155,17 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print("| set | AR tok/s | DFlash fixed B tok/s | DFlash adaptive tok/s | + lookup tok/s | speedup fixed / adaptive / "
-          "+ lookup | tau (fixed B) | acceptance by position | adaptive mean block | + lookup: tokens a step, lookup "
-          "steps | identical to AR (fixed, adaptive, + lookup) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "+ lookup | lookup alone (no draft) | tau (fixed B) | acceptance by position | adaptive mean block | "
+          "+ lookup: tokens a step, lookup steps | identical to AR (fixed, adaptive, + lookup, lookup alone) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pa = " ".join(f"{x:.2f}" for x in r["position_acceptance"][:4])
         print(f"| {r['set']} | {r['ar_tok_s']:.1f} | {r['dflash_fixed_tok_s']:.1f} | {r['dflash_adaptive_tok_s']:.1f} | "
               f"{r['lookup_tok_s']:.1f} | {r['speedup_fixed']:.2f}x / {r['speedup_adaptive']:.2f}x / "
-              f"**{r['speedup_lookup']:.2f}x** | {r['acceptance_length']:.2f} | {pa} ... | "
+              f"**{r['speedup_lookup']:.2f}x** | {r['speedup_lookup_only']:.2f}x | {r['acceptance_length']:.2f} | {pa} ... | "
               f"{r['adaptive_mean_block']:.2f} | {r['lookup_tokens_per_step']:.2f}, {r['lookup_step_share']:.0%} | "
-              f"{r['identical_fixed']}, {r['identical_adaptive']}, {r['identical_lookup']} |")
+              f"{r['identical_fixed']}, {r['identical_adaptive']}, {r['identical_lookup']}, "
+              f"{r['identical_lookup_only']} |")
 
 
 if __name__ == "__main__":

@@ -113,3 +113,58 @@ def test_lookup_depth_is_validated(tiny_dir):
     for bad in (-1, 17):
         with pytest.raises(ValueError, match="lookup depth"):
             DFlashProposer(random_draft(pipe, block=4), pipe, lookup=bad)
+
+
+# --- prompt lookup alone (--lookup N without --draft): LookupProposer ---------------------------
+
+from dflash_server.spec.lookup import LookupProposer  # noqa: E402
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("qwen3_5", 1), ("llama", 2)])
+def test_lookup_alone_is_lossless(tiny_dir, family, stages):
+    pipe = pipeline(tiny_dir(family), stages=stages)
+    ids = repeating_prompt(pipe)
+    ref = run(pipe, ids, max_tokens=40)
+    res = run(pipe, ids, LookupProposer(pipe, 6), max_tokens=40)
+    assert res.token_ids == ref.token_ids
+    spec = res.extra["spec"]
+    assert spec["lookup_steps"] > 0 and spec["plain_steps"] + spec["steps"] < 40
+    sampling = SamplingParams(temperature=0.3, top_k=3, seed=5)
+    assert run(pipe, ids, LookupProposer(pipe, 6), max_tokens=24, sampling=sampling).token_ids == \
+        run(pipe, ids, max_tokens=24, sampling=sampling).token_ids
+
+
+def test_lookup_alone_in_the_batch_and_with_prefix_hits(tiny_dir):
+    """Lookup alone with several slots and a prefix cache: each request gives what it gives
+    on a plain engine with the same cache, hits included (its snapshots are the plain
+    engine's: no draft context)."""
+    path = tiny_dir("llama")
+    plain = Engine(pipeline(path), prefix_slots=8)
+    pipe = pipeline(path, lanes=3)
+    eng = Engine(pipe, proposer=LookupProposer(pipe, 5), prefix_slots=8)
+    tok = plain.tokenizer
+    turn = [{"role": "system", "content": "You are a terse assistant who answers in one line. " * 3},
+            {"role": "user", "content": "Hello there"}]
+    warm = GenerationRequest(tuple(tok.encode_chat(turn)), max_tokens=4, ignore_eos=True)
+    for e in (plain, eng):
+        answer = e.generate(warm).text
+    turn.append({"role": "assistant", "content": answer})
+    reqs = [GenerationRequest(tuple(tok.encode_chat(turn + [{"role": "user", "content": q}])), max_tokens=16,
+                              ignore_eos=True) for q in ("What is two plus two?", "Say hi. Say hi. Say hi.")]
+    reqs.append(GenerationRequest(tuple(repeating_prompt(pipe, 9)), max_tokens=20, ignore_eos=True))
+    want = [plain.generate(r) for r in reqs]
+    seqs = [eng.submit(r) for r in reqs]
+    while eng.has_work:
+        eng.step()
+    got = [s.result for s in seqs]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.cached_tokens for g in got] == [w.cached_tokens for w in want] and want[0].cached_tokens > 0
+    assert sum(g.extra["spec"]["lookup_steps"] for g in got) > 0
+    assert eng.stats()["speculative"]["method"] == "lookup"
+
+
+def test_lookup_alone_refuses_a_depth_of_zero(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="lookup depth"):
+            LookupProposer(pipe, bad)

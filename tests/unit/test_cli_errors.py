@@ -195,7 +195,11 @@ def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     assert auto["spec"]["lookup_steps"] >= 0
     for bad in ("-1", "17", "x", "1e3", "2.5"):
         assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--lookup", bad), "lookup")
-    assert_clean_error(gen(tiny_dir("llama"), "--lookup", "3"), "lookup")   # needs --draft
+    alone = run_cli(*base, "--lookup", "4")                          # lookup alone, no draft model
+    assert alone.returncode == 0, alone.stderr
+    alone = json.loads(alone.stdout)
+    assert alone["token_ids"] == plain["token_ids"] and alone["spec"]["block_size"] == 1
+    assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--ddtree", "--lookup", "3"), "lookup")
 
 
 def test_bad_draft_gives_clean_error(tiny_dir, tmp_path):

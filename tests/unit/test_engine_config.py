@@ -28,7 +28,11 @@ def test_flags_reach_the_config_and_it_is_frozen():
                                         "--draft", "default", "--ddtree-budget", "9", "--block-size", "4"))
     assert (cfg.kvflash_pool, cfg.lanes_flag, cfg.disk_min_tokens) == (1024, 3, 0)
     assert cfg.prefill_curve == ("2000:0.5", "8000:0.2") and cfg.block_size == 4 and cfg.ddtree_budget == 9
-    assert cfg.lookup == 5 and EngineConfig.from_args(parsed("--draft", "default", "--lookup", "0")).lookup == 0
+    assert cfg.lookup is None and cfg.lookup_depth == 0      # (with --ddtree-budget: trees, no lookup)
+    assert EngineConfig(draft="default").lookup_depth == 5 and EngineConfig().lookup_depth == 0
+    assert EngineConfig(draft="default", no_draft=True).lookup_depth == 0
+    assert EngineConfig.from_args(parsed("--draft", "default", "--lookup", "0")).lookup_depth == 0
+    assert EngineConfig.from_args(parsed("--lookup", "7")).lookup_depth == 7   # lookup alone
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk = 7
     assert hash(cfg) == hash(dataclasses.replace(cfg))  # frozen and hashable: one value, compared as such
@@ -55,7 +59,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     ({"ddtree_budget": 8, "draft": "default", "no_draft": True}, "--ddtree"),
     ({"lookup": -1, "draft": "default"}, "--lookup"), ({"lookup": 17, "draft": "default"}, "--lookup"),
     ({"lookup": True, "draft": "default"}, "--lookup"), ({"lookup": "5", "draft": "default"}, "--lookup"),
-    ({"lookup": 2.5, "draft": "default"}, "--lookup"),
+    ({"lookup": 2.5, "draft": "default"}, "--lookup"), ({"lookup": 3, "draft": "default", "ddtree": True}, "--lookup"),
 ])
 def test_bad_values_are_refused_naming_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
@@ -84,7 +88,7 @@ def test_a_hand_made_config_builds_an_engine(tiny_dir):
     ({"kv_cache_budget": 1}, "--kv-cache-budget"), ({"kv_cache_min_tokens": 8}, "--kv-cache-min-tokens"),
     ({"block_size": 4}, "--block-size"), ({"draft_device": "cpu"}, "--draft-device"),
     ({"draft": "default", "no_draft": True, "block_size": 4}, "--block-size"),
-    ({"lookup": 3}, "--lookup"), ({"draft": "default", "no_draft": True, "lookup": 0}, "--lookup"),
+
     ({"kvflash_policy": "score"}, "--kvflash-policy"), ({"kvflash_chunk": 16, "kvflash_tau": 8},
                                                         "--kvflash-chunk, --kvflash-tau"),
 ])

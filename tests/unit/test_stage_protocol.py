@@ -53,3 +53,18 @@ def test_the_proposer_implements_the_protocol(tiny_dir):
     prop.add_context(pipe.prefill(ids, capture=prop.taps).captures, 0)
     assert len(prop.propose(ids[-1], len(ids), 4)) == 3
     assert len(prop.propose_tree(ids[-1], len(ids), 4, 5).tokens) == 5
+
+
+def test_lookup_alone_implements_the_protocol(tiny_dir):
+    """LookupProposer (prompt lookup without a draft model) implements the same Proposer."""
+    from dflash_server.spec.lookup import LookupProposer
+    from dflash_server.spec.proposer_protocol import Proposer
+
+    pipe = pipeline(tiny_dir("llama"))
+    prop = LookupProposer(pipe, 5)
+    assert isinstance(prop, Proposer)
+    names = set(Proposer.__annotations__) | {n for n, v in vars(Proposer).items()
+                                             if not n.startswith("_") and callable(v)}
+    assert not [n for n in names if not hasattr(prop, n)]
+    assert prop.taps == () and prop.propose(1, 2, 4) == [] and not prop.uses_tree(pipe)
+    assert prop.method == "lookup" and prop.draft.health() == {"status": "ok"} and prop.snapshot() == {}

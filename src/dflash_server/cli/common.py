@@ -154,10 +154,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(lossless; local stages without a KV Flash pool, else chains)")
     d.add_argument("--ddtree-budget", type=tree_budget_arg, default=None, metavar="N",
                    help="draft tree nodes per step, 1-63 (default 22; implies --ddtree)")
-    d.add_argument("--lookup", type=lookup_arg, default=5, metavar="N",
-                   help="prompt lookup beside the draft: where the context repeats its last 2-4 tokens, verify "
-                        "up to N tokens copied from after their earlier occurrence instead of drafting "
-                        "(0-16, default 5; 0: off; chains only, not --ddtree)")
+    d.add_argument("--lookup", type=lookup_arg, default=None, metavar="N",
+                   help="prompt lookup: where the context repeats its last 2-4 tokens, verify up to N tokens "
+                        "copied from after their earlier occurrence (0-16; default 5 beside a --draft, off "
+                        "without one; N without --draft: lookup alone, no draft model; not with --ddtree)")
     d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     f = p.add_argument_group("prefill compression (PFlash)")
     f.add_argument("--prefill-compression", default="off", choices=["off", "auto", "always"],
@@ -287,11 +287,18 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
             if progress:
                 print(f"dflash-server: CUDA graphs on {label}: {'off (' + why + ')' if why else 'on'}",
                       file=sys.stderr)
-    proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0]) if draft_path else None
+    if draft_path:
+        proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0])
+    elif cfg.lookup_depth:   # prompt lookup alone: no draft model
+        from ..spec.lookup import LookupProposer
+
+        proposer = LookupProposer(pipeline, cfg.lookup_depth)
+    else:
+        proposer = None
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
                 "family": mcfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),
-                "draft": draft_identity(draft_path) + [proposer.draft.quantize] if proposer else None,
+                "draft": draft_identity(draft_path) + [proposer.draft.quantize] if draft_path else None,
                 "kvflash": [kvflash_pools(pipeline, kvflash, max_ctx), kvflash.chunk] if kvflash else None}
     if (kv := cache_dtypes(pipeline)) != ["float32"]:  # (absent for fp32: earlier caches stay valid)
         fp_parts["kv_dtype"] = kv
@@ -610,6 +617,6 @@ def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "d
             raise ValueError("--block-size must be >= 2 or auto")
         budget = cfg.ddtree_budget or (DEFAULT_TREE_BUDGET if cfg.ddtree else 0)
         return DFlashProposer(draft, pipeline, block_size=None if auto else cfg.block_size, adaptive=auto,
-                              tree_budget=budget, lookup=cfg.lookup)
+                              tree_budget=budget, lookup=cfg.lookup_depth)
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

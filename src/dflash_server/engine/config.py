@@ -42,6 +42,9 @@ def address_problem(address: str) -> str | None:
         return "the port must be in [1, 65535]"
     return None
 
+DEFAULT_LOOKUP = 5   # prompt-lookup depth beside a draft (benchmarks/spec.py)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # model and placement
@@ -86,7 +89,7 @@ class EngineConfig:
     block_size: int | str = "auto"
     ddtree: bool = False
     ddtree_budget: int | None = None
-    lookup: int = 5           # prompt-lookup drafts per step beside the draft (spec.lookup; 0: off)
+    lookup: int | None = None  # prompt-lookup drafts a step (spec.lookup): None = 5 with a draft, off without
     no_draft: bool = False
     # prefill compression (PFlash)
     prefill_compression: str = "off"
@@ -145,8 +148,12 @@ class EngineConfig:
             raise ValueError(f"--block-size must be an integer >= 2 or auto, got {self.block_size!r}")
         from ..spec.lookup import MAX_DEPTH as LOOKUP_MAX
 
-        if isinstance(self.lookup, bool) or not isinstance(self.lookup, int) or not 0 <= self.lookup <= LOOKUP_MAX:
+        if self.lookup is not None and (isinstance(self.lookup, bool) or not isinstance(self.lookup, int)
+                                        or not 0 <= self.lookup <= LOOKUP_MAX):
             raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
+        if self.lookup and (self.ddtree or self.ddtree_budget):
+            raise ValueError("--lookup drafts chains; --ddtree verifies trees: give one of them (--lookup 0 "
+                             "with --ddtree)")
         if (self.ddtree or self.ddtree_budget) and (self.no_draft or self.draft is None):
             raise ValueError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
         # flags that only take effect with another one: refused without it, rather than silently dropped
@@ -157,14 +164,21 @@ class EngineConfig:
                   ("--kv-cache-budget", self.kv_cache_budget != 4096),
                   ("--kv-cache-min-tokens", self.kv_cache_min_tokens != 256))),
                 ("--draft", self.no_draft or self.draft is None,
-                 (("--block-size", self.block_size != "auto"), ("--draft-device", self.draft_device is not None),
-                  ("--lookup", self.lookup != 5))),
+                 (("--block-size", self.block_size != "auto"), ("--draft-device", self.draft_device is not None))),
                 ("--kvflash", self.kvflash is None,
                  (("--kvflash-policy", self.kvflash_policy != "lru"), ("--kvflash-chunk", self.kvflash_chunk != 64),
                   ("--kvflash-tau", self.kvflash_tau != 64)))):
             bad = [f for f, on in flags if on]
             if missing and bad:
                 raise ValueError(f"{', '.join(bad)} only take effect with {need}: give it (or leave them out)")
+
+    @property
+    def lookup_depth(self) -> int:
+        """Prompt-lookup drafts a step: --lookup, else 5 with a draft (none with --ddtree) and
+        none without one (--lookup N alone speculates by lookup only)."""
+        if self.lookup is not None:
+            return self.lookup
+        return 0 if self.no_draft or self.draft is None or self.ddtree or self.ddtree_budget else DEFAULT_LOOKUP
 
     @property
     def kvflash_pool(self) -> int | str | None:

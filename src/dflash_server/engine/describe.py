@@ -7,7 +7,7 @@ from __future__ import annotations
 def speculative(proposer) -> dict:
     if proposer is None:
         return {"enabled": False}
-    out = {"enabled": True, "method": "dflash", "block_size": int(proposer.block_size),
+    out = {"enabled": True, "method": proposer.method, "block_size": int(proposer.block_size),
            "taps": [int(t) for t in proposer.taps]}
     vocab = proposer.vocab
     out["draft_vocab_size"] = int(vocab.numel()) if vocab is not None else None  # null: the whole vocabulary

@@ -30,6 +30,9 @@ class Prefilled:
 class PrefixCache:
     def __init__(self, pipeline, index: PrefixIndex, proposer=None, disk=None):
         self.pipeline, self.index, self.proposer, self.disk = pipeline, index, proposer, disk
+        # a snapshot holds the draft's context beside the target's state, where there is a draft
+        # (prompt lookup alone keeps no context: its snapshots are the plain engine's)
+        self.drafts = proposer is not None and bool(proposer.taps)
         self.boundaries = TurnBoundaries(pipeline.tokenizer)
         self.extras: dict[int, dict] = {}  # slot -> {"logits", "draft"}
         self.epoch = pipeline.epoch
@@ -47,10 +50,10 @@ class PrefixCache:
 
     def _restore(self, slot: int) -> bool:
         extra = self.extras.get(slot, {})
-        if self.proposer is not None and extra.get("draft") is None:
+        if self.drafts and extra.get("draft") is None:
             return False  # taken without a draft: cannot serve a request that drafts
         self.pipeline.snapshot_restore(slot)
-        if self.proposer is not None:
+        if self.drafts:
             self.proposer.restore(extra["draft"])
         return True
 
@@ -65,7 +68,7 @@ class PrefixCache:
         draft = {k[len("dflash."):]: v for k, v in tensors.items() if k.startswith("dflash.")}
         try:
             self.pipeline.snapshot_import(slot, {k: v for k, v in tensors.items() if k.startswith("ls")})
-            if self.proposer is not None:
+            if self.drafts:
                 if not draft:
                     raise ValueError("snapshot has no draft context")
                 self.proposer.restore(draft)  # validates shapes now, restored again below
@@ -117,7 +120,7 @@ class PrefixCache:
             logits = yield from self._run(prompt[start:save_at], start, chunk)
             slot = self.index.new_slot()
             pipe.snapshot_save(slot)
-            self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if spec else None}
+            self.extras[slot] = {"logits": logits.clone(), "draft": spec.snapshot() if self.drafts else None}
             pending = (tuple(prompt[:save_at]), slot, scope)
             start = save_at
         try:
@@ -170,7 +173,7 @@ class PrefixCache:
         try:
             self.pipeline.snapshot_save(slot)
             self.extras[slot] = {"logits": logits.detach().clone(),
-                                 "draft": self.proposer.snapshot() if self.proposer else None}
+                                 "draft": self.proposer.snapshot() if self.drafts else None}
             self.disk.save(token_ids, self.export(slot), force=True)
         finally:
             self._free(slot)

@@ -87,3 +87,70 @@ class LookupUse:
     def learn(self, accepted: int) -> None:
         self.steps += 1
         self.accepted += accepted
+
+
+class _NoDraft:
+    """The draft-model part of a proposer without one (what the engine asks of a draft)."""
+    quantize = None
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    def close(self) -> None:
+        pass
+
+
+class LookupProposer:
+    """Speculation without a draft model (``--lookup N`` without ``--draft``): a step whose
+    context repeats verifies the lookup's drafts (engine.speculative.lookup_drafts), every
+    other step is a plain decode step. Implements the Proposer protocol
+    (spec/proposer_protocol.py) with no taps and no draft context."""
+    method = "lookup"
+    draft = _NoDraft()
+    taps: tuple[int, ...] = ()
+    block_size = 1                 # a step without a lookup: one row, no draft
+    sizer = batch_sizer = None
+    tree_budget = 0
+    sampled_verify = "exact"       # lookups are verified by exact match, sampled or not
+    vocab = None
+
+    def __init__(self, pipeline, lookup: int):
+        if not 1 <= lookup <= MAX_DEPTH:
+            raise ValueError(f"lookup depth must be in [1, {MAX_DEPTH}], got {lookup}")
+        self.pipeline, self.lookup_depth = pipeline, int(lookup)
+
+    def select(self, lane: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def add_context(self, captures, start: int, n: int | None = None, defer: bool = False) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {}      # no draft context (the prefix cache keeps none for a proposer without taps)
+
+    def restore(self, tensors: dict) -> None:
+        pass
+
+    def uses_tree(self, pipeline) -> bool:
+        return False
+
+    def batch_verify(self, pipeline) -> bool:
+        return pipeline.supports_ragged
+
+    def rejection_sampling(self, sampling) -> bool:
+        return False
+
+    def draft_ahead(self, items) -> None:
+        pass
+
+    def propose(self, anchor: int, start: int, block: int) -> list[int]:
+        return []
+
+    def propose_tree(self, anchor: int, start: int, block: int, budget: int):
+        raise RuntimeError("prompt lookup alone drafts no trees")
+
+    def propose_sampled(self, anchor: int, start: int, block: int, sampling, generator):
+        raise RuntimeError("prompt lookup alone drafts no sampled tokens")

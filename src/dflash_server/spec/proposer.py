@@ -41,6 +41,8 @@ def truncate(q: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.T
 
 
 class DFlashProposer:
+    method = "dflash"
+
     def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None,
                  adaptive: bool = False, sampled_verify: str = "auto", tree_budget: int = 0, lookup: int = 0):
         """``block_size``: verify block (default: the trained one); with ``adaptive`` the

@@ -11,6 +11,7 @@ import torch
 
 @runtime_checkable
 class Proposer(Protocol):
+    method: str             # "dflash" (a draft model, with prompt lookup beside it) or "lookup" (lookup alone)
     pipeline: Any           # the target it drafts for
     draft: Any              # the draft model (in process or a RemoteDraft): health(), close(), cfg
     taps: tuple[int, ...]   # target layers whose outputs feed the draft
