@@ -174,7 +174,9 @@ def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     draft = _save_random_draft(tiny_dir, tmp_path / "draft")
     base = ["generate", "--model", str(tiny_dir("llama")), "--prompt", "Hello there", "--max-tokens", "12",
             "--ignore-eos", "--json", "--dtype", "fp32"]
-    plain = json.loads(run_cli(*base).stdout)
+    plain = json.loads(run_cli(*base, "--no-draft").stdout)
+    looked = json.loads(run_cli(*base).stdout)                       # the default on a CPU: prompt lookup alone
+    assert looked["token_ids"] == plain["token_ids"] and looked["spec"]["block_size"] == 1
     res = run_cli(*base, "--draft", str(draft), "--block-size", "3")
     assert res.returncode == 0, res.stderr
     spec = json.loads(res.stdout)

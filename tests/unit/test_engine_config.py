@@ -28,11 +28,12 @@ def test_flags_reach_the_config_and_it_is_frozen():
                                         "--draft", "default", "--ddtree-budget", "9", "--block-size", "4"))
     assert (cfg.kvflash_pool, cfg.lanes_flag, cfg.disk_min_tokens) == (1024, 3, 0)
     assert cfg.prefill_curve == ("2000:0.5", "8000:0.2") and cfg.block_size == 4 and cfg.ddtree_budget == 9
-    assert cfg.lookup is None and cfg.lookup_depth == 0      # (with --ddtree-budget: trees, no lookup)
-    assert EngineConfig(draft="default").lookup_depth == 5 and EngineConfig().lookup_depth == 0
-    assert EngineConfig(draft="default", no_draft=True).lookup_depth == 0
-    assert EngineConfig.from_args(parsed("--draft", "default", "--lookup", "0")).lookup_depth == 0
-    assert EngineConfig.from_args(parsed("--lookup", "7")).lookup_depth == 7   # lookup alone
+    assert cfg.lookup is None and cfg.lookup_depth() == 0      # (with --ddtree-budget: trees, no lookup)
+    assert EngineConfig(draft="default").lookup_depth() == 5 and EngineConfig().lookup_depth() == 5
+    assert EngineConfig().lookup_depth(cpu=False) == 0 and EngineConfig(draft="default").lookup_depth(cpu=False) == 5
+    assert EngineConfig(no_draft=True).lookup_depth() == 0 and EngineConfig(lookup=0).lookup_depth() == 0
+    assert EngineConfig.from_args(parsed("--draft", "default", "--lookup", "0")).lookup_depth() == 0
+    assert EngineConfig.from_args(parsed("--lookup", "7")).lookup_depth(cpu=False) == 7
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk = 7
     assert hash(cfg) == hash(dataclasses.replace(cfg))  # frozen and hashable: one value, compared as such

@@ -156,9 +156,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft tree nodes per step, 1-63 (default 22; implies --ddtree)")
     d.add_argument("--lookup", type=lookup_arg, default=None, metavar="N",
                    help="prompt lookup: where the context repeats its last 2-4 tokens, verify up to N tokens "
-                        "copied from after their earlier occurrence (0-16; default 5 beside a --draft, off "
-                        "without one; N without --draft: lookup alone, no draft model; not with --ddtree)")
-    d.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+                        "copied from after their earlier occurrence (0-16, 0: off; default 5 beside a --draft, "
+                        "and alone, without a draft model, on a CPU target; off with --no-draft, --ddtree, or "
+                        "alone on a GPU)")
+    d.add_argument("--no-draft", action="store_true",
+                   help="plain autoregressive decoding: no draft, and no prompt lookup unless --lookup N")
     f = p.add_argument_group("prefill compression (PFlash)")
     f.add_argument("--prefill-compression", default="off", choices=["off", "auto", "always"],
                    help="compress long prompts with the prefill drafter: never (default), from "
@@ -289,10 +291,10 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
                       file=sys.stderr)
     if draft_path:
         proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0])
-    elif cfg.lookup_depth:   # prompt lookup alone: no draft model
+    elif cfg.lookup_depth(kinds == {"cpu"}):   # prompt lookup alone: no draft model
         from ..spec.lookup import LookupProposer
 
-        proposer = LookupProposer(pipeline, cfg.lookup_depth)
+        proposer = LookupProposer(pipeline, cfg.lookup_depth(kinds == {"cpu"}))
     else:
         proposer = None
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
@@ -617,6 +619,6 @@ def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "d
             raise ValueError("--block-size must be >= 2 or auto")
         budget = cfg.ddtree_budget or (DEFAULT_TREE_BUDGET if cfg.ddtree else 0)
         return DFlashProposer(draft, pipeline, block_size=None if auto else cfg.block_size, adaptive=auto,
-                              tree_budget=budget, lookup=cfg.lookup_depth)
+                              tree_budget=budget, lookup=cfg.lookup_depth())
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

@@ -172,13 +172,16 @@ class EngineConfig:
             if missing and bad:
                 raise ValueError(f"{', '.join(bad)} only take effect with {need}: give it (or leave them out)")
 
-    @property
-    def lookup_depth(self) -> int:
-        """Prompt-lookup drafts a step: --lookup, else 5 with a draft (none with --ddtree) and
-        none without one (--lookup N alone speculates by lookup only)."""
+    def lookup_depth(self, cpu: bool = True) -> int:
+        """Prompt-lookup drafts a step: --lookup, else 5, with a draft or alone on a target
+        whose stages are all on CPUs (measured there: benchmarks/spec.py); none with
+        --no-draft (plain decoding), with --ddtree (trees), or alone on a GPU target (not
+        measured there yet: --lookup N turns it on)."""
         if self.lookup is not None:
             return self.lookup
-        return 0 if self.no_draft or self.draft is None or self.ddtree or self.ddtree_budget else DEFAULT_LOOKUP
+        if self.no_draft or self.ddtree or self.ddtree_budget:
+            return 0
+        return DEFAULT_LOOKUP if self.draft is not None or cpu else 0
 
     @property
     def kvflash_pool(self) -> int | str | None:
