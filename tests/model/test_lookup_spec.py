@@ -81,14 +81,14 @@ def test_max_tokens_and_stops_inside_a_lookup_block(tiny_dir, max_tokens):
 
 
 def test_lookup_in_the_batch_equals_alone(tiny_dir):
-    """Several sequences in one verify forward, some verifying lookups, some the draft's
-    blocks, some plain rows: each gives exactly what it gives alone."""
+    """Several sequences stepping together (the draft's blocks or plain rows in a batch,
+    lookups once a sequence runs alone): each gives exactly what it gives alone."""
     path = tiny_dir("llama")
     plain = Engine(pipeline(path))
     pipe = pipeline(path, lanes=3)
     eng = Engine(pipe, proposer=DFlashProposer(random_draft(pipe, block=4), pipe, adaptive=True, lookup=5))
     reqs = [GenerationRequest(tuple(p), max_tokens=m, ignore_eos=True) for p, m in
-            ((repeating_prompt(pipe, 10), 20), (prompt_ids(pipe, 17, seed=3), 14), (repeating_prompt(pipe, 6), 9))]
+            ((repeating_prompt(pipe, 10), 48), (prompt_ids(pipe, 17, seed=3), 14), (repeating_prompt(pipe, 6), 9))]
     reqs.append(GenerationRequest(tuple(repeating_prompt(pipe, 8)), max_tokens=12, ignore_eos=True,
                                   sampling=SamplingParams(temperature=0.9, seed=11)))
     want = [plain.generate(r).token_ids for r in reqs]

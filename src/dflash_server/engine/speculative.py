@@ -317,13 +317,9 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
     if trees:
         depths, sizes = tree_budgets(pipe, proposer, seqs)
         ahead = [(s.lane, s.last, s.pos, d) for s, d, b in zip(seqs, depths, sizes) if b > 0]
-    looks = {}
-    if not trees:
+    else:   # (no prompt lookups in a batch: spec.lookup)
         sizes = depths = batch_blocks(pipe, proposer, seqs)
-        for s in seqs:   # a sequence whose context repeats verifies its lookup's drafts instead
-            if look := lookup_drafts(proposer, s, block_room(pipe, s)):
-                looks[s.id] = look
-        ahead = [(s.lane, s.last, s.pos, b) for s, b in zip(seqs, sizes) if b > 1 and s.id not in looks]
+        ahead = [(s.lane, s.last, s.pos, b) for s, b in zip(seqs, sizes) if b > 1]
     t0 = time.perf_counter()
     try:             # one draft pass for every drafting sequence
         proposer.draft_ahead(ahead)
@@ -333,9 +329,7 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
     for seq, depth, size in zip(seqs, depths, sizes):
         select(seq)
         try:
-            if seq.id in looks:
-                v = RowsVerify(seq, looks[seq.id], size=1 + len(looks[seq.id]), lookup=True)
-            elif not trees:
+            if not trees:
                 drafts, q = draft_block(proposer, seq, size)
                 v = RowsVerify(seq, drafts, q, size=size)
             else:
