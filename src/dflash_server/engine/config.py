@@ -89,7 +89,7 @@ class EngineConfig:
     block_size: int | str = "auto"
     ddtree: bool = False
     ddtree_budget: int | None = None
-    lookup: int | None = None  # prompt-lookup drafts a step (spec.lookup): None = 5 with a draft, off without
+    lookup: int | None = None  # prompt-lookup drafts a step (spec.lookup); None: see lookup_depth()
     no_draft: bool = False
     # prefill compression (PFlash)
     prefill_compression: str = "off"

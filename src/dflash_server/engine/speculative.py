@@ -376,7 +376,7 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
         try:
             v.keep(pipe, proposer, kept, caps)
             v.record(kept, done)
-            if sizer is not None and not v.lookup:
+            if sizer is not None:
                 sizer.select(seq.id)
                 sizer.learn(v.size, v.learned(kept, done))
             if done:
