@@ -1,7 +1,7 @@
 """Serving many users: llama.cpp's ``llama-server -np 4`` and ``dflash-server serve`` side by
 side, on the same GGUF, at concurrency 1, 4 and 8, in one run.
 
-    python benchmarks/serve_concurrency.py [--tokens 128] [--runs 2] [--with-draft] [--out FILE]
+    python benchmarks/serve_concurrency.py [--tokens 128] [--runs 2] [--with-draft] [--with-plain] [--out FILE]
                                            [-- <extra dflash-server flags>]
 
 Both servers run with 2 threads and 4 sequence slots of 2048 tokens each (``-np 4 -c 8192``
@@ -11,6 +11,8 @@ concurrency C, 2C streamed chat requests are sent with at most C in flight; each
 ``--tokens`` tokens, ``ignore_eos``. Greedy (temperature 0) and sampled (temperature 0.8,
 seeded) workloads. ``--with-draft`` adds our server with the shipped DFlash draft (the same
 slots: a request decoding alone speculates, several decode batched) at concurrency 1 and 4.
+Our default server on a CPU uses prompt lookup (``--lookup``, spec/lookup.py); ``--with-plain``
+adds it with ``--no-draft`` (plain decoding, no lookup) beside it.
 
 Reported per server, concurrency and workload: aggregate tok/s (all completion tokens /
 wall time), median time to first token, median per-stream decode tok/s; medians over
@@ -132,6 +134,7 @@ def main():
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--with-draft", action="store_true")
+    p.add_argument("--with-plain", action="store_true", help="also our server with --no-draft (no prompt lookup)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_concurrency.json"))
     p.add_argument("flags", nargs="*", help="extra dflash-server flags (after --)")
     a = p.parse_args()
@@ -144,6 +147,8 @@ def main():
     ours_flags = ["--threads", str(THREADS), "--max-ctx", str(SLOT_CTX), "--prefix-cache-slots", "0", *a.flags]
     servers = {"llama-server -np 4": LlamaServer(gguf),
                "dflash-server --parallel 4": ServerProc("--parallel", str(SLOTS), *ours_flags)}
+    if a.with_plain:
+        servers["dflash-server --no-draft"] = ServerProc("--parallel", str(SLOTS), "--no-draft", *ours_flags)
     if a.with_draft:
         servers["dflash-server --draft default"] = ServerProc("--parallel", str(SLOTS), "--draft", "default",
                                                               *ours_flags)
@@ -158,7 +163,7 @@ def main():
                 for sampled in (False, True):
                     names = list(servers) if r % 2 == 0 else list(servers)[::-1]
                     for name in names:
-                        if "draft" in name and conc > 4:
+                        if "--draft" in name and conc > 4:
                             continue
                         print(f"run {r + 1}/{a.runs} c{conc} {'sampled' if sampled else 'greedy'}: {name}",
                               file=sys.stderr)
