@@ -1,5 +1,5 @@
-"""Prompt-lookup drafts beside the DFlash draft: when the last few tokens of a sequence
-(prompt + output) occurred before in it, propose what followed them then.
+"""Prompt-lookup drafts, beside the DFlash draft or alone (``LookupProposer``): when the last
+few tokens of a sequence (prompt + output) occurred before in it, propose what followed them then.
 
 Model output often copies from its context: names, numbers and code from the prompt, its own
 earlier lines. The DFlash draft predicts such runs poorly past its first position, while a
@@ -11,7 +11,8 @@ verifies every token (exact match; benchmarks/spec.py measures what it gains).
 
 ``LookupIndex`` holds one sequence's tokens and, per n, the position after the latest
 earlier occurrence of each n-gram; ``LookupUse`` the per-sequence record that turns it off
-where its proposals are mostly rejected.
+where its proposals are mostly rejected; ``LookupProposer`` speculates by lookups alone, with
+no draft model (engine.speculative.lookup_drafts takes the lookups for either proposer).
 """
 from __future__ import annotations
 
