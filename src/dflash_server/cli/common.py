@@ -289,12 +289,13 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
             if progress:
                 print(f"dflash-server: CUDA graphs on {label}: {'off (' + why + ')' if why else 'on'}",
                       file=sys.stderr)
+    lookup = cfg.lookup_depth(cpu=kinds == {"cpu"})
     if draft_path:
         proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0])
-    elif cfg.lookup_depth(kinds == {"cpu"}):   # prompt lookup alone: no draft model
+    elif lookup:   # prompt lookup alone: no draft model
         from ..spec.lookup import LookupProposer
 
-        proposer = LookupProposer(pipeline, cfg.lookup_depth(kinds == {"cpu"}))
+        proposer = LookupProposer(pipeline, lookup)
     else:
         proposer = None
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,

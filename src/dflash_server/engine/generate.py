@@ -193,8 +193,7 @@ class Engine:
             if self.proposer is not None and len(rows) == 1 and rows[0].req.speculate:
                 self._speculate(rows[0], ended)
             elif self.proposer is not None and any(s.req.speculate for s in rows) \
-                    and self.proposer.batch_verify(self.pipeline) \
-                    and self.proposer.method != "lookup":   # (prompt lookup alone: a batch is plain rows)
+                    and self.proposer.batch_verify(self.pipeline):
                 self._speculate_rows(rows, ended)
             else:
                 self._decode(rows, ended)

@@ -171,8 +171,10 @@ def speculative_step(pipe, proposer: Proposer, seq) -> str | None:
     anchor, pos = seq.last, seq.pos
     room = block_room(pipe, seq)
     look = lookup_drafts(proposer, seq, room)
-    want = sizer.choose() if sizer is not None and not look else proposer.block_size
-    block = 1 + len(look) if look else min(want, room)
+    if look:
+        block = 1 + len(look)
+    else:
+        block = min(sizer.choose() if sizer is not None else proposer.block_size, room)
     if block < 1:
         return "length"
     t0 = time.perf_counter()

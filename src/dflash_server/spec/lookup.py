@@ -144,7 +144,7 @@ class LookupProposer:
         return False
 
     def batch_verify(self, pipeline) -> bool:
-        return pipeline.supports_ragged
+        return False   # lookups run for a sequence alone: a batch decodes plain rows (see above)
 
     def rejection_sampling(self, sampling) -> bool:
         return False
