@@ -31,9 +31,7 @@ def test_lookup_is_lossless_and_taken(tiny_dir, family, stages, adaptive):
     res = run(pipe, ids, prop, max_tokens=40)
     assert res.token_ids == ref.token_ids, (family, stages, adaptive)
     spec = res.extra["spec"]
-    assert spec["lookup_steps"] > 0                # the repeated prompt gives lookups
-    # a tiny random model repeats itself: lookups copy runs longer than the draft's block of 4
-    assert spec["committed" if "committed" in spec else "accepted"] >= 0
+    assert spec["lookup_steps"] > 0 and spec["accepted"] > 0   # the repeated prompt gives lookups, kept
     # the same with lookups off: the draft's steps only
     off = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, adaptive=adaptive), max_tokens=40)
     assert off.token_ids == ref.token_ids and off.extra["spec"]["lookup_steps"] == 0
