@@ -135,12 +135,12 @@ class RowsVerify:
             pipe.rollback_tree(kept)
             rows = torch.tensor(kept)
             proposer.add_context({k: v.index_select(1, rows.to(v.device)) for k, v in captures.items()},
-                                 pos, len(kept))
+                                 pos, len(kept), defer=True)
             return
         if self.rows > 1:
             pipe.rollback(pos + len(kept))
-        # (a lookup step did not use the draft: its features, like a plain step's, wait for the next draft)
-        proposer.add_context(captures, pos, len(kept), defer=self.rows == 1 or self.lookup)
+        # the features wait for the next draft pass, which takes them with its block (one call)
+        proposer.add_context(captures, pos, len(kept), defer=True)
 
     def record(self, kept: list[int], done: bool) -> None:
         """Count the step in the sequence's statistics (and its lookups' record)."""

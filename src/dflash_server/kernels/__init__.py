@@ -29,6 +29,8 @@ attention of a decode or verify block in one call). ``attention_rows`` and
 each in its own lane of a KV bank (continuous batching). ``attention_step`` / ``decoder_layer``
 also take a DDTree (``tree``: each row's parent row). ``gdn_step`` (``csrc/gdn.cpp``) is a
 Gated DeltaNet mixer of a decode / verify block between its projections, token by token.
+``draft_pass`` (``csrc/draft.cpp``) is a DFlash draft's pass over one block with its context
+update and LM head in one call.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "argmax.cpp", "attention.cpp", "layer.cpp", "gdn.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "argmax.cpp", "attention.cpp", "layer.cpp", "gdn.cpp", "draft.cpp")
 HEADERS = ("ops.h", "simd.h")
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
@@ -215,6 +217,12 @@ def _register_fakes() -> None:
     def _decoder_stack_fake(x, weights, k_caches, v_caches, ints, floats, cos, sin, start, capture, tree=None,
                             lanes=None, positions=None):
         return [x.new_empty(x.shape) for _ in range(1 + len(capture))]
+
+    @torch.library.register_fake("dflash::draft_pass")
+    def _draft_pass_fake(x, features, ctx_start, fc_w, fc_t, hidden_norm, hn_eps, weights, k_caches, v_caches, ints,
+                         floats, cos, sin, norm_w, norm_eps, head_w=None, head_t=0, head_n=0):
+        rows = x.shape[1] - 1 if head_w is not None and x.shape[1] > 1 else 0
+        return [x.new_empty(x.shape), x.new_empty((1, rows, head_n) if rows else (0,))]
 
     @torch.library.register_fake("dflash::argmax")
     def _argmax_fake(x, portable=False):

@@ -303,6 +303,7 @@ class DFlashDraft(nn.Module):
         self.contexts = {0: self._empty_context()}  # sequence slot -> its context
         self.context = self.contexts[0]
         self._native_layers: bool | None = None   # decided at the first pass (_native)
+        self._fused_args = False                   # pass_block's arguments (False: not built yet)
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -485,6 +486,65 @@ class DFlashDraft(nn.Module):
             x = layer(x, cos, sin, [c.k[i][:, :, :c.length] for c in ctxs], [c.v[i][:, :, :c.length] for c in ctxs],
                       [m[key] for m in masks], sizes)
         return list(self.norm(x).split(sizes, dim=1))
+
+    @torch.inference_mode()
+    def pass_block(self, block_embeds: torch.Tensor, start: int, features: torch.Tensor | None = None,
+                   ctx_start: int | None = None, head: Linear | None = None):
+        """``append_context(features, ctx_start)`` (when given: (1, n, taps*H), n = start -
+        ctx_start, ctx_start <= the context's length) then ``draft_hidden(block_embeds,
+        start)`` in one native call (``dflash::draft_pass``), and with ``head`` (a native
+        Linear) the head's logits of the block's rows after the first (1, B - 1, rows).
+        Returns (hidden, logits or None), or None where that pass cannot run (nothing
+        changed then: the caller takes the per-op path). The context's K/V come out of the
+        attention op (normed and rotated in fp32, as the block's rows are) instead of
+        ``project_kv``, so they can differ from ``append_context``'s in the last bf16 bit."""
+        n = 0 if features is None else features.shape[1]
+        ctx_start = start if features is None else ctx_start
+        B = block_embeds.shape[1]
+        if not self._native([self.context], [B]) or self._fused is None or start + B > self.max_ctx:
+            return None
+        if ctx_start is None or ctx_start + n != start or not 0 <= ctx_start <= self.context.length or \
+                (features is None and self.context.length != start):
+            raise ValueError(f"draft context covers {self.context.length} positions: cannot write [{ctx_start}, "
+                             f"{start}) then draft a block at {start}")
+        if head is not None and head.mode != "native":
+            head = None
+        cos, sin = self.rope.rows(ctx_start, n + B)
+        fc, weights, ints, floats = self._fused
+        feats = None if features is None else features.to(self.device, self.dtype)
+        hidden, logits = torch.ops.dflash.draft_pass(
+            block_embeds.to(self.device, self.dtype), feats, ctx_start, self.fc.weight, self.fc.qtype,
+            self.hidden_norm.weight, self.hidden_norm.eps, weights, self.context.k, self.context.v, ints, floats,
+            cos.float(), sin.float(), self.norm.weight, self.norm.eps,
+            None if head is None else head.weight, 0 if head is None else head.qtype,
+            0 if head is None else head.out_features)
+        self.context.length = start
+        return hidden, (logits if head is not None and B > 1 else None)
+
+    @property
+    def _fused(self):
+        """``dflash::draft_pass``'s per-layer arguments (fc's weight aside), or None where the
+        draft cannot take it (a non-native fc or MLP; the layers' own test is ``_native``)."""
+        if self._fused_args is False:
+            self._fused_args = None
+            mlps = [layer.mlp for layer in self.layers]
+            if self.fc.mode == "native" and self.fc.bias is None and all(
+                    m.act == "silu" and m.gate_up.mode == m.down.mode == "native" and m.gate_up.bias is None
+                    and m.down.bias is None for m in mlps) and all(layer.native_ready() for layer in self.layers):
+                weights, ints, floats = [], [], []
+                for layer in self.layers:
+                    if layer._qkv is None:
+                        layer._qkv = torch.cat([layer.q_proj.weight, layer.kv_proj.weight])
+                    m = layer.mlp
+                    weights += [layer.input_layernorm.weight, layer._qkv, layer.o_proj.weight,
+                                layer.post_attention_layernorm.weight, m.gate_up.weight, m.down.weight,
+                                layer.q_norm.weight, layer.k_norm.weight]
+                    ints += [layer.q_proj.qtype, layer.q_proj.out_features + layer.kv_proj.out_features, layer.nh,
+                             layer.nkv, layer.o_proj.qtype, m.gate_up.qtype, m.inter, m.down.qtype]
+                    floats += [float(layer.input_layernorm.eps), layer.hd ** -0.5,
+                               float(layer.post_attention_layernorm.eps), float(layer.eps)]
+                self._fused_args = (self.fc, weights, ints, floats)
+        return self._fused_args
 
     def _masks(self, start: int, B: int) -> dict:
         """A block's attention masks by (causal, window) of the layers (None: every key)."""

@@ -20,6 +20,8 @@ from .lookup import MAX_DEPTH as LOOKUP_MAX_DEPTH
 from .tree_sizer import TreeSizer
 
 MAX_VERIFY_ROWS = 64  # rows of one verify forward (the native attention step's limit)
+# deferred context rows that ride along with a block's draft pass (more: appended on their own first)
+ONE_PASS_CONTEXT_ROWS = 64
 MAX_TREE_BUDGET = MAX_VERIFY_ROWS - 1  # nodes: with the anchor, a verify of at most MAX_VERIFY_ROWS
 log = logging.getLogger("dflash_server")
 
@@ -214,10 +216,38 @@ class DFlashProposer:
         got = self._ahead.pop((self._lane, anchor, start, block), None)
         if got is not None:
             return got
-        self.flush()
         ids = torch.tensor([[anchor] + [self.mask_id] * (block - 1)], dtype=torch.long)
-        hidden = self.draft.draft_hidden(self.block_embeds(ids), start)
+        embeds = self.block_embeds(ids)
+        got = self._one_pass(embeds, start)
+        if got is not None:
+            return got
+        self.flush()
+        hidden = self.draft.draft_hidden(embeds, start)
         return hidden[0, 1:], self._project(hidden[:, 1:])
+
+    def _one_pass(self, embeds: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The deferred context, the block and the draft's own head in one native call
+        (``DFlashDraft.pass_block``), or None where the draft cannot (then nothing changed)."""
+        feats = ctx_start = None
+        if self._pending:
+            n = sum(f.shape[1] for _, f in self._pending)
+            if n > ONE_PASS_CONTEXT_ROWS or self._pending[0][0] + n != start:
+                self.flush()
+            else:
+                ctx_start = self._pending[0][0]
+                feats = self._pending[0][1] if len(self._pending) == 1 else \
+                    torch.cat([f for _, f in self._pending], dim=1)
+        last = self.pipeline.stages[-1]
+        # the head in the pass where it reads the draft's rows as _project would (its device and dtype)
+        head = self.head if last.device == self.draft.device and last.dtype == self.draft.dtype else None
+        got = self.draft.pass_block(embeds, start, feats, ctx_start, head)
+        if got is None:
+            return None
+        self._pending.clear()
+        hidden, logits = got
+        if logits is None:   # (the pipeline's head, or one the pass cannot take)
+            return hidden[0, 1:], self._project(hidden[:, 1:])
+        return hidden[0, 1:], self._shape(logits)
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft hidden rows (1, n, H) -> (n, rows) logits over the vocabulary, or over the
@@ -227,8 +257,13 @@ class DFlashProposer:
             logits = self.head(hidden.to(last.device, last.dtype))
         else:
             logits = self.pipeline.project(hidden)
+        return self._shape(logits)
+
+    def _shape(self, logits: torch.Tensor) -> torch.Tensor:
+        """A head's (1, n, rows) logits -> (n, vocabulary or draft-vocabulary rows), shaped as
+        the draft's config says (a padded head may have more rows than the vocabulary; int4
+        padding repeats leading rows)."""
         logits = logits[0, :, :self.pipeline.config.vocab_size if self.vocab is None else len(self.vocab)]
-        # (a padded head may have more rows than the vocabulary; int4 padding repeats leading rows)
         return self.draft.cfg.shape_logits(logits)
 
     def _row_ids(self, logits: torch.Tensor) -> torch.Tensor | None:

@@ -148,6 +148,11 @@ class RemoteDraft:
         return self._call("draft_hidden", {"start": int(start)}, {"embeds": block_embeds.to(self.dtype)})[1]["hidden"]\
             .to(self.device)
 
+    def pass_block(self, block_embeds, start, features=None, ctx_start=None, head=None):
+        """No one-call pass over the link (DFlashDraft.pass_block): the proposer appends the
+        context, then drafts, as two calls."""
+        return None
+
     batches_blocks = False   # one worker call per block (DFlashDraft.draft_hidden_rows's loop)
 
     def draft_hidden_rows(self, blocks: list[tuple[int | None, torch.Tensor, int]]) -> list[torch.Tensor]:

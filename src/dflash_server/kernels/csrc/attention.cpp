@@ -978,6 +978,14 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
                         gated, 0, false, tree, c10::nullopt, c10::nullopt, c10::nullopt);
 }
+at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale,
+                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                             double norm_eps, const at::Tensor& write_rows, const at::Tensor& key_rows,
+                             const at::Tensor& key_counts) {
+  return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm, norm_eps, false,
+                        0, false, c10::nullopt, write_rows, key_rows, key_counts);
+}
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
