@@ -78,8 +78,8 @@ def test_one_off_step_times_do_not_stick():
     assert s.cost[8] == 40.0
     s.observe(8, 0, 0.06)
     assert s.cost[8] == 0.06
-    s.observe(8, 0, 0.10)                       # ordinary noise still averages
-    assert s.cost[8] == pytest.approx(0.06 + 0.25 * 0.04)
+    s.observe(8, 0, 0.10)                       # ordinary noise still averages: part of the way
+    assert 0.06 < s.cost[8] < 0.10
     s.observe(2, 1, 0.03)
     s.reset()
     assert s.cost == {} and s.samples == {} and s.steps == 0 and s.acceptance() == BlockSizer(8).acceptance()
@@ -143,3 +143,24 @@ def test_early_stop_is_not_a_rejection():
     assert s.reach[1] == 0 and s.cost[4] == 0.01
     s.observe(4, 1, 0.02)                              # positions 1 (hit) and 2 (miss) reached; 3 not
     assert s.reach[1:] == [1, 1, 0] and s.hits[1:] == [1, 0, 0]
+
+
+def test_a_slower_machine_does_not_make_the_chosen_block_look_costly():
+    """A cheap VM slows down by 2.5x for a while (a neighbour's load): the block being run
+    measures the slow machine every step, the others were last measured when it was fast.
+    Costs are kept relative to the machine's current speed, so the sizer keeps the block that
+    is best at any speed instead of switching to one whose stale time looks cheaper. (With
+    a moving average of seconds per block it took 7 plain steps of these 60, each switch
+    lasting until the plain step's own time caught up with the slow machine.)"""
+    s = BlockSizer(2, explore_every=1000)
+    costs = {1: 0.010, 2: 0.012}                          # relative costs: a block of 2 pays at q = 0.5
+    rng = random.Random(0)
+    picks = []
+    for t in range(90):
+        slow = 2.5 if t >= 30 else 1.0
+        b = s.choose()
+        acc = int(b == 2 and rng.random() < 0.5)
+        s.observe(b, acc, slow * costs[b])
+        if t >= 30:
+            picks.append(b)
+    assert picks.count(1) <= 1, picks

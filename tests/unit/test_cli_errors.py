@@ -170,6 +170,21 @@ def _save_random_draft(tiny_dir, dst):
     return dst
 
 
+def test_the_built_in_model_drafts_with_its_shipped_draft_by_default():
+    """``generate`` on the built-in model without --draft speculates with the shipped draft
+    (beside prompt lookup) and writes exactly what --no-draft writes."""
+    base = ["generate", "--prompt", "Write a Python function that returns the sum of a list of numbers.",
+            "--max-tokens", "40", "--ignore-eos", "--json"]
+    plain = run_cli(*base, "--no-draft")
+    drafted = run_cli(*base)
+    assert plain.returncode == 0 and drafted.returncode == 0, (plain.stderr, drafted.stderr)
+    plain, drafted = json.loads(plain.stdout), json.loads(drafted.stdout)
+    assert plain["spec"] is None
+    assert drafted["token_ids"] == plain["token_ids"]
+    assert drafted["spec"]["block_size"] == 8                        # the shipped draft's trained block
+    assert drafted["spec"]["steps"] > drafted["spec"]["lookup_steps"]  # some steps verified the draft's block
+
+
 def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     draft = _save_random_draft(tiny_dir, tmp_path / "draft")
     base = ["generate", "--model", str(tiny_dir("llama")), "--prompt", "Hello there", "--max-tokens", "12",

@@ -36,6 +36,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     assert EngineConfig.from_args(parsed("--lookup", "7")).lookup_depth(cpu=False) == 7
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk = 7
+    assert cfg.shipped_draft_by_default(True, True) is False                     # (--draft given)
     assert hash(cfg) == hash(dataclasses.replace(cfg))  # frozen and hashable: one value, compared as such
     assert EngineConfig().disk_min_tokens is None
     assert EngineConfig(kv_cache_dir="/d").disk_min_tokens == 256
@@ -104,3 +105,26 @@ def test_a_block_of_one_is_refused_with_the_flags():
     """--block-size 1 passed the flags and stopped the server only after its port was bound."""
     with pytest.raises(ValueError, match="--block-size must be an integer >= 2"):
         EngineConfig(draft="default", block_size=1)
+
+
+def test_the_shipped_draft_is_on_by_default_only_for_the_built_in_model_on_a_cpu(tmp_path):
+    """Without --draft the shipped draft runs for the built-in model on an all-CPU target,
+    not for another model, not on a GPU, not with --no-draft or --compile; --model naming
+    the built-in model's file counts as the built-in model, a copy elsewhere does not."""
+    from dflash_server.cli.common import is_builtin_model, resolve_draft_path
+    from dflash_server.weights.default_model import default_draft_path, default_model_path
+
+    on = EngineConfig()
+    assert on.shipped_draft_by_default(builtin=True, cpu=True)
+    assert not on.shipped_draft_by_default(builtin=False, cpu=True)
+    assert not on.shipped_draft_by_default(builtin=True, cpu=False)
+    for flags in (("--no-draft",), ("--compile",)):
+        assert not EngineConfig.from_args(parsed(*flags)).shipped_draft_by_default(True, True), flags
+    assert resolve_draft_path(on, builtin=True, cpu=True) == default_draft_path() is not None
+    assert resolve_draft_path(on, builtin=False, cpu=True) is None
+    assert resolve_draft_path(EngineConfig(no_draft=True), builtin=True, cpu=True) is None
+    assert resolve_draft_path(EngineConfig(draft="x"), builtin=False, cpu=False) == "x"
+    assert is_builtin_model(None) and is_builtin_model(str(default_model_path()))
+    copy = tmp_path / default_model_path().name
+    copy.write_bytes(b"")
+    assert not is_builtin_model(str(copy)) and not is_builtin_model(str(tmp_path / "missing"))

@@ -143,7 +143,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="off | full (every snapshot) | auto (>= --kv-cache-min-tokens) | N (>= N tokens)")
     d = p.add_argument_group("speculative decoding (DFlash)")
     d.add_argument("--draft", help="DFlash draft directory (z-lab format) or .gguf; 'default' = the draft "
-                                   "shipped for the built-in model (off unless asked: see README)")
+                                   "shipped for the built-in model (on by default for that model on a CPU, "
+                                   "without --compile; --no-draft turns it off)")
     d.add_argument("--draft-device", help="device of the draft (default: the target's last stage device)")
     d.add_argument("--block-size", type=block_size_arg, default="auto",
                    help="verify block size N (may be smaller than trained), or auto (default): each step picks "
@@ -260,12 +261,12 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
             raise UserError(f"device {d} requested but CUDA is not available")
     dtype = torch.bfloat16 if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     max_ctx = cfg.max_ctx or min(mcfg.max_position_embeddings, 8192)
-    draft_path = resolve_draft_path(cfg)
+    kinds = {s.device.removeprefix("remote:").split(":")[0] for s in shards}
+    draft_path = resolve_draft_path(cfg, builtin=is_builtin_model(cfg.model), cpu=kinds == {"cpu"})
     # Verify blocks run B rows at once; the weight-only int4 kernel's cost grows linearly
     # with rows while bf16 GEMM's grows slowly, but measured on the 2-core dev CPU int4 still
     # wins up to ~8-16 rows (gate_up at 8 rows: int4 174 us vs bf16 219 us; LM head 2.7 ms
     # vs 4.5 ms), so `auto` quantizes with a draft too.
-    kinds = {s.device.removeprefix("remote:").split(":")[0] for s in shards}
     quantize = quantize_plan(source, cfg.quantize, kinds == {"cpu"} and dtype == torch.bfloat16,
                              cuda=kinds == {"cuda"} and dtype in (torch.bfloat16, torch.float16))
     kvflash = kvflash_config(cfg)
@@ -548,17 +549,32 @@ def open_disk_cache(cfg: EngineConfig, fp: str):
         raise UserError(f"--kv-cache-dir {cfg.kv_cache_dir}: {e}") from None
 
 
-def resolve_draft_path(cfg: EngineConfig):
+def is_builtin_model(model: str | None) -> bool:
+    """Whether --model names the built-in default model (or is absent)."""
+    from pathlib import Path
+
+    from ..weights.default_model import default_model_path
+
+    if model is None:
+        return True
+    try:
+        return Path(model).resolve() == Path(default_model_path()).resolve()
+    except (OSError, RuntimeError, ValueError, UserError):   # (the built-in model not installed)
+        return False
+
+
+def resolve_draft_path(cfg: EngineConfig, builtin: bool = False, cpu: bool = False):
     """--draft PATH, or ``--draft default`` for the draft shipped with the built-in model;
-    None with --no-draft. The shipped draft is not switched on by itself: measured on the
-    reference CPU (benchmarks/spec.py) its acceptance length is 1.38-1.82 and DFlash with the
-    adaptive block size runs at 0.95-1.17x of plain decoding greedy but ~0.9-1.0x at
-    temperature 1 (and below a --compile'd plain step), so plain decoding stays the default
-    until a better draft ships."""
+    without --draft that draft too where ``cfg.shipped_draft_by_default`` says (the built-in
+    model on a CPU: measured with benchmarks/spec.py, the shipped draft beside prompt lookup
+    ran at 1.10-1.40x plain decoding greedy against 1.03-1.30x for lookup alone, once a
+    drafted step became one native call); None with --no-draft."""
     from ..weights.default_model import default_draft_path
 
-    if cfg.no_draft or cfg.draft is None:
+    if cfg.no_draft:
         return None
+    if cfg.draft is None:
+        return default_draft_path() if cfg.shipped_draft_by_default(builtin, cpu) else None
     if cfg.draft == "default":
         path = default_draft_path()
         if path is None:

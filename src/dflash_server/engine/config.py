@@ -172,6 +172,13 @@ class EngineConfig:
             if missing and bad:
                 raise ValueError(f"{', '.join(bad)} only take effect with {need}: give it (or leave them out)")
 
+    def shipped_draft_by_default(self, builtin: bool, cpu: bool) -> bool:
+        """Whether the draft shipped for the built-in model runs without --draft: for that model
+        (``builtin``) on a target whose stages are all on CPUs (``cpu``; measured there:
+        benchmarks/spec.py, beside prompt lookup), unless --no-draft or --compile (whose verify
+        blocks would compile a graph per block size). Elsewhere only --draft turns a draft on."""
+        return builtin and cpu and self.draft is None and not self.no_draft and not self.compile
+
     def lookup_depth(self, cpu: bool = True) -> int:
         """Prompt-lookup drafts a step: --lookup, else 5, with a draft or alone on a target
         whose stages are all on CPUs (measured there: benchmarks/spec.py); none with

@@ -36,13 +36,24 @@ CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 class StepCosts:
-    """The measured wall time of steps per candidate (block size, tree budget): a moving
-    average whose first sample only holds a place, and which a time under a quarter of it
-    replaces outright (a one-off such as a compile must not stick). Needs ``candidates``,
-    ``cost_alpha`` and a ``steps`` counter."""
+    """The measured wall time of steps per candidate (block size, tree budget), as each
+    candidate's cost relative to the others times the machine's current speed: a cheap VM's
+    speed moves by 2x within minutes (a neighbour's load), and candidates are measured at
+    different times (the chosen one every step, the others now and then), so a per-candidate
+    average of seconds compares a time measured in a slow minute with one from a fast minute.
+    Each step updates the speed (a fast moving average of seconds / the candidate's relative
+    cost) and then the candidate's relative cost (a moving average of seconds / speed), so
+    a candidate measured now is compared with what the others cost now. A candidate's first
+    time only holds a place, and a time under a quarter of its average replaces it outright
+    (a one-off such as a compile must not stick). ``cost[c]`` is seconds per step of c at
+    the current speed. Needs ``candidates``, ``cost_alpha`` and a ``steps`` counter."""
+
+    speed_alpha = 0.3
 
     def reset_costs(self) -> None:
-        self.cost: dict[int, float] = {}          # candidate -> seconds per step (moving average)
+        self.cost: dict[int, float] = {}          # candidate -> seconds per step now (relative cost x speed)
+        self.rel: dict[int, float] = {}           # candidate -> its relative cost (moving average)
+        self.speed: float | None = None           # seconds per unit of relative cost, now
         self.measured: dict[int, int] = {}        # candidate -> step counter when last measured
         self.samples: dict[int, int] = {}         # candidate -> steps measured
 
@@ -68,11 +79,15 @@ class StepCosts:
     def measure(self, b: int, seconds: float) -> None:
         if b not in self.candidates:
             return
-        old, n = self.cost.get(b), self.samples.get(b, 0)
-        if n < 2 or seconds * 4 < old:
-            self.cost[b] = seconds
+        if self.speed is None:
+            self.speed = seconds          # (the first candidate measured has relative cost 1)
+        old, n = self.rel.get(b), self.samples.get(b, 0)
+        if n < 2 or seconds < old * self.speed / 4:
+            self.rel[b] = seconds / self.speed
         else:
-            self.cost[b] = old + self.cost_alpha * (seconds - old)
+            self.speed += self.speed_alpha * (seconds / old - self.speed)
+            self.rel[b] = old + self.cost_alpha * (seconds / self.speed - old)
+        self.cost = {c: r * self.speed for c, r in self.rel.items()}
         self.measured[b] = self.steps
         self.samples[b] = n + 1
 
