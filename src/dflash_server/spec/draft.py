@@ -510,7 +510,7 @@ class DFlashDraft(nn.Module):
         if head is not None and head.mode != "native":
             head = None
         cos, sin = self.rope.rows(ctx_start, n + B)
-        fc, weights, ints, floats = self._fused
+        weights, ints, floats = self._fused
         feats = None if features is None else features.to(self.device, self.dtype)
         hidden, logits = torch.ops.dflash.draft_pass(
             block_embeds.to(self.device, self.dtype), feats, ctx_start, self.fc.weight, self.fc.qtype,
@@ -523,7 +523,7 @@ class DFlashDraft(nn.Module):
 
     @property
     def _fused(self):
-        """``dflash::draft_pass``'s per-layer arguments (fc's weight aside), or None where the
+        """``dflash::draft_pass``'s per-layer arguments (weights, ints, floats), or None where the
         draft cannot take it (a non-native fc or MLP; the layers' own test is ``_native``)."""
         if self._fused_args is False:
             self._fused_args = None
@@ -543,7 +543,7 @@ class DFlashDraft(nn.Module):
                              layer.nkv, layer.o_proj.qtype, m.gate_up.qtype, m.inter, m.down.qtype]
                     floats += [float(layer.input_layernorm.eps), layer.hd ** -0.5,
                                float(layer.post_attention_layernorm.eps), float(layer.eps)]
-                self._fused_args = (self.fc, weights, ints, floats)
+                self._fused_args = (weights, ints, floats)
         return self._fused_args
 
     def _masks(self, start: int, B: int) -> dict:
