@@ -49,3 +49,11 @@ def test_train_draft_block_size_bounds(block):
     r = subprocess.run([sys.executable, "-m", "dflash_server", "train-draft", "--out", "unused", "--block-size", block],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--block-size" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [(["--gen-batch", "4", "--continuations", "3"], "does not divide"),
+                                           (["--continuations", "0"], "--continuations"),
+                                           (["--continuations", "x"], "--continuations")])
+def test_bad_continuations(tiny_dir, tmp_path, extra, needle):
+    res = run_train(tiny_dir, tmp_path / "out", *extra)
+    assert "Traceback" not in res.stderr and res.returncode == 2 and needle in res.stderr, res.stderr[-2000:]

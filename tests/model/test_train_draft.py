@@ -15,7 +15,8 @@ from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.spec.train import DraftTrainer, TrainConfig
 from dflash_server.spec.train_data import (PROMPTS_FILE, generate_dataset, generate_text_dataset, load_dataset, load_prompts,
-                                           pick_mask_token, render, sample_prompt, text_files, text_prompt)
+                                           pick_mask_token, render, sample_prompt, self_prompts, text_files,
+                                           text_prompt, user_turn_prefix)
 from dflash_server.weights.loader import open_model
 from helpers.build import pipeline
 
@@ -78,6 +79,66 @@ def test_features_captured_while_sampling_equal_teacher_forced_prefill(tiny_dir,
     assert len(loaded) == man["samples"] and all(len(s.features) == len(s.ids) - 1 for s in loaded)
     with pytest.raises(ValueError, match="another target"):
         generate_dataset(pipe, load_prompts()[:1], tmp_path, (0, 1), 20, progress=False)
+
+
+def test_several_prompts_share_the_slots_each_row_as_its_prompt_alone(tiny_dir, tmp_path):
+    """Slots spread over G prompts of different lengths: each row's features and argmax
+    targets equal a teacher-forced pass over its own prompt + response, each prompt's first
+    row is greedy, and a dataset sampled two continuations a prompt counts its prompts."""
+    path = tiny_dir("llama")
+    pipe = batched(path, slots=True)
+    prompts = load_prompts(split="train")[:2]
+    ids = [render(pipe.tokenizer, p) for p in prompts]
+    assert len(ids[0]) != len(ids[1])
+    samples = sample_prompt(pipe, ids, TAPS, 20, temperature=1.5, gen=torch.Generator().manual_seed(3))
+    assert [s.prompt_len for s in samples] == [len(ids[0])] * 2 + [len(ids[1])] * 2
+    ref = pipeline(path)
+    for i, s in enumerate(samples):
+        P = s.prompt_len
+        assert s.ids[:P].tolist() == ids[i // 2]
+        ref.reset()
+        out = ref.forward(s.ids[:-1].tolist(), 0, logits="all", capture=TAPS)
+        assert (s.features - torch.cat([out.captures[t][0] for t in TAPS], dim=-1)).abs().max() < 1e-4
+        assert torch.equal(out.logits[P - 1:, :ref.config.vocab_size].argmax(-1), s.targets[P:])
+    for first in (samples[0], samples[2]):                   # greedy_rows=1 per prompt
+        assert torch.equal(first.ids[first.prompt_len:], first.targets[first.prompt_len:])
+    assert not torch.equal(samples[1].ids[samples[1].prompt_len:], samples[1].targets[samples[1].prompt_len:])
+    man = generate_dataset(pipe, load_prompts(split="train")[:5], tmp_path, TAPS, 6, max_new=12, continuations=2,
+                           progress=False)
+    assert man["prompts_done"] == 4 and man["samples"] >= 6
+    assert len({tuple(s.ids[:s.prompt_len].tolist()) for s in load_dataset(tmp_path)[1]}) == 4
+    with pytest.raises(ValueError, match="do not divide"):
+        generate_dataset(pipe, prompts, tmp_path / "x", TAPS, 4, continuations=3, progress=False)
+    with pytest.raises(ValueError, match="do not divide"):
+        sample_prompt(pipe, ids + [ids[0]], TAPS, 4)
+    with pytest.raises(ValueError, match="sequence slots"):
+        generate_dataset(batched(path), prompts, tmp_path / "y", TAPS, 4, continuations=2, progress=False)
+
+
+def test_the_default_model_writes_its_own_user_prompts():
+    """Magpie-style prompts: the template's text before a user turn, an opening, the model's
+    own words up to its end-of-turn marker; kept ones are whole turns (no template tokens),
+    distinct, start with their opening and pass ``keep``."""
+    from dflash_server.weights.default_model import default_model_path
+
+    src = open_model(default_model_path())
+    head, ends = user_turn_prefix(src.tokenizer)
+    text = src.tokenizer.decode(head)
+    assert text.endswith("<|im_start|>user\n") and "system" in text
+    assert src.tokenizer.encode("<|im_end|>", add_bos=False)[0] in ends
+    pipe = build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=256,
+                          progress=False, lanes=4)
+    seen = []
+    rows = self_prompts(pipe, 6, openings=("", "Write a Python"), max_len=64, seed=1,
+                        keep=lambda t: seen.append(t) or "banned" not in t, progress=False)
+    assert len(rows) == 6 and len({r["messages"][0]["content"] for r in rows}) == 6
+    assert {r["split"] for r in rows} == {"train"} and [r["id"] for r in rows] == [f"sp_{i:05d}" for i in range(6)]
+    for r in rows:
+        t = r["messages"][0]["content"]
+        assert t in seen and len(t.split()) >= 4 and "<|im" not in t and t == t.strip()
+    assert any(r["messages"][0]["content"].startswith("Write a Python") for r in rows)
+    with pytest.raises(ValueError, match="no usable user turn"):   # turns cut at max_len are never kept
+        self_prompts(pipe, 1, max_len=2, progress=False)
 
 
 @pytest.mark.parametrize("slots", [False, True])
@@ -180,6 +241,16 @@ def test_train_draft_on_text_only(tiny_dir, tmp_path, capsys):
     assert main(base + ["--samples", "0", "--text", str(corpus), "--text-tokens", "300", "--text-len", "64",
                         "--target-layers", "0,3", "--data-only"]) == 2
     assert "--text-data" in capsys.readouterr().err
+
+
+def test_train_draft_continuations_flag_spreads_a_batch_over_prompts(tiny_dir, tmp_path):
+    out = tmp_path / "d"
+    assert main(["train-draft", "--model", str(tiny_dir("llama")), "--out", str(out), "--device", "cpu",
+                 "--dtype", "fp32", "--quantize", "none", "--samples", "4", "--max-new-tokens", "6",
+                 "--gen-batch", "4", "--continuations", "1", "--data-only"]) == 0
+    man = json.loads((out / "data" / "dataset.json").read_text())
+    assert man["prompts_done"] == 4 and man["samples"] == 4
+    assert len({tuple(s.ids[:s.prompt_len].tolist()) for s in load_dataset(out / "data")[1]}) == 4
 
 
 def test_greedy_labels_count_only_the_argmax_path(tiny_dir):

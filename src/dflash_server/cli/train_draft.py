@@ -60,7 +60,11 @@ def add_parser(sub) -> None:
                    help="training sequences to sample (0: none, with --text)")
     d.add_argument("--max-new-tokens", type=positive_int, default=256, help="response length cap")
     d.add_argument("--gen-batch", type=positive_int, default=8,
-                   help="continuations per prompt, sampled in lockstep (the first one greedy)")
+                   help="sequences sampled at once: continuations of one prompt (the first one greedy), or of "
+                        "several with --continuations")
+    d.add_argument("--continuations", type=positive_int, metavar="K",
+                   help="continuations per prompt (default: --gen-batch); fewer spread each batch over "
+                        "--gen-batch/K prompts, each prefilled once (CPU sequence slots only)")
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--top-p", type=float, default=0.95)
     d.add_argument("--greedy-after", type=int, default=64,
@@ -226,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.greedy_after < 0:
         raise UserError("--greedy-after must be >= 0")
+    if args.continuations and args.gen_batch % args.continuations:
+        raise UserError(f"--continuations {args.continuations} does not divide --gen-batch {args.gen_batch}")
     if not 0 <= args.temperature <= 100:   # (NaN fails both)
         raise UserError(f"--temperature must be in [0, 100], got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -267,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
             man = generate_dataset(pipe, train_prompts, data_dir, cfg.target_layer_ids, args.samples,
                                    max_new=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                    greedy_after=args.greedy_after, seed=args.seed,
-                                   fingerprint=source.fingerprint())
+                                   fingerprint=source.fingerprint(), continuations=args.continuations)
         except ValueError as e:
             raise UserError(str(e)) from None
         del pipe

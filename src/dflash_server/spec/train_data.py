@@ -102,42 +102,52 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torc
 PROMPT_SNAPSHOT = 1 << 30  # snapshot slot of the prompt's state while sampling (no prefix cache here)
 
 
-def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
+def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
                   top_p: float = 0.95, greedy_rows: int = 1, greedy_after: int = 0,
                   gen: torch.Generator | None = None) -> list[Sample]:
-    """B continuations of one prompt with their features and the target's argmax at every
-    position: B = the pipeline's sequence slots (each decodes one row of a batched forward:
-    on a CPU the native kernels' rows, each row's result as alone), or its lockstep batch.
-    The first ``greedy_rows`` rows decode greedily (what greedy serving sees); the rest
-    sample, and with ``greedy_after`` > 0 each of them turns greedy after a random number of
-    tokens in [1, greedy_after]."""
+    """B continuations with their features and the target's argmax at every position: B =
+    the pipeline's sequence slots (each decodes one row of a batched forward: on a CPU the
+    native kernels' rows, each row's result as alone), or its lockstep batch. ``ids`` is one
+    prompt (every row continues it) or, with slots, a list of G prompts that divides B (B/G
+    rows continue each, prompt g in rows [g*B/G, (g+1)*B/G)). The first ``greedy_rows`` rows
+    of each prompt decode greedily (what greedy serving sees); the rest sample, and with
+    ``greedy_after`` > 0 each of them turns greedy after a random number of tokens in
+    [1, greedy_after]. Rows that reached EOS go on decoding (the batch keeps its shape);
+    what they write after it is dropped."""
     vocab, eos = pipe.config.vocab_size, set(pipe.tokenizer.eos_token_ids)
-    max_new = min(max_new, pipe.max_ctx - len(ids))
     lanes = pipe.lanes if pipe.stages[0].batch == 1 else 1   # B sequence slots: one decode row each
+    groups = [list(p) for p in ids] if ids and not isinstance(ids[0], int) else [list(ids)]
+    if len(groups) > 1 and (lanes == 1 or lanes % len(groups)):
+        raise ValueError(f"{len(groups)} prompts do not divide the pipeline's {lanes} sequence slot(s)")
+    per = lanes // len(groups)                                  # rows continuing each prompt
+    lane_ids = [groups[b // per] for b in range(lanes)]
+    max_new = min(max_new, pipe.max_ctx - max(map(len, groups)))
     with torch.inference_mode():
-        # the prompt prefilled once (slot 0, or the lockstep batch), then copied into the other
-        # slots as a snapshot: the state bits a prefill of each would write, at a copy's cost
-        pipe.select(0)
-        pipe.reset()
-        out = pipe.prefill(ids, capture=taps)
-        if lanes > 1:
-            pipe.snapshot_save(PROMPT_SNAPSHOT)
-            try:
-                for lane in range(1, lanes):
-                    pipe.select(lane)
-                    pipe.reset()
-                    pipe.snapshot_restore(PROMPT_SNAPSHOT)
-            finally:
-                pipe.snapshot_free(PROMPT_SNAPSHOT)
-        prompt_feats = torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu()    # rows are identical
-        logits = _last_logits(out.logits, vocab)
-        if lanes > 1:
-            logits = logits.expand(lanes, -1)
+        # each prompt prefilled once, in its first slot, then copied into its other slots as
+        # a snapshot: the state bits a prefill of each would write, at a copy's cost
+        prompt_feats, first = [], []
+        for g, prompt in enumerate(groups):
+            pipe.select(g * per)
+            pipe.reset()
+            out = pipe.prefill(prompt, capture=taps)
+            if per > 1:
+                pipe.snapshot_save(PROMPT_SNAPSHOT)
+                try:
+                    for lane in range(g * per + 1, (g + 1) * per):
+                        pipe.select(lane)
+                        pipe.reset()
+                        pipe.snapshot_restore(PROMPT_SNAPSHOT)
+                finally:
+                    pipe.snapshot_free(PROMPT_SNAPSHOT)
+            prompt_feats.append(torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu())  # rows are identical
+            first.append(_last_logits(out.logits, vocab))
+        logits = torch.cat([f.expand(per, -1) if f.shape[0] == 1 else f for f in first]) if lanes > 1 else first[0]
         B = logits.shape[0]
         switch = torch.full((B,), max_new + 1)
         if greedy_after > 0:
             switch = torch.randint(1, greedy_after + 1, (B,), generator=gen)
-        switch[:greedy_rows] = 0
+        for g in range(len(groups)):
+            switch[g * per:g * per + greedy_rows] = 0
         toks, tops, feats, length = [], [], [], [0] * B
         for j in range(max_new):
             tok, top = _sample(logits, temperature, top_p, switch <= j, gen)
@@ -149,26 +159,87 @@ def sample_prompt(pipe, ids: list[int], taps: tuple[int, ...], max_new: int, *, 
             if all(length) or j == max_new - 1:
                 break
             if lanes > 1:   # one row per slot, in one forward (the native kernels' batched rows)
-                step = pipe.forward_rows(tok.tolist(), list(range(lanes)), [len(ids) + j] * lanes, capture=taps)
+                step = pipe.forward_rows(tok.tolist(), list(range(lanes)), [len(p) + j for p in lane_ids],
+                                         capture=taps)
                 feats.append(torch.cat([step.captures[t][0] for t in taps], dim=-1).cpu())
                 logits = step.logits[:, :vocab].float()
             else:
-                step = pipe.forward(tok[:, None], len(ids) + j, logits="last", capture=taps)
+                step = pipe.forward(tok[:, None], len(groups[0]) + j, logits="last", capture=taps)
                 feats.append(torch.cat([step.captures[t][:, -1] for t in taps], dim=-1).cpu())
                 logits = _last_logits(step.logits, vocab)
         toks_t = torch.stack(toks, dim=1)                                       # (B, n)
         tops_t = torch.stack(tops, dim=1)
-        feats_t = torch.stack(feats, dim=1) if feats else prompt_feats.new_zeros(B, 0, prompt_feats.shape[-1])
+        feats_t = torch.stack(feats, dim=1) if feats else prompt_feats[0].new_zeros(B, 0, prompt_feats[0].shape[-1])
     samples = []  # built outside inference mode: training differentiates through these
     for b in range(B):
         n = length[b] or toks_t.shape[1]
         if n < 2:
             continue
-        full = torch.tensor(list(ids) + toks_t[b, :n].tolist(), dtype=torch.long)
-        targets = torch.cat([torch.full((len(ids),), -1, dtype=torch.long), tops_t[b, :n].long()])
-        f = torch.cat([prompt_feats, feats_t[b, :n - 1]])[:len(full) - 1].clone()
-        samples.append(Sample(full, len(ids), f, targets))
+        prompt = lane_ids[b] if lanes > 1 else groups[0]
+        full = torch.tensor(prompt + toks_t[b, :n].tolist(), dtype=torch.long)
+        targets = torch.cat([torch.full((len(prompt),), -1, dtype=torch.long), tops_t[b, :n].long()])
+        f = torch.cat([prompt_feats[b // per if lanes > 1 else 0], feats_t[b, :n - 1]])[:len(full) - 1].clone()
+        samples.append(Sample(full, len(prompt), f, targets))
     return samples
+
+
+
+USER_MARK = "\x00USER\x00"   # stands for the user's text while the template is cut at it
+
+
+def user_turn_prefix(tokenizer) -> tuple[list[int], list[int]]:
+    """The template's tokens before a user turn's text (system prompt included, as serving
+    renders a conversation without one) and the ids that can end the turn (the template's
+    end-of-turn marker, EOS). ValueError where the model has no chat template."""
+    text = tokenizer.render_chat([{"role": "user", "content": USER_MARK}], add_generation_prompt=False)
+    head, _, tail = text.partition(USER_MARK)
+    ends = set(tokenizer.eos_token_ids)
+    marker = tokenizer.encode(tail.strip(), add_bos=False) if tail.strip() else []
+    if marker:
+        ends.add(marker[0])
+    return tokenizer.encode(head, add_bos=False), sorted(ends)
+
+
+def self_prompts(pipe, n: int, *, openings: tuple[str, ...] = ("",), max_len: int = 128, temperature: float = 1.0,
+                 top_p: float = 0.95, min_words: int = 4, seed: int = 0, keep=None, progress: bool = True) -> list[dict]:
+    """``n`` user prompts written by the target itself (the Magpie recipe: a chat model
+    given only the template's text before a user turn writes a user's request). Each
+    batch of the pipeline's slots starts from one of ``openings`` in turn (``""``: the
+    model's own choice; e.g. ``"Write a Python"`` steers it to code); a prompt is kept when
+    the model ended the turn within ``max_len`` tokens, has ``min_words`` words, is new,
+    and ``keep(text)`` (if given) accepts it. Returns ``{"kind", "messages", "id",
+    "split"}`` rows in the order written."""
+    tok = pipe.tokenizer
+    head, ends = user_turn_prefix(tok)
+    gen = torch.Generator().manual_seed(seed)
+    seen, out, tries = set(), [], 0
+    bar = tqdm(total=n, desc="self-prompts", unit="prompt", disable=None if progress else True)
+    try:
+        while len(out) < n:
+            opening = openings[tries % len(openings)]
+            tries += 1
+            lead = tok.encode(opening, add_bos=False) if opening else []
+            got = sample_prompt(pipe, head + lead, (0,), max_len, temperature=temperature, top_p=top_p,
+                                greedy_rows=0, gen=gen)
+            for s in got:
+                body = s.ids[s.prompt_len:].tolist()
+                if not body or body[-1] not in ends:
+                    continue            # cut at max_len, or an empty turn
+                text = tok.decode(lead + body[:-1]).strip()
+                if len(text.split()) < min_words or text in seen or (keep is not None and not keep(text)):
+                    continue
+                seen.add(text)
+                out.append({"kind": "self", "messages": [{"role": "user", "content": text}],
+                            "id": f"sp_{len(out):05d}", "split": "train"})
+                bar.update(1)
+                if len(out) == n:
+                    break
+            if tries >= 50 and not out:
+                raise ValueError(f"the model wrote no usable user turn in {tries} batches (none ended "
+                                 f"within {max_len} tokens with {min_words}+ words)")
+    finally:
+        bar.close()
+    return out
 
 
 def _save_shard(path: Path, samples: list[Sample], dtype=torch.bfloat16) -> int:
@@ -201,9 +272,13 @@ def read_manifest(data_dir: str | Path) -> dict | None:
 
 def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tuple[int, ...], samples: int, *,
                      max_new: int = 256, temperature: float = 0.8, top_p: float = 0.95, greedy_rows: int = 1,
-                     greedy_after: int = 0, seed: int = 0, fingerprint: str = "", shard_prompts: int = 8, progress: bool = True) -> dict:
+                     greedy_after: int = 0, seed: int = 0, fingerprint: str = "", shard_prompts: int = 8,
+                     continuations: int | None = None, progress: bool = True) -> dict:
     """Sample until the dataset in ``data_dir`` holds at least ``samples`` sequences
-    (continuing an existing one made with the same taps/model). Returns the manifest."""
+    (continuing an existing one made with the same taps/model). ``continuations``: rows
+    per prompt (default: every sequence slot continues one prompt); fewer spread the slots
+    over several prompts at once (more distinct prompts for the same tokens). Returns the
+    manifest."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg = pipe.config
@@ -240,15 +315,24 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
         (data_dir / (MANIFEST + ".tmp")).replace(data_dir / MANIFEST)
         pending, pending_prompts = [], 0
 
+    lockstep = pipe.stages[0].batch
+    rows = pipe.lanes if lockstep == 1 else lockstep
+    per = continuations or rows
+    if per < 1 or rows % per:
+        raise ValueError(f"{per} continuations per prompt do not divide the {rows} rows sampled at once")
+    if per != rows and lockstep > 1:
+        raise ValueError("several prompts at once need sequence slots (a lockstep batch shares one prompt)")
     try:
         k = man["prompts_done"]
         while man["samples"] + len(pending) < samples:
-            prompt = prompts[order[k % len(order)]]
-            got = sample_prompt(pipe, render(pipe.tokenizer, prompt), taps, max_new, temperature=temperature,
+            group = [prompts[order[(k + g) % len(order)]] for g in range(rows // per)]
+            ids = [render(pipe.tokenizer, p) for p in group]
+            got = sample_prompt(pipe, ids if len(ids) > 1 else ids[0], taps, max_new, temperature=temperature,
                                 top_p=top_p, greedy_rows=greedy_rows if k < len(order) else 0,
                                 greedy_after=greedy_after, gen=gen)
             pending += got
-            pending_prompts += 1
+            pending_prompts += len(group)
+            k += len(group) - 1
             run["response_tokens"] += sum(len(x.ids) - x.prompt_len for x in got)
             run["seconds"] = round(time.perf_counter() - t_run, 2)
             run["tokens_per_s"] = round(run["response_tokens"] / max(run["seconds"], 1e-9), 1)
