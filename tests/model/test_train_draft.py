@@ -47,6 +47,11 @@ def test_prompts_shipped_and_mask_token(tiny_dir):
     assert {p["kind"] for p in templated} >= {"code", "math", "explain", "chat"}
     texts = [p["messages"][0]["content"] for p in templated]
     assert len(set(texts)) == len(texts) and not set(texts) & {p["messages"][0]["content"] for p in train}
+    written = load_prompts(PROMPTS_FILE.with_name("train_prompts_self.jsonl"))   # tools/make_self_prompts.py
+    assert len(written) >= 3000 and {p["split"] for p in written} == {"train"}
+    own = [p["messages"][0]["content"] for p in written]
+    assert len(set(own)) == len(own) and not set(own) & (set(texts) | {p["messages"][0]["content"] for p in train})
+    assert all("<|im_" not in t and len(t.split()) >= 4 for t in own)
     pipe = pipeline(tiny_dir("llama"))
     # SmolLM2's tokenizer: <empty_output> (16) is an added token the chat model never writes
     assert pick_mask_token(pipe.tokenizer, pipe.config.vocab_size) == 16
