@@ -12,6 +12,12 @@ trained block size; acceptance length (tokens committed per verify step) and dec
 tokens/s (medians), each prompt's three modes back to back. Every request is seeded (the
 mode is forced on the proposer), so the run repeats. Writes JSON (default
 benchmarks/results/spec_sampled.json) and prints a Markdown table.
+
+``--modes default`` instead compares what a CPU server does by default at temperature: plain
+sampling, the shipped draft with prompt lookup 5 and the adaptive block size verifying by
+rejection sampling (what an unseeded request gets), and prompt lookup alone; speedups are
+geometric means of each prompt's ratio to plain sampling, the modes back to back in rotating
+order. ``--draft DIR`` replaces the shipped draft.
 """
 from __future__ import annotations
 
@@ -35,8 +41,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", default="verify", choices=["verify", "default"],
+                    help="verify: exact match vs rejection at the trained block; default: the CPU default vs plain")
+    ap.add_argument("--draft", help="draft directory (default: the shipped one)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_sampled.json"))
     args = ap.parse_args()
+    if args.modes == "default":
+        return default_modes(args)
     torch.set_num_threads(args.threads)
     src, pipe, load_draft = serving_setup("cpu")
     from dflash_server.engine.generate import Engine, GenerationRequest
@@ -82,6 +93,64 @@ def main():
     for r in rows:
         print(f"| {r['temperature']} | {r['set']} | {r['ar_tok_s']} | {r['exact_tok_s']} | {r['rejection_tok_s']} | "
               f"{r['tau_exact']} | {r['tau_rejection']} |")
+
+
+def default_modes(args):
+    """Plain sampling vs the default CPU configuration (draft + lookup, adaptive, rejection)
+    vs lookup alone, per temperature and set."""
+    import math
+
+    torch.set_num_threads(args.threads)
+    src, pipe, load_draft = serving_setup("cpu")
+    from dflash_server.engine.generate import Engine, GenerationRequest
+    from dflash_server.engine.sampling import SamplingParams
+    from dflash_server.spec.lookup import LookupProposer
+    from dflash_server.spec.proposer import DFlashProposer
+    from dflash_server.weights.default_model import default_draft_path
+
+    draft_dir = args.draft or default_draft_path()
+    engines = {"ar": Engine(pipe),
+               "default": Engine(pipe, proposer=DFlashProposer(load_draft(draft_dir), pipe, adaptive=True, lookup=5,
+                                                                sampled_verify="rejection")),
+               "lookup_only": Engine(pipe, proposer=LookupProposer(pipe, 5))}
+    for e in engines.values():
+        e.warm_up()
+    rows = []
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        for name, file in SETS.items():
+            tps = {k: [] for k in engines}
+            ratios = {"default": [], "lookup_only": []}
+            per_step = []
+            for i, messages in enumerate(load_prompts(EVAL / file, args.prompts)):
+                ids = tuple(src.tokenizer.encode_chat(messages))
+                req = GenerationRequest(ids, SamplingParams(temperature=temp, seed=2000 + i), max_tokens=args.max_tokens)
+                order = list(engines)[i % 3:] + list(engines)[:i % 3]
+                res = {k: engines[k].generate(req) for k in order}
+                for k, r in res.items():
+                    tps[k].append(r.completion_tokens / r.decode_s if r.decode_s else 0.0)
+                for k in ratios:
+                    ratios[k].append(tps[k][-1] / tps["ar"][-1] if tps["ar"][-1] else 0.0)
+                d = res["default"].extra["spec"]
+                per_step.append(res["default"].completion_tokens / max(1, d["steps"] + d["plain_steps"]))
+            geo = {k: math.exp(statistics.mean(math.log(max(x, 1e-9)) for x in v)) for k, v in ratios.items()}
+            row = {"temperature": temp, "set": name, "ar_tok_s": round(statistics.median(tps["ar"]), 1),
+                   "default_tok_s": round(statistics.median(tps["default"]), 1),
+                   "lookup_only_tok_s": round(statistics.median(tps["lookup_only"]), 1),
+                   "speedup_default": round(geo["default"], 3), "speedup_lookup_only": round(geo["lookup_only"], 3),
+                   "default_tokens_per_step": round(statistics.mean(per_step), 3)}
+            rows.append(row)
+            print(row, flush=True)
+    out = {"model": src.path.name, "draft": str(draft_dir), "modes": "default", "threads": args.threads,
+           "max_tokens": args.max_tokens, "prompts": args.prompts, "time": time.strftime("%Y-%m-%d %H:%M"),
+           "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print("\n| T | set | plain tok/s | default (draft + lookup) tok/s | lookup alone tok/s | speedup default | "
+          "speedup lookup alone | default: tokens a step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['temperature']} | {r['set']} | {r['ar_tok_s']} | {r['default_tok_s']} | {r['lookup_only_tok_s']} | "
+              f"{r['speedup_default']:.2f}x | {r['speedup_lookup_only']:.2f}x | {r['default_tokens_per_step']} |")
 
 
 if __name__ == "__main__":
