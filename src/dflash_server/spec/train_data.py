@@ -183,7 +183,6 @@ def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature
     return samples
 
 
-
 USER_MARK = "\x00USER\x00"   # stands for the user's text while the template is cut at it
 
 
@@ -211,6 +210,7 @@ def self_prompts(pipe, n: int, *, openings: tuple[str, ...] = ("",), max_len: in
     "split"}`` rows in the order written."""
     tok = pipe.tokenizer
     head, ends = user_turn_prefix(tok)
+    ends = set(ends)
     gen = torch.Generator().manual_seed(seed)
     seen, out, tries = set(), [], 0
     bar = tqdm(total=n, desc="self-prompts", unit="prompt", disable=None if progress else True)
@@ -223,9 +223,10 @@ def self_prompts(pipe, n: int, *, openings: tuple[str, ...] = ("",), max_len: in
                                 greedy_rows=0, gen=gen)
             for s in got:
                 body = s.ids[s.prompt_len:].tolist()
-                if not body or body[-1] not in ends:
-                    continue            # cut at max_len, or an empty turn
-                text = tok.decode(lead + body[:-1]).strip()
+                stop = next((i for i, t in enumerate(body) if t in ends), None)
+                if stop is None:
+                    continue            # cut at max_len
+                text = tok.decode(lead + body[:stop]).strip()
                 if len(text.split()) < min_words or text in seen or (keep is not None and not keep(text)):
                     continue
                 seen.add(text)
