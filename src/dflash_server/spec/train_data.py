@@ -2,7 +2,7 @@
 
 The target is sampled on a prompt set (``assets/train_prompts.jsonl``, written for this
 project and disjoint from the evaluation sets), rendered with its chat template. B
-continuations of the same prompt are drawn at once: in B sequence slots
+continuations of the same prompt (or B/K of each of several prompts) are drawn at once: in B sequence slots
 (``build_pipeline(..., lanes=B)``, one row each per forward: what ``train-draft`` uses on a
 CPU, where the native kernels batch rows) or a lockstep batch (``batch=B``; the rows share
 positions, so no padding); the tapped layers' outputs are
