@@ -32,7 +32,30 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from spec import EVAL, SETS, load_prompts, serving_setup  # noqa: E402
+from spec import EVAL, SETS, geomean, load_prompts, serving_setup  # noqa: E402
+
+
+def rotated_runs(engines: dict, tokenizer, args, seed0: int):
+    """Per temperature and prompt set: (T, set name, one {mode: result} per prompt), each
+    prompt's seeded request (seed ``seed0 + i``) run on every engine back to back in
+    rotating order, so the machine's drift hits every mode alike."""
+    from dflash_server.engine.generate import GenerationRequest
+    from dflash_server.engine.sampling import SamplingParams
+
+    n = len(engines)
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        for name, file in SETS.items():
+            runs = []
+            for i, messages in enumerate(load_prompts(EVAL / file, args.prompts)):
+                req = GenerationRequest(tuple(tokenizer.encode_chat(messages)),
+                                        SamplingParams(temperature=temp, seed=seed0 + i), max_tokens=args.max_tokens)
+                order = list(engines)[i % n:] + list(engines)[:i % n]
+                runs.append({k: engines[k].generate(req) for k in order})
+            yield temp, name, runs
+
+
+def tok_s(r) -> float:
+    return r.completion_tokens / r.decode_s if r.decode_s else 0.0
 
 
 def main():
@@ -50,12 +73,11 @@ def main():
         return default_modes(args)
     torch.set_num_threads(args.threads)
     src, pipe, load_draft = serving_setup("cpu")
-    from dflash_server.engine.generate import Engine, GenerationRequest
-    from dflash_server.engine.sampling import SamplingParams
+    from dflash_server.engine.generate import Engine
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.weights.default_model import default_draft_path
 
-    draft_dir = default_draft_path()
+    draft_dir = args.draft or default_draft_path()
     engines = {"ar": Engine(pipe),
                "exact": Engine(pipe, proposer=DFlashProposer(load_draft(draft_dir), pipe, sampled_verify="exact")),
                "rejection": Engine(pipe, proposer=DFlashProposer(load_draft(draft_dir), pipe,
@@ -63,26 +85,16 @@ def main():
     for e in engines.values():
         e.warm_up()
     rows = []
-    for temp in [float(t) for t in args.temperatures.split(",")]:
-        for name, file in SETS.items():
-            tps = {k: [] for k in engines}
-            tau = {"exact": [], "rejection": []}
-            for i, messages in enumerate(load_prompts(EVAL / file, args.prompts)):
-                ids = tuple(src.tokenizer.encode_chat(messages))
-                req = GenerationRequest(ids, SamplingParams(temperature=temp, seed=1000 + i), max_tokens=args.max_tokens)
-                order = list(engines)[i % 3:] + list(engines)[:i % 3]
-                for k in order:
-                    r = engines[k].generate(req)
-                    tps[k].append(r.completion_tokens / r.decode_s if r.decode_s else 0.0)
-                    if k in tau:
-                        tau[k].append(r.extra["spec"]["acceptance_length"])
-            row = {"temperature": temp, "set": name, "ar_tok_s": round(statistics.median(tps["ar"]), 1),
-                   "exact_tok_s": round(statistics.median(tps["exact"]), 1),
-                   "rejection_tok_s": round(statistics.median(tps["rejection"]), 1),
-                   "tau_exact": round(statistics.mean(tau["exact"]), 3),
-                   "tau_rejection": round(statistics.mean(tau["rejection"]), 3)}
-            rows.append(row)
-            print(row, flush=True)
+    for temp, name, runs in rotated_runs(engines, src.tokenizer, args, 1000):
+        tps = {k: [tok_s(r[k]) for r in runs] for k in engines}
+        tau = {k: [r[k].extra["spec"]["acceptance_length"] for r in runs] for k in ("exact", "rejection")}
+        row = {"temperature": temp, "set": name, "ar_tok_s": round(statistics.median(tps["ar"]), 1),
+               "exact_tok_s": round(statistics.median(tps["exact"]), 1),
+               "rejection_tok_s": round(statistics.median(tps["rejection"]), 1),
+               "tau_exact": round(statistics.mean(tau["exact"]), 3),
+               "tau_rejection": round(statistics.mean(tau["rejection"]), 3)}
+        rows.append(row)
+        print(row, flush=True)
     out = {"model": src.path.name, "draft": str(draft_dir), "block_size": engines["exact"].proposer.block_size,
            "threads": args.threads, "max_tokens": args.max_tokens, "prompts": args.prompts,
            "time": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
@@ -98,12 +110,9 @@ def main():
 def default_modes(args):
     """Plain sampling vs the default CPU configuration (draft + lookup, adaptive, rejection)
     vs lookup alone, per temperature and set."""
-    import math
-
     torch.set_num_threads(args.threads)
     src, pipe, load_draft = serving_setup("cpu")
-    from dflash_server.engine.generate import Engine, GenerationRequest
-    from dflash_server.engine.sampling import SamplingParams
+    from dflash_server.engine.generate import Engine
     from dflash_server.spec.lookup import LookupProposer
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.weights.default_model import default_draft_path
@@ -116,30 +125,18 @@ def default_modes(args):
     for e in engines.values():
         e.warm_up()
     rows = []
-    for temp in [float(t) for t in args.temperatures.split(",")]:
-        for name, file in SETS.items():
-            tps = {k: [] for k in engines}
-            ratios = {"default": [], "lookup_only": []}
-            per_step = []
-            for i, messages in enumerate(load_prompts(EVAL / file, args.prompts)):
-                ids = tuple(src.tokenizer.encode_chat(messages))
-                req = GenerationRequest(ids, SamplingParams(temperature=temp, seed=2000 + i), max_tokens=args.max_tokens)
-                order = list(engines)[i % 3:] + list(engines)[:i % 3]
-                res = {k: engines[k].generate(req) for k in order}
-                for k, r in res.items():
-                    tps[k].append(r.completion_tokens / r.decode_s if r.decode_s else 0.0)
-                for k in ratios:
-                    ratios[k].append(tps[k][-1] / tps["ar"][-1] if tps["ar"][-1] else 0.0)
-                d = res["default"].extra["spec"]
-                per_step.append(res["default"].completion_tokens / max(1, d["steps"] + d["plain_steps"]))
-            geo = {k: math.exp(statistics.mean(math.log(max(x, 1e-9)) for x in v)) for k, v in ratios.items()}
-            row = {"temperature": temp, "set": name, "ar_tok_s": round(statistics.median(tps["ar"]), 1),
-                   "default_tok_s": round(statistics.median(tps["default"]), 1),
-                   "lookup_only_tok_s": round(statistics.median(tps["lookup_only"]), 1),
-                   "speedup_default": round(geo["default"], 3), "speedup_lookup_only": round(geo["lookup_only"], 3),
-                   "default_tokens_per_step": round(statistics.mean(per_step), 3)}
-            rows.append(row)
-            print(row, flush=True)
+    for temp, name, runs in rotated_runs(engines, src.tokenizer, args, 2000):
+        ratios = {k: [tok_s(r[k]) / tok_s(r["ar"]) if tok_s(r["ar"]) else 0.0 for r in runs]
+                  for k in ("default", "lookup_only")}
+        per_step = [r["default"].completion_tokens / max(1, r["default"].extra["spec"]["steps"] +
+                                                        r["default"].extra["spec"]["plain_steps"]) for r in runs]
+        med = {k: round(statistics.median(tok_s(r[k]) for r in runs), 1) for k in engines}
+        row = {"temperature": temp, "set": name, "ar_tok_s": med["ar"], "default_tok_s": med["default"],
+               "lookup_only_tok_s": med["lookup_only"], "speedup_default": round(geomean(ratios["default"]), 3),
+               "speedup_lookup_only": round(geomean(ratios["lookup_only"]), 3),
+               "default_tokens_per_step": round(statistics.mean(per_step), 3)}
+        rows.append(row)
+        print(row, flush=True)
     out = {"model": src.path.name, "draft": str(draft_dir), "modes": "default", "threads": args.threads,
            "max_tokens": args.max_tokens, "prompts": args.prompts, "time": time.strftime("%Y-%m-%d %H:%M"),
            "rows": rows}
