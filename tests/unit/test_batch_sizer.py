@@ -25,7 +25,7 @@ def simulate(sizer, keys, q, cost, steps=300, seed=0):
                 acc += 1
             sizer.blocks.select(k)
             sizer.blocks.learn(b, acc)
-        sizer.observe(sum(blocks), cost(sum(blocks)))
+        sizer.observe(sum(blocks), cost(sum(blocks)), len(keys))
         out.append(blocks)
     return out
 
@@ -77,18 +77,40 @@ def test_a_good_draft_gets_the_rows_where_they_pay():
 
 
 def test_rows_cost_per_total_are_learned():
+    """Costs per (sequences, rows bucket): the median of a total's last samples, each taken
+    relative to the machine's speed at the time (tracked through the total measured)."""
     s = _sizer(["a"])
-    s.observe(3, 0.010)
-    s.observe(3, 0.011)
-    s.observe(5, 0.020)
-    assert s.cost == {3: 0.011, 6: 0.020} and s.samples == {3: 2, 6: 1}
-    assert s.to_dict()["cost_ms"] == {3: 11.0, 6: 20.0}
+    s.observe(3, 0.010, 2)
+    s.observe(3, 0.011, 2)
+    s.observe(5, 0.020, 2)
+    s.observe(3, 0.010, 3)                             # 3 sequences: a cost of its own
+    assert set(s.cost) == {(2, 3), (2, 6), (3, 3)} and s.samples == {(2, 3): 2, (2, 6): 1, (3, 3): 1}
+    assert abs(s.cost[(2, 6)] / s.cost[(2, 3)] - 1.9) < 0.15
+    assert set(s.to_dict()["cost_ms"]) == {2, 3} and set(s.to_dict()["cost_ms"][2]) == {3, 6}
+    s = _sizer(["a"])
+    for _ in range(5):
+        s.observe(4, 0.010, 4)
     for ms in (12, 40, 12, 45, 12, 12, 12):            # busy-machine spikes do not move it
-        s.observe(3, ms / 1e3)
-    assert s.cost[3] == 0.012
-    for ms in (20, 20, 20, 20):                        # a lasting change does (the window's median)
-        s.observe(3, ms / 1e3)
-    assert s.cost[3] == 0.020
+        s.observe(4, ms / 1e3, 4)
+    assert abs(s.cost[(4, 4)] - 0.012) < 0.002
+    for ms in (20, 20, 20, 20, 20, 20):                # a lasting change does
+        s.observe(4, ms / 1e3, 4)
+    assert abs(s.cost[(4, 4)] - 0.020) < 0.002
+
+
+def test_a_total_measured_in_a_slow_minute_is_compared_at_todays_speed():
+    """Plain rows measured while the machine ran at half speed, then 8 rows measured for a
+    long while at full speed: plain rows' cost follows the speed (not the slow minute's
+    seconds), so the ratio of the two stays what the machine gives (1.5x)."""
+    s = _sizer(["a"])
+    for _ in range(5):
+        s.observe(4, 0.040, 4)        # 4 rows, at half speed (20 ms at full speed)
+    for _ in range(5):
+        s.observe(8, 0.060, 4)        # 8 rows, still half speed (30 ms)
+    for _ in range(30):
+        s.observe(8, 0.030, 4)        # full speed from here on
+    assert abs(s.cost[(4, 8)] - 0.030) < 0.002
+    assert abs(s.cost[(4, 4)] / s.cost[(4, 8)] - 2 / 3) < 0.05   # not 40 / 30
 
 
 def test_remeasures_the_stalest_total_near_the_best_only():
@@ -99,12 +121,12 @@ def test_remeasures_the_stalest_total_near_the_best_only():
         for _ in range(20):
             s.blocks.learn(8, 0)
     for r, ms, when in ((4, 10.0, 9), (6, 12.0, 5), (8, 30.0, 3), (12, 40.0, 2), (16, 50.0, 1)):
-        s.cost[r], s.samples[r], s.measured[r] = ms / 1e3, 3, when
+        s.cost[(4, r)], s.samples[(4, r)], s.measured[(4, r)] = ms / 1e3, 3, when
     s.steps = 10
     assert sum(s.choose(keys, [8] * 4)) == 4            # plain rows pay best
     s.steps = 19                                        # a re-measure step: the stalest total is 16,
     assert sum(s.choose(keys, [8] * 4)) == 6            # but only 6 is within half the best rate
-    s.cost[4], s.measured[6] = 0.030, 10                # plain rows measured in a busy moment:
+    s.cost[(4, 4)], s.measured[(4, 6)] = 0.030, 10      # plain rows measured in a busy moment:
     s.steps = 29                                        # re-measured all the same (the stalest now)
     assert sum(s.choose(keys, [8] * 4)) == 4
 
@@ -146,7 +168,7 @@ def simulate_trees(sizer, keys, depth, cost, steps=300, seed=0):
             mean = depth[k](b)
             sizer.blocks.select(k)
             sizer.blocks.learn(b, max(1, round(mean + rng.uniform(-0.5, 0.5))))
-        sizer.observe(sum(budgets) + len(keys), cost(sum(budgets) + len(keys)))
+        sizer.observe(sum(budgets) + len(keys), cost(sum(budgets) + len(keys)), len(keys))
         out.append(budgets)
     return out
 

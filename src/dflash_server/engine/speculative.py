@@ -392,7 +392,7 @@ def speculative_rows(pipe, proposer: Proposer, seqs: list, select) -> list[tuple
             continue
         out_of.append((seq, None))
     if proposer.batch_sizer is not None:   # the whole step: drafts, forward, commits, context
-        proposer.batch_sizer.observe(row, time.perf_counter() - t0)
+        proposer.batch_sizer.observe(row, time.perf_counter() - t0, len(seqs))
     return out_of
 
 

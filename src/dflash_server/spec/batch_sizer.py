@@ -7,9 +7,19 @@ together. For a total R, rows go where they are most likely to commit a token: s
 (b+1)-th row commits one more token only if its first b drafts are all accepted, a chance
 (``BlockSizer.acceptance``, per request) that falls with b, so handing the rows out one at a
 time to the largest such chance is optimal for that R. The R chosen maximises expected
-tokens per second, with c(R) the measured wall time of batch steps of about R rows (the
-whole step: draft pass, forward, commits; the median of the last few, R rounded up to a
-candidate; each total runs three times before it is judged). R = n (every block 1) is plain
+tokens per second, with c(n, R) the measured wall time of batch steps of about R rows for n
+sequences (the whole step: draft pass, forward, commits; R rounded up to a candidate; each
+total runs three times before it is judged). Costs are kept per batch size n because a
+step's draft pass costs by the drafting sequences, not by rows: 4 rows of 3 sequences, one
+drafting, cost ~1.2x 4 plain rows of 4 (a 2-core Zen 4), and sequences join and leave a
+served batch all the time, which mixed the two under one total and made plain rows look
+dearer than they are (draft on: 0.82x plain throughput at 4 concurrent greedy streams).
+And a total is measured relative to the machine's current speed (as ``StepCosts``): a
+cheap VM's speed moves by 1.5x within a minute, the chosen total is measured every step and
+the others now and then, so raw seconds would compare a fast minute with a slow one. Each
+step's seconds over the current speed is one sample of its total's relative cost, whose
+median over the last few samples is that cost (a busy-machine spike is set aside); the
+speed is a moving average of seconds over the relative cost of the total measured. R = n (every block 1) is plain
 batched decoding, measured like the rest; larger totals are explored from the smallest up
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
 steps the stalest total within half the best rate (or plain rows) runs again. Output does
@@ -28,6 +38,7 @@ from .tree_sizer import TreeSizer
 ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 WINDOW = 7  # step times per total whose median is its cost
 JUDGED = 3  # step times before a total is compared with the others
+SPEED_WINDOW = 5  # steps whose median is the machine's current speed
 
 
 class BatchSizer(StepCosts):
@@ -110,12 +121,12 @@ class BatchSizer(StepCosts):
         def plan(r: int) -> list[int]:   # (a tree's rows: its budget rounded down to a candidate, plus one)
             return [1 + self.blocks.snap(b - 1) for b in self.blocks_after(n, order[:r - n])]
 
-        judged = {r: tokens[r] / self.cost[self.bucket(r)] for r in totals
-                  if self.samples.get(self.bucket(r), 0) >= JUDGED}
+        key = {r: (n, self.bucket(r)) for r in totals}
+        judged = {r: tokens[r] / self.cost[key[r]] for r in totals if self.samples.get(key[r], 0) >= JUDGED}
         for r in totals:                 # the smallest total not judged yet, while it may pay
             if r in judged:
                 continue
-            floor = max((self.cost[self.bucket(j)] for j in judged if j < r), default=0.0)
+            floor = max((self.cost[key[j]] for j in judged if j < r), default=0.0)
             if not floor or tokens[totals[-1]] / floor > max(judged.values()):
                 return plan(r)
             break
@@ -126,31 +137,51 @@ class BatchSizer(StepCosts):
             # draft that is plain decoding or a row or two more, whose verify also observes
             # the acceptance again, not a costly total far behind
             near = [r for r in judged if judged[r] * 2 >= judged[best] or r == n]
-            return plan(min(near, key=lambda r: self.measured[self.bucket(r)]))
+            return plan(min(near, key=lambda r: self.measured[key[r]]))
         return plan(best)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A batch step of ``rows`` rows in all took ``seconds`` (drafting included)."""
+    def observe(self, rows: int, seconds: float, sequences: int = 1) -> None:
+        """A batch step of ``sequences`` sequences and ``rows`` rows in all took ``seconds``
+        (drafting included)."""
         self.steps += 1
-        self.measure(self.bucket(rows), seconds)
+        self.measure((sequences, self.bucket(rows)), seconds)
 
-    def measure(self, r: int, seconds: float) -> None:
-        """A total's cost: the median of its last ``WINDOW`` step times, judged from the
-        ``JUDGED``-th on. The totals compared differ by a few percent on a CPU, while single
-        steps there jump by tens of percent when the machine is busy (and a first step may
-        carry a one-off cost): a median sets such outliers aside where a moving average
-        takes a share of each."""
-        window = self.recent.setdefault(r, [])
-        window.append(seconds)
-        del window[:-WINDOW]
-        self.cost[r] = sorted(window)[len(window) // 2]
-        self.measured[r] = self.steps
-        self.samples[r] = self.samples.get(r, 0) + 1
+    def measure(self, key: tuple[int, int], seconds: float) -> None:
+        """One step of ``key`` (sequences, rows bucket). The machine's speed (seconds per unit
+        of relative cost) is the median of the last ``SPEED_WINDOW`` steps' seconds over their
+        key's relative cost, so it follows a change of load within a few steps while a single
+        busy-machine spike is set aside. A key's relative cost is the median of its last
+        ``WINDOW`` samples, each a step's seconds over the speed that the steps before its run
+        of that key left: every step of its first run (until judged, ``JUDGED`` steps; a first
+        step may carry a one-off cost, which the median sets aside), then the first step of
+        each later run (a re-measure, or the batch changing). Within a run only the speed
+        moves: a run of one key cannot tell a change of load from a change of its own cost,
+        while a step right after other keys' steps compares the two at one speed."""
+        run_start = key != self.last_key
+        if run_start:
+            self.run_speed = self.speed if self.speed is not None else seconds
+            self.last_key = key
+        if run_start or self.samples.get(key, 0) < JUDGED:
+            window = self.recent.setdefault(key, [])
+            window.append(seconds / self.run_speed)
+            del window[:-WINDOW]
+            self.rel[key] = sorted(window)[len(window) // 2]
+        self.speeds.append(seconds / self.rel[key])
+        del self.speeds[:-SPEED_WINDOW]
+        self.speed = sorted(self.speeds)[len(self.speeds) // 2]
+        self.cost = {k: r * self.speed for k, r in self.rel.items()}
+        self.measured[key] = self.steps
+        self.samples[key] = self.samples.get(key, 0) + 1
 
     def reset_costs(self) -> None:
         super().reset_costs()
-        self.recent: dict[int, list[float]] = {}
+        self.recent: dict[tuple[int, int], list[float]] = {}
+        self.speeds: list[float] = []
+        self.last_key, self.run_speed = None, None
 
     def to_dict(self) -> dict:
-        return {"row_candidates": list(self.candidates),
-                "cost_ms": {r: round(c * 1e3, 3) for r, c in sorted(self.cost.items())}}
+        """``cost_ms``: {sequences: {rows: ms per step now}}."""
+        costs: dict[int, dict[int, float]] = {}
+        for (n, r), c in sorted(self.cost.items()):
+            costs.setdefault(n, {})[r] = round(c * 1e3, 3)
+        return {"row_candidates": list(self.candidates), "cost_ms": costs}
