@@ -655,6 +655,59 @@ def test_one_draft_pass_for_several_sequences(tiny_dir, sliding, quantize):
     assert draft._native_layers is native
 
 
+@pytest.mark.parametrize("quantize", ["dense", "int8"])
+def test_deferred_contexts_of_several_slots_append_in_one_call(tiny_dir, quantize):
+    """``draft_ahead`` first appends every drafting slot's deferred context (features of
+    plain rows, each slot's own positions) in one ``append_contexts`` call: each slot's
+    context K/V equal what its own ``append_context`` writes (bit for bit with native int8
+    linears, to fp32 rounding dense), lengths follow, slots without pending features are
+    untouched, the selected slot stays selected; and hostile starts are refused."""
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.proposer import DFlashProposer
+
+    pipe = _pipe(tiny_dir("llama"), 4)
+    c = pipe.config
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1), num_target_layers=c.num_layers)
+    tensors = DFlashDraft.random_tensors(cfg, 3, 0.05)
+    g = torch.Generator().manual_seed(2)
+    feats = {lane: {t: torch.randn(1, n, c.hidden_size, generator=g) for t in (0, 1)}
+             for lane, n in ((0, 12), (1, 7), (2, 20), (3, 5))}
+    split = {0: 9, 1: 3, 2: 20, 3: 2}     # positions appended at once; the rest deferred one row at a time
+    drafts = []
+    for batched in (False, True):
+        draft = DFlashDraft(cfg, tensors, "cpu", torch.float32, pipe.max_ctx, quantize=quantize)
+        prop = DFlashProposer(draft, pipe)
+        for lane, f in feats.items():
+            prop.select(lane)
+            prop.add_context({t: x[:, :split[lane]] for t, x in f.items()}, 0)
+            for p in range(split[lane], f[0].shape[1]):
+                prop.add_context({t: x[:, p:p + 1] for t, x in f.items()}, p, defer=True)
+        prop.select(3)
+        if batched:
+            prop.flush_lanes([0, 1, 2])
+            assert prop._lane == 3 and draft.context is draft.contexts[3] and prop._pendings[3]
+        else:
+            for lane in (0, 1, 2):
+                prop.select(lane)
+                prop.flush()
+        drafts.append(draft)
+    for lane in (0, 1, 2):
+        a, b = drafts[0].contexts[lane], drafts[1].contexts[lane]
+        assert a.length == b.length == feats[lane][0].shape[1]
+        for x, y in zip(a.k + a.v, b.k + b.v):
+            if quantize == "int8" and kernels.enabled() and kernels.load():
+                assert torch.equal(x[:, :, :a.length], y[:, :, :a.length])
+            torch.testing.assert_close(x[:, :, :a.length], y[:, :, :a.length], rtol=1e-5, atol=1e-6)
+    assert drafts[1].contexts[3].length == split[3]              # its pending rows wait
+    draft = drafts[1]
+    bad = torch.zeros(1, 2, 2 * c.hidden_size)
+    for items in ([(0, bad, 13)], [(0, bad, 2), (1, bad, 99)], [(1, bad, pipe.max_ctx - 1), (0, bad, 0)]):
+        with pytest.raises(ValueError, match="draft context"):
+            draft.append_contexts(items)
+
+
 def test_native_draft_pass_matches_the_torch_pass(tiny_dir):
     """A draft with native linears drafts through ``DraftLayer.forward_native`` (one QKV
     matmul, the block's K/V written after the context in its cache, bidirectional attention

@@ -433,6 +433,41 @@ class DFlashDraft(nn.Module):
             v_cache[:, :, start:start + n] = v
         self.context.length = start + n
 
+    @torch.inference_mode()
+    def append_contexts(self, items: list[tuple[int, torch.Tensor, int]]) -> None:
+        """``append_context`` of several slots: (slot, features (1, n, taps*H), start) each, in
+        one pass (the fc and each layer's K/V projection take every slot's rows together: on
+        a CPU a small matmul's cost is mostly its weights' read, once here instead of once a
+        slot). The selected slot is the last item's afterwards."""
+        if len(items) == 1:
+            lane, features, start = items[0]
+            self.select(lane)
+            self.append_context(features, start)
+            return
+        sizes, cos, sin = [], [], []
+        for lane, features, start in items:
+            self.select(lane)
+            n = features.shape[1]
+            if start > self.context.length or start + n > self.max_ctx:
+                raise ValueError(f"draft context of slot {lane}: cannot write [{start}, {start + n}) after length "
+                                 f"{self.context.length} (max {self.max_ctx})")
+            sizes.append(n)
+            c, s = self.rope.rows(start, n)
+            cos.append(c)
+            sin.append(s)
+        c = self.fuse(torch.cat([f for _, f, _ in items], dim=1))
+        cos, sin = torch.cat(cos), torch.cat(sin)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.project_kv(c, cos, sin)
+            a = 0
+            for (lane, _, start), n in zip(items, sizes):
+                ctx = self.contexts[lane]
+                ctx.k[i][:, :, start:start + n] = k[:, :, a:a + n]
+                ctx.v[i][:, :, start:start + n] = v[:, :, a:a + n]
+                a += n
+        for (lane, _, start), n in zip(items, sizes):
+            self.contexts[lane].length = start + n
+
     def crop(self, length: int) -> None:
         self.context.length = min(self.context.length, length)
 

@@ -149,9 +149,7 @@ class DFlashProposer:
         self._ahead = {}
         if len(items) < 2:
             return
-        for lane, *_ in items:
-            self.select(lane)
-            self.flush()
+        self.flush_lanes([lane for lane, *_ in items])
         sizes = [block for *_, block in items]
         ids = torch.tensor([[t for _, anchor, _, block in items for t in [anchor] + [self.mask_id] * (block - 1)]])
         embeds = self.block_embeds(ids).split(sizes, dim=1)
@@ -200,6 +198,20 @@ class DFlashProposer:
             start, feats = self._pending[0][0], torch.cat([f for _, f in self._pending], dim=1)
             self._pending.clear()
             self.draft.append_context(feats, start)
+
+    def flush_lanes(self, lanes: list[int]) -> None:
+        """``flush`` of several slots in one draft call (``append_contexts``); the selected
+        slot is unchanged."""
+        items = []
+        for lane in lanes:
+            pending = self._pendings.get(lane)
+            if pending:
+                items.append((lane, pending[0][1] if len(pending) == 1 else
+                              torch.cat([f for _, f in pending], dim=1), pending[0][0]))
+                pending.clear()
+        if items:
+            self.draft.append_contexts(items)
+            self.draft.select(self._lane)
 
     def rejection_sampling(self, sampling) -> bool:
         """Whether a request with these SamplingParams verifies by rejection sampling."""

@@ -143,6 +143,12 @@ class RemoteDraft:
         self._live()
         self._call("draft_append", {"start": int(start)}, {"features": features.to(self.dtype)})
 
+    def append_contexts(self, items: list[tuple[int, torch.Tensor, int]]) -> None:
+        """One worker call per slot (DFlashDraft.append_contexts batches them in process)."""
+        for lane, features, start in items:
+            self.select(lane)
+            self.append_context(features, start)
+
     def draft_hidden(self, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         self._live()
         return self._call("draft_hidden", {"start": int(start)}, {"embeds": block_embeds.to(self.dtype)})[1]["hidden"]\
