@@ -14,6 +14,11 @@ mean block, and whether every request's tokens equal the plain run's.
 
     python benchmarks/batch_spec.py [--parallel 4] [--max-tokens 128] [--rounds 3]
                                     [--modes plain,auto,2,tree,tree8] [--device cpu] [--out FILE]
+                                    [--requests N] [--prompts eval|essay]
+
+``--requests N`` (> --parallel): N requests, at most --parallel in flight, the next submitted
+as one ends (as benchmarks/serve_concurrency.py loads a server: 2C requests at concurrency C,
+its essay prompts with ``--prompts essay``), so sequences join and leave a running batch.
 """
 from __future__ import annotations
 
@@ -52,11 +57,21 @@ def prompts(n: int) -> list[list[dict]]:
     return out
 
 
-def run(engine, reqs) -> tuple[float, list, list]:
-    seqs = [engine.submit(r) for r in reqs]
+def essays(n: int) -> list[list[dict]]:
+    """benchmarks/serve_concurrency.py's prompts (chat: short essays)."""
+    from serve_concurrency import prompt
+    return [prompt(i) for i in range(n)]
+
+
+def run(engine, reqs, parallel: int | None = None) -> tuple[float, list, list]:
+    """Every request to its end, at most ``parallel`` in flight (None: all at once)."""
+    parallel = parallel or len(reqs)
+    seqs = [engine.submit(r) for r in reqs[:parallel]]
     t0 = time.perf_counter()
-    while not all(s.done for s in seqs):
+    while not all(s.done for s in seqs) or len(seqs) < len(reqs):
         engine.step()
+        while len(seqs) < len(reqs) and sum(not s.done for s in seqs) < parallel:
+            seqs.append(engine.submit(reqs[len(seqs)]))
     wall = time.perf_counter() - t0
     return wall, [list(s.result.token_ids) for s in seqs], [s.result.extra.get("spec") for s in seqs]
 
@@ -68,6 +83,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="plain,auto")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=None, help="requests in all (default --parallel)")
+    ap.add_argument("--prompts", choices=("eval", "essay"), default="eval")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", "benchmarks/results")) / "batch_spec.json"))
     a = ap.parse_args()
     modes = a.modes.split(",")
@@ -85,14 +102,14 @@ def main():
         engines[mode] = engine
     tok = source.tokenizer
     reqs = [GenerationRequest(tuple(tok.encode_chat(m)), max_tokens=a.max_tokens, ignore_eos=True)
-            for m in prompts(a.parallel)]
+            for m in (essays if a.prompts == "essay" else prompts)(a.requests or a.parallel)]
     for engine in engines.values():   # warm-up: kernels, and the sizers' exploration (a server's first requests)
-        run(engine, reqs)
+        run(engine, reqs, a.parallel)
     rounds = {m: [] for m in modes}
     tokens, spec = {}, {}
     for r in range(a.rounds):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-            wall, toks, sp = run(engines[mode], reqs)
+            wall, toks, sp = run(engines[mode], reqs, a.parallel)
             rounds[mode].append(sum(map(len, toks)) / wall)
             tokens.setdefault(mode, toks)
             spec[mode] = sp
@@ -109,7 +126,8 @@ def main():
                         "verify_steps": [s["steps"] for s in sp], "plain_steps": [s["plain_steps"] for s in sp],
                         "batch_sizer": bs.to_dict() if bs is not None else None})
         out[mode] = row
-    summary = {"device": a.device, "parallel": a.parallel, "max_tokens": a.max_tokens, "rounds": a.rounds,
+    summary = {"device": a.device, "parallel": a.parallel, "requests": len(reqs), "prompts": a.prompts,
+               "max_tokens": a.max_tokens, "rounds": a.rounds,
                "modes": out}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(summary, indent=2))
