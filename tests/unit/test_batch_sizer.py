@@ -87,6 +87,7 @@ def test_rows_cost_per_total_are_learned():
     assert set(s.cost) == {(2, 3), (2, 6), (3, 3)} and s.samples == {(2, 3): 2, (2, 6): 1, (3, 3): 1}
     assert abs(s.cost[(2, 6)] / s.cost[(2, 3)] - 1.9) < 0.15
     assert set(s.to_dict()["cost_ms"]) == {2, 3} and set(s.to_dict()["cost_ms"][2]) == {3, 6}
+    assert s.to_dict()["steps"] == {2: {3: 2, 6: 1}, 3: {3: 1}}
     s = _sizer(["a"])
     for _ in range(5):
         s.observe(4, 0.010, 4)
@@ -129,31 +130,6 @@ def test_remeasures_the_stalest_total_near_the_best_only():
     s.cost[(4, 4)], s.measured[(4, 6)] = 0.030, 10      # plain rows measured in a busy moment:
     s.steps = 29                                        # re-measured all the same (the stalest now)
     assert sum(s.choose(keys, [8] * 4)) == 4
-
-
-def test_remeasures_that_change_nothing_come_less_often():
-    """A useless draft on the CPU: re-measures of totals near the best keep finding plain rows
-    best, so they back off to every 8th chance (each is a step at a worse rate)."""
-    keys = ["a", "b", "c", "d"]
-    s = _sizer(keys, explore_every=24)
-    picks = simulate(s, keys, dict.fromkeys(keys, 0.0), cpu, steps=1200)
-    late = [sum(b) for b in picks[600:]]
-    assert late.count(4) >= len(late) - 4           # ~25 re-measures in 600 steps without the back-off
-    assert s.backoff[4] == 8
-
-
-def test_a_backed_off_remeasure_still_finds_a_draft_that_became_good():
-    """The draft is useless for a long while (re-measures backed off to every 8th chance),
-    then always right: the next re-measure observes it (a re-measure's verify learns the
-    acceptance too), the best total changes, and the sequences draft from then on."""
-    keys = ["a", "b"]
-    s = _sizer(keys, explore_every=24)
-    simulate(s, keys, {"a": 0.0, "b": 0.0}, cpu, steps=800)
-    assert s.backoff[2] == 8
-    late = [sum(b) for b in simulate(s, keys, {"a": 0.95, "b": 0.95}, cpu, steps=400)]
-    first = next(i for i, r in enumerate(late) if r > 2)
-    assert first <= 8 * 24 + 24                       # within one backed-off interval
-    assert sum(r > 2 for r in late[first + 30:]) >= 0.95 * len(late[first + 30:])
 
 
 def test_each_grant_adds_its_chance_to_the_expected_tokens():

@@ -22,8 +22,7 @@ median over the last few samples is that cost (a busy-machine spike is set aside
 speed is a moving average of seconds over the relative cost of the total measured. R = n (every block 1) is plain
 batched decoding, measured like the rest; larger totals are explored from the smallest up
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
-steps the stalest total within half the best rate (or plain rows) runs again, less often
-(down to every 8th chance) while those re-measures leave the best total as it was. Output does
+steps the stalest total within half the best rate (or plain rows) runs again. Output does
 not depend on the choice: every row verifies against the same target distribution.
 
 DDTree verifies are sized the same way: a tree of b nodes is b + 1 rows, and what each row
@@ -40,7 +39,6 @@ ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 WINDOW = 7  # step times per total whose median is its cost
 JUDGED = 3  # step times before a total is compared with the others
 SPEED_WINDOW = 5  # steps whose median is the machine's current speed
-MAX_BACKOFF = 8  # re-measure chances per re-measure at most, while re-measures change nothing
 
 
 class BatchSizer(StepCosts):
@@ -56,9 +54,6 @@ class BatchSizer(StepCosts):
     def reset(self) -> None:
         """Forget the measured step times (e.g. a warm-up's, which included compiles)."""
         self.steps = 0
-        self.backoff: dict[int, int] = {}       # sequences -> re-measure chances per re-measure
-        self.waited: dict[int, int] = {}        # sequences -> chances passed since the last
-        self.probes: dict[int, tuple] = {}      # sequences -> best key when it last re-measured
         self.reset_costs()
 
     def bucket(self, rows: int) -> int:
@@ -136,29 +131,14 @@ class BatchSizer(StepCosts):
                 return plan(r)
             break
         best = max(judged, key=judged.__getitem__)
-        probed = self.probes.pop(n, None)
-        if probed is not None:   # the last re-measure at n: did it change the best total?
-            self.backoff[n] = 1 if key[best] != probed else min(2 * self.backoff.get(n, 1), MAX_BACKOFF)
-        if self.steps % self.explore_every == self.explore_every - 1 and self._due(n):
+        if self.steps % self.explore_every == self.explore_every - 1:
             # re-measure the stalest total that a change of load or acceptance may make the
             # best (at least half the best rate; plain rows always): on a CPU with a weak
             # draft that is plain decoding or a row or two more, whose verify also observes
             # the acceptance again, not a costly total far behind
             near = [r for r in judged if judged[r] * 2 >= judged[best] or r == n]
-            self.probes[n] = key[best]
             return plan(min(near, key=lambda r: self.measured[key[r]]))
         return plan(best)
-
-    def _due(self, n: int) -> bool:
-        """Whether this re-measure chance at ``n`` sequences is taken: every one while
-        re-measures change the best total, every 2nd, 4th, up to ``MAX_BACKOFF``-th while
-        they do not (each costs a step at a worse rate: on a CPU with a weak draft, ~3% of
-        served throughput at 4 sequences when every chance was taken)."""
-        self.waited[n] = self.waited.get(n, 0) + 1
-        if self.waited[n] < self.backoff.get(n, 1):
-            return False
-        self.waited[n] = 0
-        return True
 
     def observe(self, rows: int, seconds: float, sequences: int = 1) -> None:
         """A batch step of ``sequences`` sequences and ``rows`` rows in all took ``seconds``
