@@ -4,8 +4,9 @@ its shipped draft, greedy, EOS ignored. With the draft, the running sequences' v
 go through one target forward (and their drafts through one draft pass); ``auto``: each
 sequence's block chosen by the batch sizer (a block of 1 is a plain row), a number: that
 block for every sequence; ``tree``: DDTree verify (--ddtree), each sequence's tree budget
-chosen by the batch sizer, ``treeN``: a tree of N nodes for every sequence. Without it, one
-batched decode row each. The modes take turns
+chosen by the batch sizer, ``treeN``: a tree of N nodes for every sequence; ``off``: the
+draft on with ``--batch-spec off`` (the CPU default: sequences decoding together take plain
+rows, each keeping its draft context). Without it (``plain``), one batched decode row each. The modes take turns
 round by round in rotating order (the VM's speed drifts), after one warm-up run each
 (kernels built, the sizers' exploration done, as on a server past its first requests);
 reports aggregate tok/s per mode (medians), each mode's median ratio to plain over the
@@ -13,7 +14,7 @@ rounds (run back to back, so the drift between rounds cancels), the draft's acce
 mean block, and whether every request's tokens equal the plain run's.
 
     python benchmarks/batch_spec.py [--parallel 4] [--max-tokens 128] [--rounds 3]
-                                    [--modes plain,auto,2,tree,tree8] [--device cpu] [--out FILE]
+                                    [--modes plain,auto,off,2,tree,tree8] [--device cpu] [--out FILE]
                                     [--requests N] [--prompts eval|essay]
 
 ``--requests N`` (> --parallel): N requests, at most --parallel in flight, the next submitted
@@ -96,7 +97,8 @@ def main():
         budget = int(mode[4:]) if tree and mode[4:] else None
         cfg = EngineConfig(device=a.device, parallel=str(a.parallel), draft=None if mode == "plain" else "default",
                            no_draft=mode == "plain", ddtree=tree, ddtree_budget=budget,
-                           block_size="auto" if mode in ("plain", "auto", "tree") else
+                           batch_spec="off" if mode == "off" else "on",
+                           block_size="auto" if mode in ("plain", "auto", "tree", "off") else
                            (int(mode) if not tree else 8))   # (treeN: a fixed budget, the draft's block of 8 deep)
         source, pipe, engine = load_engine(cfg, progress=False)
         engines[mode] = engine

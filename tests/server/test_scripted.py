@@ -246,11 +246,13 @@ def test_one_log_line_per_request(srv, oa, an, caplog):
 
 @pytest.fixture(scope="module")
 def paced(tmp_path_factory):
-    """The scripted engine at a decode's pace (a token every 10 ms), so tokens reach the
-    client in separate steps as a real model's do."""
+    """The scripted engine at a slow decode's pace (a token every 40 ms), so tokens reach the
+    client in separate steps as a real model's do. (At 10 ms a loaded CI machine's event loop
+    fell behind and sent the Anthropic arguments as one coalesced burst, as the server does
+    with the tokens of one speculative step: Job.next_batch.)"""
     from .scripted import ScriptedEngine, ThreadServer, qwen35_tokenizer
 
-    s = ThreadServer(ScriptedEngine(qwen35_tokenizer(tmp_path_factory), SCRIPTS, delay_s=0.01))
+    s = ThreadServer(ScriptedEngine(qwen35_tokenizer(tmp_path_factory), SCRIPTS, delay_s=0.04))
     yield official_clients(s.url)
     s.stop()
 

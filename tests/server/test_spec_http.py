@@ -22,7 +22,7 @@ def test_draft_server_equals_plain_and_reports_stats(tiny_dir, llama_server, tmp
     # with a draft vocabulary (every third token id)
     save_file({**DFlashDraft.random_tensors(cfg, 0, 0.05), "vocab_ids": torch.arange(0, 49152, 3)},
               str(tmp_path / "model.safetensors"))
-    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path))
+    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path), "--batch-spec", "on")
     try:
         body = {"model": "tiny", "max_tokens": 40, "temperature": 0,
                 "messages": [{"role": "user", "content": "Count from one to twenty in words."}]}
@@ -65,7 +65,8 @@ def test_ddtree_server_with_slots_equals_plain(tiny_dir, llama_server, tmp_path)
                       head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1, 2), num_target_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     save_file(DFlashDraft.random_tensors(cfg, 1, 0.05), str(tmp_path / "model.safetensors"))
-    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path), "--ddtree-budget", "6", "--parallel", "3")
+    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path), "--ddtree-budget", "6", "--parallel", "3",
+                     "--batch-spec", "on")
     try:
         props = httpx.get(srv.url + "/props").json()["speculative"]
         assert props["ddtree"] == {"budget": 6, "active": True} and props["batch_verify"] is True
@@ -92,6 +93,40 @@ def test_ddtree_server_with_slots_equals_plain(tiny_dir, llama_server, tmp_path)
         tree_steps = next(float(line.split()[-1]) for line in metrics.splitlines()
                           if line.startswith("dflash_spec_tree_steps_total"))
         assert tree_steps > 0
+        rows = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("dflash_engine_batch_size_")}
+        assert rows["dflash_engine_batch_size_sum"] > rows["dflash_engine_batch_size_count"]   # steps of several rows
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_on_a_cpu_sequences_decoding_together_take_plain_rows(tiny_dir, llama_server, tmp_path):
+    """--batch-spec auto (the default) on a CPU target: several running sequences decode plain
+    rows in one forward (no batched verify: /props says so), each feeding its draft context,
+    and a request running alone still speculates; every answer equals the plain server's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = DraftConfig(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=4, mask_token_id=5, target_layer_ids=(1, 2), num_target_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(DFlashDraft.random_tensors(cfg, 2, 0.05), str(tmp_path / "model.safetensors"))
+    srv = start_tiny(tiny_dir, "llama", "--draft", str(tmp_path), "--parallel", "3")
+    try:
+        props = httpx.get(srv.url + "/props").json()["speculative"]
+        assert props["enabled"] and props["batch_verify"] is False
+        bodies = [{"model": "tiny", "max_tokens": 24, "temperature": 0,
+                   "messages": [{"role": "user", "content": f"Tell me about the number {i}."}]} for i in range(4)]
+
+        def ask(url, body):
+            return httpx.post(url + "/v1/chat/completions", timeout=120, json=body).json()
+
+        want = [ask(llama_server.url, b)["choices"][0]["message"]["content"] for b in bodies]
+        alone = ask(srv.url, bodies[0])
+        assert alone["choices"][0]["message"]["content"] == want[0] and alone["timings"]["spec"]["steps"] > 0
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda b: ask(srv.url, b)["choices"][0]["message"]["content"], bodies))
+        assert got == want
+        metrics = httpx.get(srv.url + "/metrics").text
         rows = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("dflash_engine_batch_size_")}
         assert rows["dflash_engine_batch_size_sum"] > rows["dflash_engine_batch_size_count"]   # steps of several rows

@@ -195,3 +195,25 @@ def test_tree_budgets_in_a_batch():
     assert sum(sum(b) for b in late) / 50 > 8                 # trees of several nodes each
     late = simulate_trees(_tree_sizer(keys), keys, {"a": useless, "b": useless}, cpu)[-50:]
     assert sum(1 for b in late if b == [0, 0]) >= 40          # plain rows
+
+
+def test_a_change_of_batch_size_does_not_carry_one_tables_errors_into_another():
+    """Each sequence count keeps its own unit: 4 sequences' table (8 rows 1.5x 4 rows), then
+    sequences leave and join again and again while the machine's speed jumps at each change
+    (3 sequences' steps run in slow minutes, 4 sequences' in fast ones). The first step
+    after a change is compared with nothing measured at its own batch size, so it is not a
+    sample, and 4 sequences' ratio stays what the machine gives."""
+    s = _sizer(["a"])
+    for _ in range(5):
+        s.observe(4, 0.010, 4)
+    for _ in range(5):
+        s.observe(8, 0.015, 4)
+    for i in range(8):
+        slow = 3.0 if i % 2 == 0 else 1.0
+        for _ in range(4):
+            s.observe(3, 0.009 * slow, 3)             # 3 sequences, in a slow (or fast) minute
+        s.observe(8, 0.015 * (4 - slow), 4)           # back to 4: the speed has jumped
+        s.observe(8, 0.015 * (4 - slow), 4)
+        s.observe(4, 0.010 * (4 - slow), 4)           # a re-measure of plain rows, paired
+        s.observe(8, 0.015 * (4 - slow), 4)
+    assert abs(s.cost[(4, 8)] / s.cost[(4, 4)] - 1.5) < 0.1

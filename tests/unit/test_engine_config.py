@@ -34,6 +34,11 @@ def test_flags_reach_the_config_and_it_is_frozen():
     assert EngineConfig(no_draft=True).lookup_depth() == 0 and EngineConfig(lookup=0).lookup_depth() == 0
     assert EngineConfig.from_args(parsed("--draft", "default", "--lookup", "0")).lookup_depth() == 0
     assert EngineConfig.from_args(parsed("--lookup", "7")).lookup_depth(cpu=False) == 7
+    # batched verify: auto is off on an all-CPU target, on elsewhere; on / off as given
+    assert [EngineConfig().batch_speculation(cpu) for cpu in (True, False)] == [False, True]
+    for flag, want in (("on", True), ("off", False)):
+        cfg2 = EngineConfig.from_args(parsed("--batch-spec", flag))
+        assert cfg2.batch_spec == flag and cfg2.batch_speculation(True) is want is cfg2.batch_speculation(False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk = 7
     assert cfg.shipped_draft_by_default(True, True) is False                     # (--draft given)
@@ -62,6 +67,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     ({"lookup": -1, "draft": "default"}, "--lookup"), ({"lookup": 17, "draft": "default"}, "--lookup"),
     ({"lookup": True, "draft": "default"}, "--lookup"), ({"lookup": "5", "draft": "default"}, "--lookup"),
     ({"lookup": 2.5, "draft": "default"}, "--lookup"), ({"lookup": 3, "draft": "default", "ddtree": True}, "--lookup"),
+    ({"batch_spec": "maybe"}, "--batch-spec"), ({"batch_spec": True}, "--batch-spec"), ({"batch_spec": None}, "--batch-spec"),
 ])
 def test_bad_values_are_refused_naming_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):

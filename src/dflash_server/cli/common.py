@@ -160,6 +160,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "copied from after their earlier occurrence (0-16, 0: off; default 5 beside a --draft, "
                         "and alone, without a draft model, on a CPU target; off with --no-draft, --ddtree, or "
                         "alone on a GPU)")
+    d.add_argument("--batch-spec", default="auto", choices=["auto", "on", "off"],
+                   help="several sequences decoding together verify their draft blocks in one forward, "
+                        "sized by the batch sizer (on), or decode plain rows in one forward while each keeps "
+                        "its draft context and speculates when it runs alone (off); auto (default): on unless "
+                        "the target runs on CPUs only (measured there: plain rows pay better at 2-4 streams)")
     d.add_argument("--no-draft", action="store_true",
                    help="plain autoregressive decoding: no draft, and no prompt lookup unless --lookup N")
     f = p.add_argument_group("prefill compression (PFlash)")
@@ -292,7 +297,7 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
                       file=sys.stderr)
     lookup = cfg.lookup_depth(cpu=kinds == {"cpu"})
     if draft_path:
-        proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0])
+        proposer = load_proposer(cfg, pipeline, dtype, draft_path, quantize[0], cpu=kinds == {"cpu"})
     elif lookup:   # prompt lookup alone: no draft model
         from ..spec.lookup import LookupProposer
 
@@ -619,8 +624,9 @@ def draft_quantize(layer_mode: str, device: str) -> str:
     return "int8" if layer_mode != "dense" and device.removeprefix("remote:").split(":")[0] == "cpu" else "dense"
 
 
-def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "dense"):
-    """Load the DFlash draft at ``path`` and wrap it for the pipeline (UserError if unfit)."""
+def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "dense", cpu: bool = False):
+    """Load the DFlash draft at ``path`` and wrap it for the pipeline (UserError if unfit);
+    ``cpu``: the target's stages are all on CPUs (``EngineConfig.batch_speculation``)."""
     from ..spec.draft import DFlashDraft
     from ..spec.proposer import DFlashProposer
 
@@ -636,6 +642,6 @@ def load_proposer(cfg: EngineConfig, pipeline, dtype, path, layer_mode: str = "d
             raise ValueError("--block-size must be >= 2 or auto")
         budget = cfg.ddtree_budget or (DEFAULT_TREE_BUDGET if cfg.ddtree else 0)
         return DFlashProposer(draft, pipeline, block_size=None if auto else cfg.block_size, adaptive=auto,
-                              tree_budget=budget, lookup=cfg.lookup_depth())
+                              tree_budget=budget, lookup=cfg.lookup_depth(), batched=cfg.batch_speculation(cpu))
     except (ValueError, OSError) as e:
         raise UserError(f"draft {path}: {e}") from None

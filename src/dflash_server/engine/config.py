@@ -90,6 +90,7 @@ class EngineConfig:
     ddtree: bool = False
     ddtree_budget: int | None = None
     lookup: int | None = None  # prompt-lookup drafts a step (spec.lookup); None: see lookup_depth()
+    batch_spec: str = "auto"   # several sequences verify drafts in one forward: auto | on | off (batch_speculation())
     no_draft: bool = False
     # prefill compression (PFlash)
     prefill_compression: str = "off"
@@ -151,6 +152,8 @@ class EngineConfig:
         if self.lookup is not None and (isinstance(self.lookup, bool) or not isinstance(self.lookup, int)
                                         or not 0 <= self.lookup <= LOOKUP_MAX):
             raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
+        if self.batch_spec not in ("auto", "on", "off"):
+            raise ValueError(f"--batch-spec must be auto, on or off, got {self.batch_spec!r}")
         if self.lookup and (self.ddtree or self.ddtree_budget):
             raise ValueError("--lookup drafts chains; --ddtree verifies trees: give one of them (--lookup 0 "
                              "with --ddtree)")
@@ -178,6 +181,17 @@ class EngineConfig:
         benchmarks/spec.py, beside prompt lookup), unless --no-draft or --compile (whose verify
         blocks would compile a graph per block size). Elsewhere only --draft turns a draft on."""
         return builtin and cpu and self.draft is None and not self.no_draft and not self.compile
+
+    def batch_speculation(self, cpu: bool) -> bool:
+        """Whether several sequences decoding together verify their drafts in one forward
+        (blocks sized by the batch sizer) rather than decode plain rows, each keeping its
+        draft context and speculating when it runs alone: --batch-spec on / off; auto: on
+        unless the target's stages are all on CPUs (``cpu``), where no measurement found
+        batched verify paying at 2-4 streams with the shipped draft (0.84-0.98x of plain rows,
+        benchmarks/batch_spec.py, 2026-11-27..12-03: a plain row there costs ~4.7 ms of a
+        4-row step, a drafted token ~5 ms) and the batch sizer's cost estimates on a noisy VM
+        cost up to 16% by choosing verify blocks that do not pay."""
+        return self.batch_spec == "on" or (self.batch_spec == "auto" and not cpu)
 
     def lookup_depth(self, cpu: bool = True) -> int:
         """Prompt-lookup drafts a step: --lookup, else 5, with a draft or alone on a target

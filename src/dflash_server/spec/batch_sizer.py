@@ -147,37 +147,50 @@ class BatchSizer(StepCosts):
         self.measure((sequences, self.bucket(rows)), seconds)
 
     def measure(self, key: tuple[int, int], seconds: float) -> None:
-        """One step of ``key`` (sequences, rows bucket). The machine's speed (seconds per unit
-        of relative cost) is the median of the last ``SPEED_WINDOW`` steps' seconds over their
-        key's relative cost, so it follows a change of load within a few steps while a single
-        busy-machine spike is set aside. A key's relative cost is the median of its last
-        ``WINDOW`` samples, each a step's seconds over the speed that the steps before its run
-        of that key left: every step of its first run (until judged, ``JUDGED`` steps; a first
+        """One step of ``key`` (sequences n, rows bucket). Totals are only ever compared at
+        the same n, so each n keeps its own unit: its speed (seconds per unit of relative
+        cost) is the median of the last ``SPEED_WINDOW`` steps at n of seconds over their
+        key's relative cost, following a change of load within a few steps while a single
+        busy-machine spike is set aside; only steps since n last changed count (the batch
+        size changes when the load does). A key's relative cost is the median of its last
+        ``WINDOW`` samples, each a step's seconds over the speed at n that the steps before
+        its run left: every step of its first run (until judged, ``JUDGED`` steps; a first
         step may carry a one-off cost, which the median sets aside), then the first step of
-        each later run (a re-measure, or the batch changing). Within a run only the speed
-        moves: a run of one key cannot tell a change of load from a change of its own cost,
-        while a step right after other keys' steps compares the two at one speed."""
+        each later run that follows a step at the same n (a re-measure right after the best
+        total's steps, or the best total right after one: a pair measured at one speed).
+        A run that starts after steps at another n (a sequence joined or left) is no such
+        pair: its reference speed is from before, so it is not sampled. Within a run only
+        the speed moves: a run of one key cannot tell a change of load from a change of its
+        own cost. (One unit for all n chained the sequence counts' errors into each other.)"""
+        n = key[0]
+        paired = self.last_n == n
+        if not paired:            # the speed at n is what the steps since n last changed say
+            self.speeds[n] = []
         run_start = key != self.last_key
         if run_start:
-            self.run_speed = self.speed if self.speed is not None else seconds
+            self.run_speed = self.speed[n] if paired else (self.speed.get(n) or seconds)
             self.last_key = key
-        if run_start or self.samples.get(key, 0) < JUDGED:
+        first_run = self.samples.get(key, 0) < JUDGED
+        if (run_start and paired) or first_run or key not in self.rel:
             window = self.recent.setdefault(key, [])
             window.append(seconds / self.run_speed)
             del window[:-WINDOW]
             self.rel[key] = sorted(window)[len(window) // 2]
-        self.speeds.append(seconds / self.rel[key])
-        del self.speeds[:-SPEED_WINDOW]
-        self.speed = sorted(self.speeds)[len(self.speeds) // 2]
-        self.cost = {k: r * self.speed for k, r in self.rel.items()}
+        speeds = self.speeds.setdefault(n, [])
+        speeds.append(seconds / self.rel[key])
+        del speeds[:-SPEED_WINDOW]
+        self.speed[n] = sorted(speeds)[len(speeds) // 2]
+        self.cost = {k: r * self.speed[k[0]] for k, r in self.rel.items() if k[0] in self.speed}
         self.measured[key] = self.steps
         self.samples[key] = self.samples.get(key, 0) + 1
+        self.last_n = n
 
     def reset_costs(self) -> None:
         super().reset_costs()
+        self.speed: dict[int, float] = {}             # sequences -> seconds per unit of relative cost
         self.recent: dict[tuple[int, int], list[float]] = {}
-        self.speeds: list[float] = []
-        self.last_key, self.run_speed = None, None
+        self.speeds: dict[int, list[float]] = {}
+        self.last_key, self.run_speed, self.last_n = None, None, None
 
     def to_dict(self) -> dict:
         """``cost_ms``: {sequences: {rows: ms per step now}}; ``steps``: {sequences: {rows:

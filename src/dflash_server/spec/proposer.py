@@ -46,7 +46,8 @@ class DFlashProposer:
     method = "dflash"
 
     def __init__(self, draft: DFlashDraft, pipeline, block_size: int | None = None, fast_head: bool | None = None,
-                 adaptive: bool = False, sampled_verify: str = "auto", tree_budget: int = 0, lookup: int = 0):
+                 adaptive: bool = False, sampled_verify: str = "auto", tree_budget: int = 0, lookup: int = 0,
+                 batched: bool = True):
         """``block_size``: verify block (default: the trained one); with ``adaptive`` the
         largest one, and each step picks the block expected to commit the most tokens per
         second (``BlockSizer``; 1 = a plain decode step).
@@ -59,8 +60,11 @@ class DFlashProposer:
         always gets its own head, made of those rows only (int4 where ``fast_head``).
         ``lookup`` > 0: where the context repeats its last few tokens, a step verifies up to
         that many tokens copied from the earlier occurrence instead of drafting
-        (spec.lookup; chains only, not DDTrees)."""
+        (spec.lookup; chains only, not DDTrees). ``batched``: several running sequences
+        verify their blocks in one forward where the stages can (``batch_verify``); else
+        they decode plain rows together, each feeding its draft context."""
         cfg = pipeline.config
+        self.batched = batched
         draft.check_target(cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
         trained = draft.cfg.block_size
         self.block_size = block_size or min(trained, MAX_VERIFY_ROWS)   # (a draft trained on longer blocks)
@@ -296,8 +300,8 @@ class DFlashProposer:
     def batch_verify(self, pipeline) -> bool:
         """Whether several running sequences verify their blocks (or trees) in one target
         forward: the stages take a slot's rows together (KV Flash pools: a forward per slot),
-        and its tree where steps verify DDTrees."""
-        return pipeline.supports_ragged and (not self.uses_tree(pipeline) or pipeline.supports_tree_rows)
+        and its tree where steps verify DDTrees; not where ``batched`` is off."""
+        return self.batched and pipeline.supports_ragged and (not self.uses_tree(pipeline) or pipeline.supports_tree_rows)
 
     @torch.inference_mode()
     def propose_tree(self, anchor: int, start: int, block: int, budget: int) -> DraftTree:
