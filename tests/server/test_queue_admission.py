@@ -12,12 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_server.engine.generate import GenerationRequest
+from dflash_server.engine.generate import GenerationRequest, GenerationResult
 from dflash_server.server.scheduler import QueueFull, Scheduler
 
 
 class BlockedEngine:
-    """Two slots; ``step`` waits on ``release`` (a long prefill step)."""
+    """Two slots; ``step`` waits on ``release`` (a long prefill step), then ends the cancelled
+    sequences as the real engine does (a fake that never ended them kept the scheduler's
+    worker stepping after ``close``: a daemon thread spinning for the rest of the test
+    process, whose GIL contention made later tests of the same xdist worker ~400x slower)."""
 
     def __init__(self, lanes: int = 2):
         self.lanes, self.seqs = lanes, []
@@ -33,14 +36,19 @@ class BlockedEngine:
         return bool(self.seqs)
 
     def submit(self, req, on_event=None, cancelled=None, tag=None):
-        seq = SimpleNamespace(tag=tag, lane=None, t_start=None, error=None, result=None)
+        seq = SimpleNamespace(tag=tag, lane=None, t_start=None, error=None, result=None, cancelled=cancelled,
+                              prompt=len(req.prompt_ids))
         self.seqs.append(seq)
         return seq
 
     def step(self):
         self.in_step.set()
         self.release.wait(10)
-        return []
+        ended = [s for s in self.seqs if s.cancelled is not None and s.cancelled()]
+        for s in ended:
+            s.result = GenerationResult([], "", "cancelled", s.prompt)
+        self.seqs = [s for s in self.seqs if s not in ended]
+        return ended
 
     def abort(self, e):
         out, self.seqs = self.seqs, []
@@ -72,3 +80,4 @@ def test_jobs_being_handed_over_count_against_slots_plus_queue():
     finally:
         engine.release.set()
         sched.close(cancel_running=True, timeout=5)
+    assert not sched.worker_alive           # the worker ended: nothing left stepping

@@ -217,6 +217,8 @@ def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     alone = json.loads(alone.stdout)
     assert alone["token_ids"] == plain["token_ids"] and alone["spec"]["block_size"] == 1
     assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--ddtree", "--lookup", "3"), "lookup")
+    for bad in ("maybe", "", "ON"):
+        assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--batch-spec", bad), "batch-spec")
 
 
 def test_bad_draft_gives_clean_error(tiny_dir, tmp_path):

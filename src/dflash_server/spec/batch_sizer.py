@@ -19,7 +19,8 @@ cheap VM's speed moves by 1.5x within a minute, the chosen total is measured eve
 the others now and then, so raw seconds would compare a fast minute with a slow one. Each
 step's seconds over the current speed is one sample of its total's relative cost, whose
 median over the last few samples is that cost (a busy-machine spike is set aside); the
-speed is a moving average of seconds over the relative cost of the total measured. R = n (every block 1) is plain
+speed, kept per sequence count (totals are only compared at one n), is the median of the
+last few steps' seconds over their totals' relative costs. R = n (every block 1) is plain
 batched decoding, measured like the rest; larger totals are explored from the smallest up
 while they may pay (as ``BlockSizer`` explores block sizes), and every ``explore_every``
 steps the stalest total within half the best rate (or plain rows) runs again. Output does
