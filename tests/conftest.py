@@ -24,6 +24,37 @@ def _native_kernels_built():
     kernels.load()
 
 
+def _thread_cpu_s(native_id: int) -> float | None:
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_thread_left_spinning():
+    """After each test module (its own fixtures torn down first): no Python thread it
+    started may still burn CPU. A fake engine that never ended its sequences once left a
+    scheduler's daemon worker stepping for the rest of an xdist worker, whose GIL contention
+    made later tests there ~400x slower (tests/server/test_queue_admission.py). Linux only
+    (/proc); a thread busy for more than half of 0.3 s fails the module."""
+    import threading
+    import time
+
+    yield
+    if not os.path.isdir("/proc/self/task"):
+        return
+    threads = [t for t in threading.enumerate() if t is not threading.main_thread() and t.native_id]
+    before = {t: _thread_cpu_s(t.native_id) for t in threads}
+    time.sleep(0.3)
+    busy = [f"{t.name} ({after - before[t]:.2f} s)" for t in threads
+            if before[t] is not None and (after := _thread_cpu_s(t.native_id)) is not None
+            and t.is_alive() and after - before[t] > 0.15]
+    assert not busy, f"threads left spinning after this module: {busy}"
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Cached tiny model directories: tiny_dir("llama") -> Path."""
