@@ -655,6 +655,16 @@ def test_one_draft_pass_for_several_sequences(tiny_dir, sliding, quantize):
     assert draft._native_layers is native
 
 
+def _two_layer_draft(c):
+    """A seeded 2-layer draft (config, tensors) tapping layers 0 and 1 of the target config ``c``."""
+    from dflash_server.spec.config import DraftConfig
+    from dflash_server.spec.draft import DFlashDraft
+
+    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1), num_target_layers=c.num_layers)
+    return cfg, DFlashDraft.random_tensors(cfg, 3, 0.05)
+
+
 @pytest.mark.parametrize("quantize", ["dense", "int8"])
 def test_deferred_contexts_of_several_slots_append_in_one_call(tiny_dir, quantize):
     """``draft_ahead`` first appends every drafting slot's deferred context (features of
@@ -662,15 +672,12 @@ def test_deferred_contexts_of_several_slots_append_in_one_call(tiny_dir, quantiz
     context K/V equal what its own ``append_context`` writes (bit for bit with native int8
     linears, to fp32 rounding dense), lengths follow, slots without pending features are
     untouched, the selected slot stays selected; and hostile starts are refused."""
-    from dflash_server.spec.config import DraftConfig
     from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
 
     pipe = _pipe(tiny_dir("llama"), 4)
     c = pipe.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1), num_target_layers=c.num_layers)
-    tensors = DFlashDraft.random_tensors(cfg, 3, 0.05)
+    cfg, tensors = _two_layer_draft(c)
     g = torch.Generator().manual_seed(2)
     feats = {lane: {t: torch.randn(1, n, c.hidden_size, generator=g) for t in (0, 1)}
              for lane, n in ((0, 12), (1, 7), (2, 20), (3, 5))}
@@ -714,7 +721,6 @@ def test_native_draft_pass_matches_the_torch_pass(tiny_dir):
     in ``dflash::attention_step``): the same hidden states and logits as the per-op pass to
     rounding, the same proposals; the context's length is unchanged and a longer context
     appended over the rows the block wrote gives what a fresh draft gives."""
-    from dflash_server.spec.config import DraftConfig
     from dflash_server.spec.draft import DFlashDraft
     from dflash_server.spec.proposer import DFlashProposer
 
@@ -722,9 +728,7 @@ def test_native_draft_pass_matches_the_torch_pass(tiny_dir):
         pytest.skip("no native kernels on this machine")
     pipe = _pipe(tiny_dir("llama"), 1)
     c = pipe.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, block_size=6, mask_token_id=5, target_layer_ids=(0, 1), num_target_layers=c.num_layers)
-    tensors = DFlashDraft.random_tensors(cfg, 3, 0.05)
+    cfg, tensors = _two_layer_draft(c)
     g = torch.Generator().manual_seed(1)
     feats = {t: torch.randn(1, 30, c.hidden_size, generator=g) for t in (0, 1)}
     props = []
