@@ -76,6 +76,36 @@ def test_matches_fp64_reference(qname, n, k):
         assert ((y - x.double() @ deq.T).abs().max() / mag).item() < 1e-2  # int8 activations vs exact
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qname, n, k", [("Q4_1", 96, 576), ("Q8_0", 64, 96), ("Q6_K", 40, 256), ("Q4_0", 13, 64)])
+def test_residual_add_in_the_store_is_the_aten_add(dtype, qname, n, k):
+    """qmm_add(x, w, ..., r) == r + qmm(x, w, ...) bit for bit (the product rounded to the
+    dtype, then one rounded sum, as aten adds), for 1..64 rows, non-finite residuals included
+    (NaN where aten gives NaN);
+    an N that is no multiple of 8 (13) and a residual of another dtype take the unfused form."""
+    _, rows = gguf_rows(qname, n, k, seed=n)
+    qtype, packed = kernels.repack(rows, k)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for m in (1, 3, 8, 17, 64):
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(1, m, k, generator=g).to(dtype)
+        r = (torch.randn(1, m, n, generator=g) * 30).to(dtype)
+        r[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0]).to(dtype)
+        got = torch.ops.dflash.qmm_add(x, packed, qtype, n, k, r)
+        want = r + torch.ops.dflash.qmm(x, packed, qtype, n, k)
+        assert got.shape == want.shape == (1, m, n) and got.dtype == dtype
+        nan = torch.isnan(want)  # (aten's vectorized bf16 rounding writes NaN as 0xFFFF, c10's as 0x7FC0)
+        assert torch.equal(torch.isnan(got), nan) and nan.any()
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), (qname, dtype, m)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    x = torch.randn(4, k).to(dtype)
+    r = torch.randn(4, n).to(other)
+    assert torch.equal(torch.ops.dflash.qmm_add(x, packed, qtype, n, k, r),
+                       r + torch.ops.dflash.qmm(x, packed, qtype, n, k))
+    with pytest.raises(RuntimeError):  # a residual of the wrong size
+        torch.ops.dflash.qmm_add(x, packed, qtype, n, k, torch.randn(4, n + 1).to(dtype))
+
+
 @pytest.mark.parametrize("qname", TYPES + K_TYPES)
 def test_rows_are_invariant_and_paths_identical(qname):
     n, k = 67, 768
@@ -330,6 +360,8 @@ def test_silu_mul_matches_and_paths_give_the_same_bits(dtype, inter):
     assert torch.equal(y.view(bits), torch.ops.dflash.silu_mul(h, inter, portable=True).view(bits))
     assert torch.equal(torch.cat([torch.ops.dflash.silu_mul(h[i:i + 1], inter) for i in range(5)]).view(bits),
                        y.view(bits))
+    many = h.repeat(4, 1)  # 20 rows: chunks over threads (as a long prefill's), each row as alone
+    assert torch.equal(torch.ops.dflash.silu_mul(many, inter).view(bits), y.repeat(4, 1).view(bits))
     gd, ud = h[:, :inter].double(), h[:, inter:].double()
     ref = torch.nn.functional.silu(gd) * ud
     ok = torch.isfinite(ref)

@@ -180,6 +180,10 @@ def _register_fakes() -> None:
     def _qmm_fake(x, w, qtype, n, k, isa=-1):
         return x.new_empty((*x.shape[:-1], n))
 
+    @torch.library.register_fake("dflash::qmm_add")
+    def _qmm_add_fake(x, w, qtype, n, k, residual):
+        return x.new_empty((*x.shape[:-1], n))
+
     @torch.library.register_fake("dflash::rms_norm")
     def _rms_norm_fake(x, w, eps, portable=False):
         return x.new_empty(x.shape)  # contiguous, as the op returns

@@ -2,7 +2,8 @@
 // block in one call, for the native path: the same ops in the same order as the Python
 // layer (RMSNorm, QKV qmm, attention_step, O qmm, residual add, RMSNorm, gate/up qmm,
 // silu_mul, down qmm, residual add), so its result is bit-identical to it; what it
-// saves is ~12 Python-level op calls per layer and token (~40 us on the dev CPU).
+// saves is ~12 Python-level op calls per layer and token (~40 us on the dev CPU). The residual
+// adds happen in the O and down matmuls' stores (qmm_add: the same roundings as aten's add).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -26,9 +27,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
   auto qkv = qmm_op(dflash::rms_norm_op(x, n1, eps1), qkv_w, qkv_t, qkv_n, hidden, -1);
   auto a = dflash::attention_step_op(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm,
                                      norm_eps, gated, tree);
-  auto x1 = x + qmm_op(a, o_w, o_t, hidden, attn, -1);
+  auto x1 = dflash::qmm_add_op(a, o_w, o_t, hidden, attn, x);  // x + O(a), as one op
   auto gu = qmm_op(dflash::rms_norm_op(x1, n2, eps2), gu_w, gu_t, 2 * inter, hidden, -1);
-  return x1 + qmm_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, -1);
+  return dflash::qmm_add_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, x1);
 }
 
 // The same layer over decode rows of several sequences (row b: the sequence in KV-bank lane
@@ -49,9 +50,9 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
   auto qkv = qmm_op(dflash::rms_norm_op(x, n1, eps1), qkv_w, qkv_t, qkv_n, hidden, -1);
   auto a = dflash::attention_rows_op(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, false, q_norm,
                                      k_norm, norm_eps, gated, tree);
-  auto x1 = x + qmm_op(a, o_w, o_t, hidden, attn, -1);
+  auto x1 = dflash::qmm_add_op(a, o_w, o_t, hidden, attn, x);  // x + O(a), as one op
   auto gu = qmm_op(dflash::rms_norm_op(x1, n2, eps2), gu_w, gu_t, 2 * inter, hidden, -1);
-  return x1 + qmm_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, -1);
+  return dflash::qmm_add_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, x1);
 }
 
 // A stack of such layers in one call: what a decode step or verify block of the layers of a

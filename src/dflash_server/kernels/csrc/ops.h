@@ -5,6 +5,9 @@
 
 namespace dflash {
 at::Tensor qmm_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa);
+// residual + qmm_op(x, ...) in one pass (the product rounded to x's dtype, then one rounded sum)
+at::Tensor qmm_add_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
+                      const at::Tensor& residual);
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul_op(const at::Tensor& h, int64_t inter);
 at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,

@@ -229,6 +229,15 @@ DFLASH_TARGET_AVX2 inline void store8_bf16(const float* src, c10::BFloat16* dst)
   dflash::simd::store8(_mm256_loadu_ps(src), dst);
 }
 
+// dst = res + bf16(src) for 8 values, as aten's bf16 add of the rounded product computes it:
+// both operands as fp32, one sum, rounded once to bf16 (so a fused residual gives the bits of
+// ``x + qmm(...)``)
+DFLASH_TARGET_AVX2 inline void store8_bf16_add(const float* src, const c10::BFloat16* res, c10::BFloat16* dst) {
+  alignas(16) c10::BFloat16 y[8];
+  dflash::simd::store8(_mm256_loadu_ps(src), y);
+  dflash::simd::store8(_mm256_add_ps(dflash::simd::load8(res), dflash::simd::load8(y)), dst);
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s,
                    int32_t* s_lo, bool vector) {
@@ -950,12 +959,18 @@ void check_args(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k) {
               "dflash::qmm: weights of shape ", w.sizes(), " do not hold ", n, " rows of ", k, " values");
 }
 
-// y (M, N) = x (M, K) @ dequant(w)^T; x fp32 / bf16 / fp16, y in x's dtype
+// y (M, N) = x (M, K) @ dequant(w)^T; x fp32 / bf16 / fp16, y in x's dtype. With a residual
+// (x's dtype, M x N values): y = residual + that product, the product rounded to y's dtype
+// first and the sum rounded once, as ``residual + qmm(x, ...)`` computes it, so a decoder
+// layer's residual adds cost no op of their own (no allocation, no aten add).
 at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
-               int64_t isa_override) {
+               int64_t isa_override, const at::Tensor* residual_in = nullptr) {
   check_args(w, qtype, n, k);
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1 && x_in.size(-1) == k,
               "dflash::qmm: x must be (..., ", k, ") on the CPU");
+  if (residual_in != nullptr && (n % NR != 0 || residual_in->scalar_type() != x_in.scalar_type() ||
+                                 !residual_in->device().is_cpu() || residual_in->numel() != x_in.numel() / k * n))
+    return *residual_in + qmm(x_in, w, qtype, n, k, isa_override);  // (odd N: y is an fp32 tile first)
   // another path may be asked for (tests compare them); never one the CPU lacks
   TORCH_CHECK(isa_override < 5, "dflash::qmm: unknown isa ", isa_override);
   const Isa isa = isa_override < 0 ? active_isa : static_cast<Isa>(isa_override);
@@ -986,29 +1001,50 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   auto y = at::empty({m_rows, direct ? n : ng * NR}, x.options().dtype(direct ? x.scalar_type() : at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ystride = y.size(1);
-  // a group's (rows, 8) tile into y, in y's dtype
-  auto store = [&y, ystride, vec](const float* tile, int64_t m0, int64_t rows, int64_t col) {
+  at::Tensor residual;  // (direct only: y and the residual share the dtype and the (M, N) layout)
+  if (residual_in != nullptr) residual = residual_in->contiguous();
+  const void* res = residual.defined() ? residual.data_ptr() : nullptr;
+  // a group's (rows, 8) tile into y, in y's dtype (plus the residual's values there)
+  auto store = [&y, ystride, vec, res](const float* tile, int64_t m0, int64_t rows, int64_t col) {
     switch (y.scalar_type()) {
       case at::kBFloat16: {
         auto* p = y.data_ptr<c10::BFloat16>();
+        const auto* rp = static_cast<const c10::BFloat16*>(res);
         for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (m0 + r) * ystride + col;
           if (vec) {
-            store8_bf16(tile + r * NR, p + (m0 + r) * ystride + col);
+            if (rp) store8_bf16_add(tile + r * NR, rp + at, p + at);
+            else store8_bf16(tile + r * NR, p + at);
             continue;
           }
-          for (int i = 0; i < NR; ++i) p[(m0 + r) * ystride + col + i] = c10::BFloat16(tile[r * NR + i]);
+          for (int i = 0; i < NR; ++i)
+            p[at + i] = rp ? c10::BFloat16(static_cast<float>(rp[at + i]) +
+                                           static_cast<float>(c10::BFloat16(tile[r * NR + i])))
+                           : c10::BFloat16(tile[r * NR + i]);
         }
         break;
       }
       case at::kHalf: {
         auto* p = y.data_ptr<c10::Half>();
+        const auto* rp = static_cast<const c10::Half*>(res);
         for (int64_t r = 0; r < rows; ++r)
-          for (int i = 0; i < NR; ++i) p[(m0 + r) * ystride + col + i] = c10::Half(tile[r * NR + i]);
+          for (int i = 0; i < NR; ++i) {
+            const int64_t at = (m0 + r) * ystride + col + i;
+            p[at] = rp ? c10::Half(static_cast<float>(rp[at]) + static_cast<float>(c10::Half(tile[r * NR + i])))
+                       : c10::Half(tile[r * NR + i]);
+          }
         break;
       }
       default: {
         float* p = y.data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(p + (m0 + r) * ystride + col, tile + r * NR, NR * 4);
+        const auto* rp = static_cast<const float*>(res);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (m0 + r) * ystride + col;
+          if (rp)
+            for (int i = 0; i < NR; ++i) p[at + i] = rp[at + i] + tile[r * NR + i];
+          else
+            std::memcpy(p + at, tile + r * NR, NR * 4);
+        }
       }
     }
   };
@@ -1122,10 +1158,15 @@ namespace dflash {
 at::Tensor qmm_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa) {
   return qmm(x, w, qtype, n, k, isa);
 }
+at::Tensor qmm_add_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
+                      const at::Tensor& residual) {
+  return qmm(x, w, qtype, n, k, -1, &residual);
+}
 }  // namespace dflash
 
 TORCH_LIBRARY(dflash, m) {
   m.def("qmm(Tensor x, Tensor w, int qtype, int n, int k, int isa=-1) -> Tensor");
+  m.def("qmm_add(Tensor x, Tensor w, int qtype, int n, int k, Tensor residual) -> Tensor");
   m.def("repack(Tensor blocks, int qtype, int n, int k) -> Tensor");
   m.def("isa() -> int", &isa_level);
   m.def("isa_supported(int isa) -> bool", &isa_supported);
@@ -1133,6 +1174,9 @@ TORCH_LIBRARY(dflash, m) {
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("qmm", &qmm);
+  m.impl("qmm", [](const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa) {
+    return qmm(x, w, qtype, n, k, isa);
+  });
+  m.impl("qmm_add", &dflash::qmm_add_op);
   m.impl("repack", &repack);
 }
