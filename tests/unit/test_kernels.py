@@ -78,8 +78,8 @@ def test_matches_fp64_reference(qname, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("qname, n, k", [("Q4_1", 96, 576), ("Q8_0", 64, 96), ("Q6_K", 40, 256), ("Q4_0", 13, 64)])
-def test_residual_add_in_the_store_is_the_aten_add(dtype, qname, n, k):
-    """qmm_add(x, w, ..., r) == r + qmm(x, w, ...) bit for bit (the product rounded to the
+def test_fused_norm_activation_and_residual_are_the_separate_ops(dtype, qname, n, k):
+    """qmm_fused(x, w, ..., residual=r) == r + qmm(x, w, ...) bit for bit (the product rounded to the
     dtype, then one rounded sum, as aten adds), for 1..64 rows, non-finite residuals included
     (NaN where aten gives NaN);
     an N that is no multiple of 8 (13) and a residual of another dtype take the unfused form."""
@@ -91,19 +91,35 @@ def test_residual_add_in_the_store_is_the_aten_add(dtype, qname, n, k):
         x = torch.randn(1, m, k, generator=g).to(dtype)
         r = (torch.randn(1, m, n, generator=g) * 30).to(dtype)
         r[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0]).to(dtype)
-        got = torch.ops.dflash.qmm_add(x, packed, qtype, n, k, r)
+        got = torch.ops.dflash.qmm_fused(x, packed, qtype, n, k, residual=r)
         want = r + torch.ops.dflash.qmm(x, packed, qtype, n, k)
         assert got.shape == want.shape == (1, m, n) and got.dtype == dtype
         nan = torch.isnan(want)  # (aten's vectorized bf16 rounding writes NaN as 0xFFFF, c10's as 0x7FC0)
         assert torch.equal(torch.isnan(got), nan) and nan.any()
         assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), (qname, dtype, m)
+        # the input's RMSNorm (x * 40: a scale the norm removes) and SwiGLU's activation of [g | u]
+        nw = torch.rand(k, generator=g) + 0.5
+        got = torch.ops.dflash.qmm_fused(x * 40, packed, qtype, n, k, nw, 1e-5)
+        want = torch.ops.dflash.qmm(torch.ops.dflash.rms_norm(x * 40, nw, 1e-5), packed, qtype, n, k)
+        assert torch.equal(got.view(bits), want.view(bits)), (qname, dtype, m, "norm")
+        h = (torch.randn(1, m, 2 * k, generator=g) * 3).to(dtype)
+        got = torch.ops.dflash.qmm_fused(h, packed, qtype, n, k, silu=True, residual=r)
+        want = r + torch.ops.dflash.qmm(torch.ops.dflash.silu_mul(h, k), packed, qtype, n, k)
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), (qname, dtype, m, "silu")
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     x = torch.randn(4, k).to(dtype)
     r = torch.randn(4, n).to(other)
-    assert torch.equal(torch.ops.dflash.qmm_add(x, packed, qtype, n, k, r),
+    assert torch.equal(torch.ops.dflash.qmm_fused(x, packed, qtype, n, k, residual=r),
                        r + torch.ops.dflash.qmm(x, packed, qtype, n, k))
     with pytest.raises(RuntimeError):  # a residual of the wrong size
-        torch.ops.dflash.qmm_add(x, packed, qtype, n, k, torch.randn(4, n + 1).to(dtype))
+        torch.ops.dflash.qmm_fused(x, packed, qtype, n, k, residual=torch.randn(4, n + 1).to(dtype))
+    with pytest.raises(RuntimeError):  # a norm weight of the wrong size
+        torch.ops.dflash.qmm_fused(x, packed, qtype, n, k, torch.ones(k + 1))
+    with pytest.raises(RuntimeError):  # [g | u] rows are 2k wide
+        torch.ops.dflash.qmm_fused(x, packed, qtype, n, k, silu=True)
+    with pytest.raises(RuntimeError):  # one prologue at a time
+        torch.ops.dflash.qmm_fused(torch.randn(4, 2 * k).to(dtype), packed, qtype, n, k, torch.ones(k), silu=True)
+    torch.library.opcheck(torch.ops.dflash.qmm_fused.default, (x, packed, qtype, n, k, torch.ones(k), 1e-6))
 
 
 @pytest.mark.parametrize("qname", TYPES + K_TYPES)

@@ -180,8 +180,8 @@ def _register_fakes() -> None:
     def _qmm_fake(x, w, qtype, n, k, isa=-1):
         return x.new_empty((*x.shape[:-1], n))
 
-    @torch.library.register_fake("dflash::qmm_add")
-    def _qmm_add_fake(x, w, qtype, n, k, residual):
+    @torch.library.register_fake("dflash::qmm_fused")
+    def _qmm_fused_fake(x, w, qtype, n, k, norm_weight=None, eps=1e-6, silu=False, residual=None):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("dflash::rms_norm")

@@ -2,8 +2,10 @@
 // block in one call, for the native path: the same ops in the same order as the Python
 // layer (RMSNorm, QKV qmm, attention_step, O qmm, residual add, RMSNorm, gate/up qmm,
 // silu_mul, down qmm, residual add), so its result is bit-identical to it; what it
-// saves is ~12 Python-level op calls per layer and token (~40 us on the dev CPU). The residual
-// adds happen in the O and down matmuls' stores (qmm_add: the same roundings as aten's add).
+// saves is ~12 Python-level op calls per layer and token (~40 us on the dev CPU). The norms and
+// the SwiGLU activation run inside the next matmul's activation quantization and the residual
+// adds in the O and down matmuls' stores (qmm_fused: the same bits as the separate ops), so a
+// layer is 4 matmuls and an attention step.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -23,13 +25,14 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer: x must be (1, T, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_cache.size(-1);
-  using dflash::qmm_op;
-  auto qkv = qmm_op(dflash::rms_norm_op(x, n1, eps1), qkv_w, qkv_t, qkv_n, hidden, -1);
+  using dflash::qmm_fused_op;
+  const c10::optional<at::Tensor> none;
+  auto qkv = qmm_fused_op(x, qkv_w, qkv_t, qkv_n, hidden, n1, eps1, false, none);  // rms_norm(x) @ QKV
   auto a = dflash::attention_step_op(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm,
                                      norm_eps, gated, tree);
-  auto x1 = dflash::qmm_add_op(a, o_w, o_t, hidden, attn, x);  // x + O(a), as one op
-  auto gu = qmm_op(dflash::rms_norm_op(x1, n2, eps2), gu_w, gu_t, 2 * inter, hidden, -1);
-  return dflash::qmm_add_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, x1);
+  auto x1 = qmm_fused_op(a, o_w, o_t, hidden, attn, none, 0., false, x);  // x + O(a)
+  auto gu = qmm_fused_op(x1, gu_w, gu_t, 2 * inter, hidden, n2, eps2, false, none);
+  return qmm_fused_op(gu, d_w, d_t, hidden, inter, none, 0., true, x1);  // x1 + down(silu(g) * u)
 }
 
 // The same layer over decode rows of several sequences (row b: the sequence in KV-bank lane
@@ -46,13 +49,14 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer_rows: x must be (1, rows, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer_rows: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_bank.size(-1);
-  using dflash::qmm_op;
-  auto qkv = qmm_op(dflash::rms_norm_op(x, n1, eps1), qkv_w, qkv_t, qkv_n, hidden, -1);
+  using dflash::qmm_fused_op;
+  const c10::optional<at::Tensor> none;
+  auto qkv = qmm_fused_op(x, qkv_w, qkv_t, qkv_n, hidden, n1, eps1, false, none);  // rms_norm(x) @ QKV
   auto a = dflash::attention_rows_op(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, false, q_norm,
                                      k_norm, norm_eps, gated, tree);
-  auto x1 = dflash::qmm_add_op(a, o_w, o_t, hidden, attn, x);  // x + O(a), as one op
-  auto gu = qmm_op(dflash::rms_norm_op(x1, n2, eps2), gu_w, gu_t, 2 * inter, hidden, -1);
-  return dflash::qmm_add_op(dflash::silu_mul_op(gu, inter), d_w, d_t, hidden, inter, x1);
+  auto x1 = qmm_fused_op(a, o_w, o_t, hidden, attn, none, 0., false, x);  // x + O(a)
+  auto gu = qmm_fused_op(x1, gu_w, gu_t, 2 * inter, hidden, n2, eps2, false, none);
+  return qmm_fused_op(gu, d_w, d_t, hidden, inter, none, 0., true, x1);  // x1 + down(silu(g) * u)
 }
 
 // A stack of such layers in one call: what a decode step or verify block of the layers of a

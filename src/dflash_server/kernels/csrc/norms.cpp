@@ -93,6 +93,18 @@ void norm_rows(const T* x, const float* w, T* y, int64_t rows, int64_t h, float 
   });
 }
 
+// one row as norm_rows computes it (the same bits), for ops that normalize their input rows
+// themselves (qmm_fused)
+template <typename T>
+void norm_row(const T* x, const float* w, T* y, int64_t h, float eps) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    norm_row_portable(x, w, y, h, eps);
+  } else {
+    if (dflash::simd::has_avx2()) norm_row_avx2(x, w, y, h, eps);
+    else norm_row_portable(x, w, y, h, eps);
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, bool portable) {
   TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu(), "dflash::rms_norm: CPU tensors only");
   const int64_t h = x_in.size(-1);
@@ -120,6 +132,11 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, 
 
 namespace dflash {
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps, false); }
+template <typename T>
+void rms_norm_row(const T* x, const float* w, T* y, int64_t h, float eps) { norm_row(x, w, y, h, eps); }
+template void rms_norm_row(const float*, const float*, float*, int64_t, float);
+template void rms_norm_row(const c10::BFloat16*, const float*, c10::BFloat16*, int64_t, float);
+template void rms_norm_row(const c10::Half*, const float*, c10::Half*, int64_t, float);
 }  // namespace dflash
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {

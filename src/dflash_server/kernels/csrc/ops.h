@@ -2,12 +2,23 @@
 // Python or the dispatcher.
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 namespace dflash {
 at::Tensor qmm_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa);
-// residual + qmm_op(x, ...) in one pass (the product rounded to x's dtype, then one rounded sum)
-at::Tensor qmm_add_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
-                      const at::Tensor& residual);
+// qmm_op with what sits around a matmul in a decoder layer done inside it, each with the bits of
+// the separate op: the input rows normalized first (rms_norm_op(x, norm_w, eps)) or taken as
+// SwiGLU's [g | u] (silu_mul_op(x, k): x is (..., 2k)), and a residual added to the product
+// (residual + product, the product rounded to x's dtype, then one rounded sum, as aten adds)
+at::Tensor qmm_fused_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
+                        const c10::optional<at::Tensor>& norm_w, double eps, bool silu,
+                        const c10::optional<at::Tensor>& residual);
+// one row of rms_norm_op / silu_mul_op (T: float, c10::BFloat16, c10::Half), the same bits
+template <typename T>
+void rms_norm_row(const T* x, const float* w, T* y, int64_t h, float eps);
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* y, int64_t n);
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul_op(const at::Tensor& h, int64_t inter);
 at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,

@@ -238,20 +238,37 @@ DFLASH_TARGET_AVX2 inline void store8_bf16_add(const float* src, const c10::BFlo
   dflash::simd::store8(_mm256_add_ps(dflash::simd::load8(res), dflash::simd::load8(y)), dst);
 }
 
+// What a row of x becomes before it is quantized (qmm_fused): itself, its RMSNorm
+// (dflash::rms_norm_row, rounded to x's dtype as the op rounds it) or, from a row [g | u] of
+// 2k values, SwiGLU's silu(g) * u (dflash::silu_mul_row); so the quantized codes are those of
+// the separate op's output, which is never written.
+struct Prologue {
+  const float* norm_w = nullptr;  // RMSNorm weight (k floats)
+  float eps = 0.f;
+  bool silu = false;
+};
+
 template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, float* ds, int32_t* s,
-                   int32_t* s_lo, bool vector) {
-  const int64_t nb = k / QK;
+                   int32_t* s_lo, bool vector, const Prologue& pro = {}) {
+  const int64_t nb = k / QK, xk = pro.silu ? 2 * k : k;
+  const bool pre = pro.norm_w != nullptr || pro.silu;
   // threads only for many rows (vectorized, a row of a few thousand values takes ~1 us)
-  at::parallel_for(0, m_rows, std::max<int64_t>(1, 65536 / k), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
+  at::parallel_for(0, m_rows, std::max<int64_t>(1, (pre ? 16384 : 65536) / k), [&](int64_t m0, int64_t m1) {
+    std::vector<T> row(pre ? k : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * xk;
+      if (pro.silu) dflash::silu_mul_row(xr, xr + k, row.data(), k);
+      else if (pro.norm_w) dflash::rms_norm_row(xr, pro.norm_w, row.data(), k, pro.eps);
+      if (pre) xr = row.data();
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t i = m * nb + b;
         if (vector)
-          quantize_block_avx2(x + m * k + b * QK, q + m * k + b * QK, d[i], ds[i], s[i], s_lo[i]);
+          quantize_block_avx2(xr + b * QK, q + m * k + b * QK, d[i], ds[i], s[i], s_lo[i]);
         else
-          quantize_block(x + m * k + b * QK, q + m * k + b * QK, d[i], ds[i], s[i], s_lo[i]);
+          quantize_block(xr + b * QK, q + m * k + b * QK, d[i], ds[i], s[i], s_lo[i]);
       }
+    }
   });
 }
 
@@ -959,23 +976,26 @@ void check_args(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k) {
               "dflash::qmm: weights of shape ", w.sizes(), " do not hold ", n, " rows of ", k, " values");
 }
 
-// y (M, N) = x (M, K) @ dequant(w)^T; x fp32 / bf16 / fp16, y in x's dtype. With a residual
-// (x's dtype, M x N values): y = residual + that product, the product rounded to y's dtype
-// first and the sum rounded once, as ``residual + qmm(x, ...)`` computes it, so a decoder
-// layer's residual adds cost no op of their own (no allocation, no aten add).
+// y (M, N) = x (M, K) @ dequant(w)^T; x fp32 / bf16 / fp16, y in x's dtype. ``pro``: x's rows
+// normalized or taken as SwiGLU's [g | u] (then x is (M, 2K)) before they are quantized (see
+// Prologue). With a residual (x's dtype, M x N values): y = residual + that product, the
+// product rounded to y's dtype first and the sum rounded once, as ``residual + qmm(x, ...)``
+// computes it. So a decoder layer's norms, activation and residual adds cost no op of their
+// own (no allocation, no aten add, no separate pass over the rows).
 at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
-               int64_t isa_override, const at::Tensor* residual_in = nullptr) {
+               int64_t isa_override, const at::Tensor* residual_in = nullptr, const Prologue& pro = {}) {
   check_args(w, qtype, n, k);
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1 && x_in.size(-1) == k,
-              "dflash::qmm: x must be (..., ", k, ") on the CPU");
+  const int64_t xk = pro.silu ? 2 * k : k;
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() >= 1 && x_in.size(-1) == xk,
+              "dflash::qmm: x must be (..., ", xk, ") on the CPU");
   if (residual_in != nullptr && (n % NR != 0 || residual_in->scalar_type() != x_in.scalar_type() ||
-                                 !residual_in->device().is_cpu() || residual_in->numel() != x_in.numel() / k * n))
-    return *residual_in + qmm(x_in, w, qtype, n, k, isa_override);  // (odd N: y is an fp32 tile first)
+                                 !residual_in->device().is_cpu() || residual_in->numel() != x_in.numel() / xk * n))
+    return *residual_in + qmm(x_in, w, qtype, n, k, isa_override, nullptr, pro);  // (odd N: an fp32 tile first)
   // another path may be asked for (tests compare them); never one the CPU lacks
   TORCH_CHECK(isa_override < 5, "dflash::qmm: unknown isa ", isa_override);
   const Isa isa = isa_override < 0 ? active_isa : static_cast<Isa>(isa_override);
   TORCH_CHECK(supported(isa), "dflash::qmm: this CPU cannot run isa ", isa_override);
-  auto x = x_in.reshape({-1, k}).contiguous();
+  auto x = x_in.reshape({-1, xk}).contiguous();
   const int64_t m_rows = x.size(0), nb = k / QK, ng = groups(n);
   // the quantized activations live in per-thread scratch (no allocation per call)
   thread_local std::vector<int8_t> q;
@@ -988,10 +1008,13 @@ at::Tensor qmm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64
   s.resize(m_rows * nb);
   const bool vec = isa != Isa::Portable;  // every SIMD path has AVX2
   switch (x.scalar_type()) {
-    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec); break;
-    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec);
+    case at::kFloat: quantize_rows(x.data_ptr<float>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec,
+                    pro); break;
+    case at::kBFloat16: quantize_rows(x.data_ptr<c10::BFloat16>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec,
+                    pro);
       break;
-    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec); break;
+    case at::kHalf: quantize_rows(x.data_ptr<c10::Half>(), m_rows, k, q.data(), d.data(), ds.data(), s.data(), s_lo.data(), vec,
+                    pro); break;
     default: TORCH_CHECK(false, "dflash::qmm: x must be float32, bfloat16 or float16");
   }
   const Acts a{q.data(), d.data(), ds.data(), s.data(), s_lo.data()};
@@ -1158,15 +1181,28 @@ namespace dflash {
 at::Tensor qmm_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa) {
   return qmm(x, w, qtype, n, k, isa);
 }
-at::Tensor qmm_add_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
-                      const at::Tensor& residual) {
-  return qmm(x, w, qtype, n, k, -1, &residual);
+at::Tensor qmm_fused_op(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
+                        const c10::optional<at::Tensor>& norm_w, double eps, bool silu,
+                        const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(!(silu && norm_w.has_value()), "dflash::qmm_fused: a norm or the SwiGLU activation, not both");
+  at::Tensor nw;
+  Prologue pro;
+  pro.silu = silu;
+  if (norm_w.has_value()) {
+    TORCH_CHECK(norm_w->device().is_cpu() && norm_w->dim() == 1 && norm_w->size(0) == k,
+                "dflash::qmm_fused: the norm weight must be (", k, ") on the CPU");
+    nw = norm_w->to(at::kFloat).contiguous();
+    pro.norm_w = nw.data_ptr<float>();
+    pro.eps = static_cast<float>(eps);
+  }
+  return qmm(x, w, qtype, n, k, -1, residual.has_value() ? &*residual : nullptr, pro);
 }
 }  // namespace dflash
 
 TORCH_LIBRARY(dflash, m) {
   m.def("qmm(Tensor x, Tensor w, int qtype, int n, int k, int isa=-1) -> Tensor");
-  m.def("qmm_add(Tensor x, Tensor w, int qtype, int n, int k, Tensor residual) -> Tensor");
+  m.def("qmm_fused(Tensor x, Tensor w, int qtype, int n, int k, Tensor? norm_weight=None, float eps=1e-6, "
+        "bool silu=False, Tensor? residual=None) -> Tensor");
   m.def("repack(Tensor blocks, int qtype, int n, int k) -> Tensor");
   m.def("isa() -> int", &isa_level);
   m.def("isa_supported(int isa) -> bool", &isa_supported);
@@ -1177,6 +1213,6 @@ TORCH_LIBRARY_IMPL(dflash, CPU, m) {
   m.impl("qmm", [](const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, int64_t isa) {
     return qmm(x, w, qtype, n, k, isa);
   });
-  m.impl("qmm_add", &dflash::qmm_add_op);
+  m.impl("qmm_fused", &dflash::qmm_fused_op);
   m.impl("repack", &repack);
 }
