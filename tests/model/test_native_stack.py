@@ -85,6 +85,34 @@ def test_hybrid_and_aten_stages_keep_the_per_layer_loop(tiny_dir, monkeypatch):
     assert aten.stages[0]._stack is None
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_layers_outside_the_stack_fuse_their_mlp_with_the_same_bits(tiny_dir, family):
+    """A layer that does not run as one decoder_layer call (every layer of a hybrid stage; a
+    llama stage without its stack or fused layers) runs its MLP half as two qmm_fused calls:
+    prefill logits, a verify block's logits and a greedy generation equal the ops one by one."""
+    fused, plain = _pair(tiny_dir(family))
+    for pipe in (fused, plain):
+        for st in pipe.stages:
+            st._stack = None
+            for layer in st.layers:
+                layer._fused = False  # (llama: the per-layer path, as a hybrid stage's)
+    for st in plain.stages:
+        for layer in st.layers:
+            layer._fused_mlp = False
+    ids = prompt_ids(fused, 10)
+    outs = []
+    for pipe in (fused, plain):
+        pipe.reset()
+        a = pipe.prefill(ids[:7], chunk=4).logits
+        pipe.checkpoint()
+        b = pipe.forward(ids[7:], 7, logits="all").logits
+        pipe.rollback(7)
+        outs.append((a, b, greedy(pipe, ids, max_tokens=10)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2] == outs[1][2]
+    assert all(layer._fused_mlp for st in fused.stages for layer in st.layers)
+
+
 def test_the_op_rejects_malformed_stacks():
     x = torch.zeros(1, 1, 64)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):

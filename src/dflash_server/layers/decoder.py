@@ -24,6 +24,7 @@ class DecoderLayer(nn.Module):
         self.mixer_out_norm, self.mlp_out_norm = mixer_out_norm, mlp_out_norm
         self.input_norm, self.mixer, self.post_norm, self.mlp = input_norm, mixer, post_norm, mlp
         self._fused: bool | None = None  # _native_layer(), decided at the first forward
+        self._fused_mlp: bool | None = None  # _native_mlp(), likewise
 
     def new_state(self, max_ctx: int, device, dtype, batch: int = 1, kv_dtype: str = "auto"):
         return self.mixer.new_state(max_ctx, device, dtype, batch, kv_dtype=kv_dtype)
@@ -63,7 +64,26 @@ class DecoderLayer(nn.Module):
     def _out(y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         return y if norm is None else norm(y)
 
+    def _native_mlp(self) -> bool:
+        """Whether the MLP half (norm, gate/up, SiLU, down, residual add) can run as two
+        ``dflash::qmm_fused`` calls: what a layer outside ``decoder_layer`` (a Gated DeltaNet
+        layer, a sliding-window or gated attention layer) saves is three Python-level op calls
+        and two intermediate tensors; the bits are those of the ops one by one. Decided once,
+        at the first forward, as ``_native_layer``."""
+        if self._fused_mlp is None:
+            f = self.mlp
+            self._fused_mlp = (isinstance(f, SwiGLU) and f.act == "silu" and self.mlp_out_norm is None
+                               and self.post_norm.native
+                               and all(lin.mode == "native" and lin.bias is None for lin in (f.gate_up, f.down)))
+        return self._fused_mlp
+
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_mlp() and x.device.type == "cpu" and kernels.inference(x, self.post_norm.weight):
+            f = self.mlp
+            h = torch.ops.dflash.qmm_fused(x, f.gate_up.weight, f.gate_up.qtype, 2 * f.inter, f.gate_up.in_features,
+                                           self.post_norm.weight, self.post_norm.eps)
+            return torch.ops.dflash.qmm_fused(h, f.down.weight, f.down.qtype, f.down.out_features, f.inter,
+                                              silu=True, residual=x)
         return x + self._out(self.mlp(self.post_norm(x)), self.mlp_out_norm)
 
     def _forward_rows(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
