@@ -86,10 +86,12 @@ def test_hybrid_and_aten_stages_keep_the_per_layer_loop(tiny_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
-def test_layers_outside_the_stack_fuse_their_mlp_with_the_same_bits(tiny_dir, family):
+def test_layers_outside_the_stack_fuse_norms_and_residual_adds_with_the_same_bits(tiny_dir, family):
     """A layer that does not run as one decoder_layer call (every layer of a hybrid stage; a
-    llama stage without its stack or fused layers) runs its MLP half as two qmm_fused calls:
-    prefill logits, a verify block's logits and a greedy generation equal the ops one by one."""
+    llama stage without its stack or fused layers) runs its MLP half as two qmm_fused calls,
+    and a Gated DeltaNet layer its mixer half too (norm into the input projection, residual
+    into the output projection): prefill logits, a recorded verify block's logits, the state
+    after its rollback and a greedy generation equal the ops one by one."""
     fused, plain = _pair(tiny_dir(family))
     for pipe in (fused, plain):
         for st in pipe.stages:
@@ -99,6 +101,7 @@ def test_layers_outside_the_stack_fuse_their_mlp_with_the_same_bits(tiny_dir, fa
     for st in plain.stages:
         for layer in st.layers:
             layer._fused_mlp = False
+            layer.mixer.residual_step = lambda *a: None  # (a GDN mixer's fused half)
     ids = prompt_ids(fused, 10)
     outs = []
     for pipe in (fused, plain):
@@ -106,11 +109,23 @@ def test_layers_outside_the_stack_fuse_their_mlp_with_the_same_bits(tiny_dir, fa
         a = pipe.prefill(ids[:7], chunk=4).logits
         pipe.checkpoint()
         b = pipe.forward(ids[7:], 7, logits="all").logits
-        pipe.rollback(7)
+        pipe.rollback(8)  # keep the block's first row: the recurrent state replayed to it
+        c = pipe.forward(ids[8:], 8, logits="all").logits
+        assert torch.equal(c, b[1:])
         outs.append((a, b, greedy(pipe, ids, max_tokens=10)))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert outs[0][2] == outs[1][2]
     assert all(layer._fused_mlp for st in fused.stages for layer in st.layers)
+    if family == "qwen3_5":
+        from dflash_server.layers.gdn import GatedDeltaNet
+
+        gdn = [layer for st in fused.stages for layer in st.layers if isinstance(layer.mixer, GatedDeltaNet)]
+        assert gdn
+        x = torch.randn(1, 2, fused.config.hidden_size, dtype=torch.bfloat16)
+        from dflash_server.layers.context import ForwardContext
+
+        state = gdn[0].mixer.new_state(16, "cpu", torch.bfloat16)
+        assert gdn[0].mixer.residual_step(x, gdn[0].input_norm, ForwardContext(0, 2, None, None), state) is not None
 
 
 def test_the_op_rejects_malformed_stacks():

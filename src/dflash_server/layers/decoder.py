@@ -7,6 +7,7 @@ from torch import nn
 from .. import kernels
 from .attention import Attention
 from .context import ForwardContext
+from .gdn import GatedDeltaNet
 from .mlp import SwiGLU
 from .norms import RMSNorm
 
@@ -58,6 +59,9 @@ class DecoderLayer(nn.Module):
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
                 f.down.weight, f.down.qtype, **m.native_args,
                 **({} if ctx.tree is None else {"tree": ctx.tree_parents}))
+        if self.mixer_out_norm is None and isinstance(self.mixer, GatedDeltaNet) and \
+                (h := self.mixer.residual_step(x, self.input_norm, ctx, state)) is not None:
+            return self._mlp(h)  # (norm and residual add inside the projections, the same bits)
         return self._mlp(x + self._out(self.mixer(self.input_norm(x), ctx, state), self.mixer_out_norm))
 
     @staticmethod

@@ -120,6 +120,24 @@ class GatedDeltaNet(nn.Module):
         return (self.native and x.shape[0] == 1 and kernels.inference(x)
                 and not torch.compiler.is_compiling())
 
+    def residual_step(self, x: torch.Tensor, norm, ctx: ForwardContext, state: RecurrentState) -> torch.Tensor | None:
+        """``x + forward(norm(x), ctx, state)`` with the norm inside the input projection's
+        activation quantization and the add in the output projection's store (two
+        ``dflash::qmm_fused`` calls, the bits of the ops one by one), where the native step
+        runs (a plain step or block, recorded or not); None elsewhere (a tree, a CUDA graph,
+        the aten path), for the caller's ops one by one."""
+        ip, op = self.in_proj, self.out_proj
+        if (ctx.tree is not None or ctx.graph_pos is not None or not norm.native or x.device.type != "cpu"
+                or ip.mode != "native" or op.mode != "native" or ip.bias is not None or op.bias is not None
+                or not self.native_ok(x) or not kernels.inference(x, norm.weight)):
+            return None
+        mixed = torch.ops.dflash.qmm_fused(x, ip.weight, ip.qtype, ip.out_features, ip.in_features, norm.weight,
+                                           norm.eps)
+        if ctx.record:
+            state.records.append(("native", mixed, self._replay))
+        o, state.conv, state.ssm = self._native(mixed, state.conv, state.ssm)
+        return torch.ops.dflash.qmm_fused(o, op.weight, op.qtype, op.out_features, op.in_features, residual=x)
+
     def _native(self, mixed: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
         """(out before out_proj, conv window, state) after ``mixed``'s rows from (conv, ssm)."""
         return torch.ops.dflash.gdn_step(mixed, conv, self.conv_weight, self.neg_A, self.dt_bias, self.norm_weight,

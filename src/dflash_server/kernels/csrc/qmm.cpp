@@ -253,8 +253,11 @@ void quantize_rows(const T* x, int64_t m_rows, int64_t k, int8_t* q, float* d, f
                    int32_t* s_lo, bool vector, const Prologue& pro = {}) {
   const int64_t nb = k / QK, xk = pro.silu ? 2 * k : k;
   const bool pre = pro.norm_w != nullptr || pro.silu;
-  // threads only for many rows (vectorized, a row of a few thousand values takes ~1 us)
-  at::parallel_for(0, m_rows, std::max<int64_t>(1, (pre ? 16384 : 65536) / k), [&](int64_t m0, int64_t m1) {
+  // threads only for many rows (vectorized, a row of a few thousand values takes ~1 us; with
+  // SwiGLU's exp ~1.2 us a 1536-wide row, so an 8-row verify block's goes in two chunks, as
+  // silu_mul's rows do)
+  const int64_t grain_values = pro.silu ? 6144 : (pre ? 16384 : 65536);
+  at::parallel_for(0, m_rows, std::max<int64_t>(1, grain_values / k), [&](int64_t m0, int64_t m1) {
     std::vector<T> row(pre ? k : 0);
     for (int64_t m = m0; m < m1; ++m) {
       const T* xr = x + m * xk;
