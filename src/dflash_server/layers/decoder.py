@@ -83,10 +83,10 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self._native_mlp() and x.device.type == "cpu" and kernels.inference(x, self.post_norm.weight):
-            f = self.mlp
-            h = torch.ops.dflash.qmm_fused(x, f.gate_up.weight, f.gate_up.qtype, 2 * f.inter, f.gate_up.in_features,
+            gu, down = self.mlp.gate_up, self.mlp.down
+            h = torch.ops.dflash.qmm_fused(x, gu.weight, gu.qtype, gu.out_features, gu.in_features,
                                            self.post_norm.weight, self.post_norm.eps)
-            return torch.ops.dflash.qmm_fused(h, f.down.weight, f.down.qtype, f.down.out_features, f.inter,
+            return torch.ops.dflash.qmm_fused(h, down.weight, down.qtype, down.out_features, down.in_features,
                                               silu=True, residual=x)
         return x + self._out(self.mlp(self.post_norm(x)), self.mlp_out_norm)
 
