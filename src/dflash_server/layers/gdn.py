@@ -113,6 +113,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(out_proj)
         self.eps = float(eps)
         self.native = self.neg_A.device.type == "cpu" and kernels.enabled() and kernels.load()
+        self._fusable: bool | None = None  # residual_step's projections and norm on the native kernels
 
     def native_ok(self, x: torch.Tensor) -> bool:
         """Whether these rows take ``dflash::gdn_step``: one sequence, no gradient, outside
@@ -127,8 +128,9 @@ class GatedDeltaNet(nn.Module):
         runs (a plain step or block, recorded or not); None elsewhere (a tree, a CUDA graph,
         the aten path), for the caller's ops one by one."""
         ip, op = self.in_proj, self.out_proj
-        if (ctx.tree is not None or ctx.graph_pos is not None or not norm.native or x.device.type != "cpu"
-                or ip.mode != "native" or op.mode != "native" or ip.bias is not None or op.bias is not None
+        if self._fusable is None:  # decided once, at the first forward (the stage quantizes before any)
+            self._fusable = norm.native and all(lin.mode == "native" and lin.bias is None for lin in (ip, op))
+        if (not self._fusable or ctx.tree is not None or ctx.graph_pos is not None or x.device.type != "cpu"
                 or not self.native_ok(x) or not kernels.inference(x, norm.weight)):
             return None
         mixed = torch.ops.dflash.qmm_fused(x, ip.weight, ip.qtype, ip.out_features, ip.in_features, norm.weight,

@@ -49,13 +49,14 @@ void row_portable(const T* g, const T* u, T* y, int64_t n) {
 // threads for chunks of at least ~6K values (a row's result is the same in any chunk)
 constexpr int64_t SILU_GRAIN_VALUES = 6144;
 
-// one row as run computes it (the same bits), for ops that take [g | u] rows themselves
+// one row of [g | u] -> y, the vector path where ``fast`` (fp16 rows: the portable one); what
+// run does per row and what ops that take [g | u] rows themselves (qmm_fused) call
 template <typename T>
-void one_row(const T* g, const T* u, T* y, int64_t n) {
+void one_row(const T* g, const T* u, T* y, int64_t n, bool fast) {
   if constexpr (std::is_same_v<T, c10::Half>) {
     row_portable(g, u, y, n);
   } else {
-    if (dflash::simd::has_avx2()) row_avx2(g, u, y, n);
+    if (fast) row_avx2(g, u, y, n);
     else row_portable(g, u, y, n);
   }
 }
@@ -63,15 +64,7 @@ void one_row(const T* g, const T* u, T* y, int64_t n) {
 template <typename T>
 void run(const T* h, T* y, int64_t rows, int64_t inter, bool fast) {
   at::parallel_for(0, rows, std::max<int64_t>(1, SILU_GRAIN_VALUES / inter), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = h + r * 2 * inter;
-      if constexpr (std::is_same_v<T, c10::Half>) {
-        row_portable(g, g + inter, y + r * inter, inter);
-      } else {
-        if (fast) row_avx2(g, g + inter, y + r * inter, inter);
-        else row_portable(g, g + inter, y + r * inter, inter);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) one_row(h + r * 2 * inter, h + r * 2 * inter + inter, y + r * inter, inter, fast);
   });
 }
 
@@ -98,7 +91,7 @@ at::Tensor silu_mul(const at::Tensor& h_in, int64_t inter, bool portable) {
 namespace dflash {
 at::Tensor silu_mul_op(const at::Tensor& h, int64_t inter) { return silu_mul(h, inter, false); }
 template <typename T>
-void silu_mul_row(const T* g, const T* u, T* y, int64_t n) { one_row(g, u, y, n); }
+void silu_mul_row(const T* g, const T* u, T* y, int64_t n) { one_row(g, u, y, n, dflash::simd::has_avx2()); }
 template void silu_mul_row(const float*, const float*, float*, int64_t);
 template void silu_mul_row(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t);
 template void silu_mul_row(const c10::Half*, const c10::Half*, c10::Half*, int64_t);

@@ -79,30 +79,23 @@ void norm_row_portable(const T* xr, const float* w, T* yr, int64_t h, float eps)
   for (int64_t i = 0; i < h; ++i) yr[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * w[i]);
 }
 
+// one row, the vector path where ``fast`` (fp16 rows, rare on a CPU: the portable one); what
+// norm_rows does per row and what ops that normalize their input rows themselves (qmm_fused) call
 template <typename T>
-void norm_rows(const T* x, const float* w, T* y, int64_t rows, int64_t h, float eps, bool fast) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, h)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if constexpr (std::is_same_v<T, c10::Half>) {
-        norm_row_portable(x + r * h, w, y + r * h, h, eps);  // fp16 rows: rare on a CPU
-      } else {
-        if (fast) norm_row_avx2(x + r * h, w, y + r * h, h, eps);
-        else norm_row_portable(x + r * h, w, y + r * h, h, eps);
-      }
-    }
-  });
-}
-
-// one row as norm_rows computes it (the same bits), for ops that normalize their input rows
-// themselves (qmm_fused)
-template <typename T>
-void norm_row(const T* x, const float* w, T* y, int64_t h, float eps) {
+void norm_row(const T* x, const float* w, T* y, int64_t h, float eps, bool fast) {
   if constexpr (std::is_same_v<T, c10::Half>) {
     norm_row_portable(x, w, y, h, eps);
   } else {
-    if (dflash::simd::has_avx2()) norm_row_avx2(x, w, y, h, eps);
+    if (fast) norm_row_avx2(x, w, y, h, eps);
     else norm_row_portable(x, w, y, h, eps);
   }
+}
+
+template <typename T>
+void norm_rows(const T* x, const float* w, T* y, int64_t rows, int64_t h, float eps, bool fast) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, h)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(x + r * h, w, y + r * h, h, eps, fast);
+  });
 }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, bool portable) {
@@ -133,7 +126,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, 
 namespace dflash {
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps, false); }
 template <typename T>
-void rms_norm_row(const T* x, const float* w, T* y, int64_t h, float eps) { norm_row(x, w, y, h, eps); }
+void rms_norm_row(const T* x, const float* w, T* y, int64_t h, float eps) {
+  norm_row(x, w, y, h, eps, dflash::simd::has_avx2());
+}
 template void rms_norm_row(const float*, const float*, float*, int64_t, float);
 template void rms_norm_row(const c10::BFloat16*, const float*, c10::BFloat16*, int64_t, float);
 template void rms_norm_row(const c10::Half*, const float*, c10::Half*, int64_t, float);
