@@ -134,6 +134,9 @@ class LookupProposer:
     def add_context(self, captures, start: int, n: int | None = None, defer: bool = False) -> None:
         pass
 
+    def add_rows(self, captures, lanes: list[int], positions: list[int]) -> None:
+        pass
+
     def snapshot(self) -> dict:
         return {}      # no draft context (the prefix cache keeps none for a proposer without taps)
 

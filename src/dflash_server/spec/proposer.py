@@ -186,15 +186,43 @@ class DFlashProposer:
         """Append the tapped outputs of committed positions [start, start+n). ``defer``: only
         keep them until the draft next needs its context (plain steps of the adaptive block
         size add one position each; one batched append later is cheaper than many)."""
-        # tapped layers may sit on several devices: gather on the draft's
-        feats = torch.cat([captures[t].to(self.draft.device) for t in self.taps], dim=-1)
+        feats = self._features(captures)
         if n is not None:
             feats = feats[:, :n]
-        if defer and (not self._pending or self._pending[-1][0] + self._pending[-1][1].shape[1] == start):
-            self._pending.append((start, feats))
+        if defer and self._defer(self._pending, feats, start):
             return
         self.flush()
         self.draft.append_context(feats, start)
+
+    def add_rows(self, captures: dict[int, torch.Tensor], lanes: list[int], positions: list[int]) -> None:
+        """``add_context(..., defer=True)`` of a batched decode step's rows: row b of
+        ``captures`` (1, B, H) is position ``positions[b]`` of slot ``lanes[b]``. One
+        concatenation for all rows instead of one per row: in a server every tensor op of the
+        step loop lets the HTTP thread take the GIL, so fewer of them shorten the step (4 rows
+        of the default model: ~24 ops fewer). The selected slot is unchanged."""
+        feats = self._features(captures)
+        for b, (lane, pos) in enumerate(zip(lanes, positions)):
+            row = feats[:, b:b + 1]
+            if not self._defer(self._pendings.setdefault(lane, []), row, pos):   # (not after its pending rows)
+                selected = self._lane
+                self.select(lane)
+                self.flush()
+                self.draft.append_context(row, pos)
+                self.select(selected)
+
+    def _features(self, captures: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The tapped outputs as the draft's (1, n, taps*H) input rows, on its device (tapped
+        layers may sit on several)."""
+        dev = self.draft.device
+        return torch.cat([c if c.device == dev else c.to(dev) for c in (captures[t] for t in self.taps)], dim=-1)
+
+    @staticmethod
+    def _defer(pending: list, feats: torch.Tensor, start: int) -> bool:
+        """Keep ``feats`` (positions from ``start``) in ``pending`` if they continue it."""
+        if pending and pending[-1][0] + pending[-1][1].shape[1] != start:
+            return False
+        pending.append((start, feats))
+        return True
 
     def flush(self) -> None:
         """Append deferred positions to the draft's context."""

@@ -27,6 +27,8 @@ class Proposer(Protocol):
     def reset(self) -> None: ...                                # forget the selected slot's context
     def add_context(self, captures: dict[int, torch.Tensor], start: int, n: int | None = None,
                     defer: bool = False) -> None: ...           # tapped outputs of committed positions
+    def add_rows(self, captures: dict[int, torch.Tensor], lanes: list[int],
+                 positions: list[int]) -> None: ...             # a batched decode step's rows, deferred
     def snapshot(self) -> dict[str, torch.Tensor]: ...          # the slot's context (prefix cache)
     def restore(self, tensors: dict[str, torch.Tensor]) -> None: ...
     def uses_tree(self, pipeline) -> bool: ...                  # steps verify a DDTree
