@@ -328,18 +328,6 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
     return source, pipeline, engine
 
 
-def settle_heap() -> None:
-    """After loading a model: collect what loading left behind, then freeze every object alive
-    (``gc.freeze``) so that Python's full collections stop scanning them. A loaded server holds
-    ~190k such objects (modules, tokenizer, weights' wrappers) and a full collection over them
-    took 86-106 ms on the 2-core dev VM, stalling every stream's step loop when it came (once
-    in a 64-request run); after the freeze it scans only what was made since."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def pflash_policy(cfg: EngineConfig):
     """The PFlashPolicy of the --prefill-* flags (UserError when they do not add up)."""
     from ..pflash.policy import PFlashPolicy, parse_curve

@@ -6,7 +6,8 @@ import json
 import sys
 
 from ..errors import UserError
-from .common import add_model_args, engine_config, load_engine, positive_int, read_text_file, settle_heap, utf8_text
+from ..runtime import heap
+from .common import add_model_args, engine_config, load_engine, positive_int, read_text_file, utf8_text
 
 
 def add_parser(sub) -> None:
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         engine.warm_up()
         print(f"dflash-server: compiled in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
-    settle_heap()
+    heap.settle()
     tok = source.tokenizer
     query = None
     if args.prompt is not None:

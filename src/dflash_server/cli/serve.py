@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from ..server.app import create_app
     from ..server.hosts import is_loopback
     from ..server.state import ServerState
-    from .common import engine_config, load_engine, settle_heap
+    from ..runtime import heap
+    from .common import engine_config, load_engine
 
     config = _config(args)
     engine_cfg = engine_config(args)  # every flag checked before the port is bound
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
                 t1 = time.monotonic()
                 engine.warm_up()
                 log.info("compiled in %.1f s", time.monotonic() - t1)
-            settle_heap()
+            heap.settle()
             state.attach(engine, _model_info(args, source, pipeline))
             log.info("model %s ready in %.1f s (%s, context %d, speculative: %s)", config.model_name,
                      time.monotonic() - t0, source.path, pipeline.max_ctx,

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from ..layers.attention import KV_DTYPES
+from . import heap
 from .carry import carry_from_tensors
 from .ipc_channel import DEFAULT_MAX_MESSAGE, proof
 from .ipc_codec import DTYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, pack_header, unpack_header
@@ -112,6 +113,7 @@ class ShardWorker:
                tuple(sorted(kv.items())) if isinstance(kv, dict) else None, lanes, kv_dtype)
         if key != self.load_key:
             if self.pipeline is not None:
+                heap.thaw()   # (the old layers were frozen with the rest: let them go)
                 self.pipeline.close()
             self.pipeline, self.load_key = None, None
             if a.get("threads"):
@@ -131,6 +133,7 @@ class ShardWorker:
                                            max_ctx=int(a["max_ctx"]), quantize=tuple(a["quantize"]), progress=False,
                                            kvflash=kvflash, lanes=lanes, embeds=False, kv_dtype=kv_dtype)
             self.load_key = key
+            heap.settle()
         for lane in range(lanes):
             self._each("select", lane)
             self._each("reset")
