@@ -56,7 +56,7 @@ def run(args) -> int:
     import zmq
 
     try:
-        ShardWorker(secret, args.model, providers=(DraftOps(), ScorerOps())).serve(args.bind, args.parent_pid)
+        ShardWorker(secret, args.model, providers=(DraftOps(), ScorerOps()), settle_heap=True).serve(args.bind, args.parent_pid)
     except zmq.ZMQError as e:
         raise UserError(f"--bind {args.bind}: {e}") from None
     except KeyboardInterrupt:

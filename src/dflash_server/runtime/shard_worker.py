@@ -83,9 +83,12 @@ def _layer_of(name: str) -> int | None:
 
 class ShardWorker:
     def __init__(self, secret: bytes, model_override: str | None = None, max_message: int = DEFAULT_MAX_MESSAGE,
-                 providers: tuple = ()):
-        """``providers``: objects whose ``op_*`` methods serve more operations (the draft's)."""
+                 providers: tuple = (), settle_heap: bool = False):
+        """``providers``: objects whose ``op_*`` methods serve more operations (the draft's).
+        ``settle_heap``: freeze the Python heap after each load (runtime.heap; the worker
+        process's own, not a test process driving a worker in place)."""
         self.secret, self.model_override, self.max_message = secret, model_override, max_message
+        self.settle_heap = settle_heap
         self.providers = providers
         self.pipeline = None  # TargetPipeline over this worker's stages (after load)
         self.load_key = None
@@ -113,7 +116,8 @@ class ShardWorker:
                tuple(sorted(kv.items())) if isinstance(kv, dict) else None, lanes, kv_dtype)
         if key != self.load_key:
             if self.pipeline is not None:
-                heap.thaw()   # (the old layers were frozen with the rest: let them go)
+                if self.settle_heap:
+                    heap.thaw()   # (the old layers were frozen with the rest: let them go)
                 self.pipeline.close()
             self.pipeline, self.load_key = None, None
             if a.get("threads"):
@@ -133,7 +137,8 @@ class ShardWorker:
                                            max_ctx=int(a["max_ctx"]), quantize=tuple(a["quantize"]), progress=False,
                                            kvflash=kvflash, lanes=lanes, embeds=False, kv_dtype=kv_dtype)
             self.load_key = key
-            heap.settle()
+            if self.settle_heap:
+                heap.settle()
         for lane in range(lanes):
             self._each("select", lane)
             self._each("reset")
