@@ -41,8 +41,7 @@ class DecoderLayer(nn.Module):
                            and isinstance(f, SwiGLU)
                            and f.act == "silu"
                            and self.mixer_out_norm is None and self.mlp_out_norm is None and self.input_norm.native
-                           and self.post_norm.native and all(lin.mode == "native" and lin.bias is None
-                                                             for lin in (m.qkv, m.o, f.gate_up, f.down)))
+                           and self.post_norm.native and all(lin.fusable for lin in (m.qkv, m.o, f.gate_up, f.down)))
         return self._fused
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
@@ -78,7 +77,7 @@ class DecoderLayer(nn.Module):
             f = self.mlp
             self._fused_mlp = (isinstance(f, SwiGLU) and f.act == "silu" and self.mlp_out_norm is None
                                and self.post_norm.native
-                               and all(lin.mode == "native" and lin.bias is None for lin in (f.gate_up, f.down)))
+                               and f.gate_up.fusable and f.down.fusable)
         return self._fused_mlp
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

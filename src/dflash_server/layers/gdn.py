@@ -129,7 +129,7 @@ class GatedDeltaNet(nn.Module):
         the aten path), for the caller's ops one by one."""
         ip, op = self.in_proj, self.out_proj
         if self._fusable is None:  # decided once, at the first forward (the stage quantizes before any)
-            self._fusable = norm.native and all(lin.mode == "native" and lin.bias is None for lin in (ip, op))
+            self._fusable = norm.native and ip.fusable and op.fusable
         if (not self._fusable or ctx.tree is not None or ctx.graph_pos is not None or x.device.type != "cpu"
                 or not self.native_ok(x) or not kernels.inference(x, norm.weight)):
             return None

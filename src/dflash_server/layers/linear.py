@@ -190,6 +190,12 @@ class Linear(nn.Module):
         self.scales = s.to(dtype)  # the kernel wants scales in the activation dtype
         self.mode = "int8"
 
+    @property
+    def fusable(self) -> bool:
+        """Whether a fused native op (``decoder_layer``, ``qmm_fused``, ``draft_pass``) can take
+        this matrix in place of the layer's call: GGUF blocks on the native kernels, no bias."""
+        return self.mode == "native" and self.bias is None
+
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.scales is None else self.scales.numel() * self.scales.element_size())

@@ -563,9 +563,8 @@ class DFlashDraft(nn.Module):
         if self._fused_args is False:
             self._fused_args = None
             mlps = [layer.mlp for layer in self.layers]
-            if self.fc.mode == "native" and self.fc.bias is None and all(
-                    m.act == "silu" and m.gate_up.mode == m.down.mode == "native" and m.gate_up.bias is None
-                    and m.down.bias is None for m in mlps) and all(layer.native_ready() for layer in self.layers):
+            if self.fc.fusable and all(m.act == "silu" and m.gate_up.fusable and m.down.fusable for m in mlps) \
+                    and all(layer.native_ready() for layer in self.layers):
                 weights, ints, floats = [], [], []
                 for layer in self.layers:
                     if layer._qkv is None:
