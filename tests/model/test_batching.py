@@ -715,6 +715,52 @@ def test_deferred_contexts_of_several_slots_append_in_one_call(tiny_dir, quantiz
             draft.append_contexts(items)
 
 
+def test_a_batched_steps_rows_defer_as_each_slots_own_adds(tiny_dir):
+    """``add_rows`` (a batched plain step's rows handed over in one call) leaves each slot's
+    deferred rows and, once flushed, its draft context exactly as one ``add_context(...,
+    defer=True)`` per row does; a row that does not continue its slot's pending ones (a slot
+    whose context moved) is appended at once as there; the selected slot is unchanged."""
+    from dflash_server.spec.draft import DFlashDraft
+    from dflash_server.spec.proposer import DFlashProposer
+
+    pipe = _pipe(tiny_dir("llama"), 3)
+    c = pipe.config
+    cfg, tensors = _two_layer_draft(c)
+    g = torch.Generator().manual_seed(5)
+    steps = [{t: torch.randn(1, 3, c.hidden_size, generator=g) for t in (0, 1)} for _ in range(6)]
+    lanes = [0, 1, 2]
+    positions = [[4 + i, 9 + i, 2 + i if i < 3 else i] for i in range(6)]   # slot 2 rolled back at step 3
+    props = []
+    for batched in (False, True):
+        draft = DFlashDraft(cfg, tensors, "cpu", torch.float32, pipe.max_ctx)
+        prop = DFlashProposer(draft, pipe)
+        for lane, n in zip(lanes, (4, 9, 2)):
+            prop.select(lane)
+            prop.add_context({t: torch.ones(1, n, c.hidden_size) * (lane + t) for t in (0, 1)}, 0)
+        prop.select(1)
+        for caps, pos in zip(steps, positions):
+            if batched:
+                prop.add_rows(caps, lanes, pos)
+            else:
+                for b, lane in enumerate(lanes):
+                    prop.select(lane)
+                    prop.add_context({t: x[:, b:b + 1] for t, x in caps.items()}, pos[b], 1, defer=True)
+                prop.select(1)
+        assert prop._lane == 1 and draft.context is draft.contexts[1]
+        props.append(prop)
+    a, b = props
+    for lane in lanes:
+        pa, pb = a._pendings[lane], b._pendings[lane]
+        assert [s for s, _ in pa] == [s for s, _ in pb] and len(pa) == (6 if lane < 2 else 2)
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(pa, pb))
+        for p in props:
+            p.select(lane)
+            p.flush()
+        ca, cb = a.draft.contexts[lane], b.draft.contexts[lane]
+        assert ca.length == cb.length
+        assert all(torch.equal(x[:, :, :ca.length], y[:, :, :ca.length]) for x, y in zip(ca.k + ca.v, cb.k + cb.v))
+
+
 def test_native_draft_pass_matches_the_torch_pass(tiny_dir):
     """A draft with native linears drafts through ``DraftLayer.forward_native`` (one QKV
     matmul, the block's K/V written after the context in its cache, bidirectional attention
