@@ -80,7 +80,9 @@ class Sampler:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalised logits (…, V) in fp32."""
         p = self.params
-        logits = logits[..., :self.vocab_size].float()
+        logits = logits[..., :self.vocab_size]
+        if logits.dtype != torch.float32:   # (the pipeline's are fp32: no call, no GIL hand-off, per token)
+            logits = logits.float()
         if self.counts is None:
             return logits
         if p.repetition_penalty != 1.0:
