@@ -40,25 +40,41 @@ def _metric(srv, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _concurrently(client, lengths: list[int]) -> list[str]:
+    """The questions streamed at once, from threads released together (4 requests, 3 slots)."""
+    got = [None] * len(QUESTIONS)
+    gate = threading.Barrier(len(QUESTIONS))
+
+    def run(i):
+        gate.wait(30)
+        got[i] = _stream(client, QUESTIONS[i], lengths[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
 def test_concurrent_streams_equal_alone(srv):
     client, _ = official_clients(srv.url)
     client.api_key = KEY
     lengths = [40, 25, 33, 20]
     alone = [_stream(client, q, n) for q, n in zip(QUESTIONS, lengths)]
-    rows0, steps0 = _metric(srv, "dflash_engine_decode_rows_total"), _metric(srv, "dflash_engine_steps_total")
-    got = [None] * len(QUESTIONS)
-
-    def run(i):
-        got[i] = _stream(client, QUESTIONS[i], lengths[i])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(QUESTIONS))]  # 4 requests, 3 slots
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert got == alone
-    rows = _metric(srv, "dflash_engine_decode_rows_total") - rows0
-    steps = _metric(srv, "dflash_engine_steps_total") - steps0
-    assert rows > steps * 1.5       # steps ran several sequences' rows at once
+    # how much the requests overlap depends on when each one reaches the server (on a loaded
+    # machine, one may end before the next arrives): every round must equal the requests
+    # alone; one of a few rounds must show steps that ran several sequences' rows at once
+    seen = []
+    for _ in range(4):
+        rows0, steps0 = _metric(srv, "dflash_engine_decode_rows_total"), _metric(srv, "dflash_engine_steps_total")
+        assert _concurrently(client, lengths) == alone
+        rows = _metric(srv, "dflash_engine_decode_rows_total") - rows0
+        steps = _metric(srv, "dflash_engine_steps_total") - steps0
+        seen.append((rows, steps))
+        if rows > steps * 1.5:
+            break
+    else:
+        pytest.fail(f"no round shared its steps (decode rows, steps per round): {seen}")
     assert _metric(srv, 'dflash_engine_batch_size_bucket{le="1.0"}') < _metric(srv, "dflash_engine_batch_size_count")
 
 
