@@ -57,3 +57,34 @@ def test_train_draft_block_size_bounds(block):
 def test_bad_continuations(tiny_dir, tmp_path, extra, needle):
     res = run_train(tiny_dir, tmp_path / "out", *extra)
     assert "Traceback" not in res.stderr and res.returncode == 2 and needle in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["17", "0", "x"])
+def test_bad_soft_k(tiny_dir, tmp_path, value):
+    res = run_train(tiny_dir, tmp_path / "out", "--labels", "soft", "--soft-k", value)
+    assert "Traceback" not in res.stderr and res.returncode == 2 and "--soft-k" in res.stderr, res.stderr[-2000:]
+
+
+def _rewrite_shards(data, edit):
+    from safetensors.torch import load_file, save_file
+
+    shards = sorted(data.glob("data-*.safetensors"))
+    assert shards
+    for f in shards:
+        save_file(edit(load_file(str(f))), str(f))
+
+
+def test_soft_labels_on_a_dataset_without_them_or_with_bad_ones(tiny_dir, tmp_path):
+    """--labels soft on data sampled before soft labels were stored: one line, no traceback;
+    soft labels that do not match the shard's tokens: a corrupt shard, not a crash."""
+    out = tmp_path / "out"
+    res = run_train(tiny_dir, out, "--data-only", "--samples", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    _rewrite_shards(out / "data", lambda t: {k: v for k, v in t.items() if not k.startswith("soft_")})
+    assert_clean(run_train(tiny_dir, out, "--labels", "soft"), "soft")
+    res = run_train(tiny_dir, out, "--labels", "greedy")   # the same data trains on argmax labels
+    assert res.returncode == 0, res.stderr[-2000:]
+    out2 = tmp_path / "out2"
+    assert run_train(tiny_dir, out2, "--data-only", "--samples", "2").returncode == 0
+    _rewrite_shards(out2 / "data", lambda t: {**t, "soft_p": t["soft_p"][1:].contiguous()})
+    assert_clean(run_train(tiny_dir, out2, "--labels", "soft"), "corrupt dataset shard")

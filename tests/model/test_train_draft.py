@@ -14,9 +14,9 @@ from dflash_server.spec.config import DraftConfig
 from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.spec.train import DraftTrainer, TrainConfig
-from dflash_server.spec.train_data import (PROMPTS_FILE, generate_dataset, generate_text_dataset, load_dataset, load_prompts,
-                                           pick_mask_token, render, sample_prompt, self_prompts, text_files,
-                                           text_prompt, user_turn_prefix)
+from dflash_server.spec.train_data import (PROMPTS_FILE, SOFT_K, generate_dataset, generate_text_dataset, load_dataset,
+                                           load_prompts, pick_mask_token, render, sample_prompt, self_prompts,
+                                           text_files, text_prompt, user_turn_prefix)
 from dflash_server.weights.loader import open_model
 from helpers.build import pipeline
 
@@ -166,12 +166,30 @@ def test_argmax_targets_and_greedy_switch(tiny_dir, tmp_path, slots):
         off = (s.ids[P:] != s.targets[P:]).nonzero()
         off_path += len(off)
         assert len(off) == 0 or int(off.max()) < 6             # greedy from token 6 on, at the latest
+        _check_soft(s, logits[P - 1:, :ref.config.vocab_size], P)
     assert off_path > 0                                       # temperature 1.5 does leave the argmax
     assert torch.equal(samples[0].ids[P:], samples[0].targets[P:])   # the first row is greedy throughout
     generate_dataset(pipe, load_prompts(split="train")[:1], tmp_path, TAPS, 4, max_new=16, greedy_after=4,
                      progress=False)
     _, loaded = load_dataset(tmp_path)
     assert all(s.targets is not None and s.targets.shape == s.ids.shape for s in loaded)
+    for s in loaded:     # soft labels survive the shards (probabilities stored in fp16)
+        ref.reset()
+        _check_soft(s, ref.forward(s.ids[:-1].tolist(), 0, logits="all").logits[s.prompt_len - 1:,
+                                                                                  :ref.config.vocab_size],
+                    s.prompt_len, rtol=2e-3)
+
+
+def _check_soft(s, logits, P, rtol=1e-4):
+    """``s``'s soft labels are the target's SOFT_K most likely tokens after each prompt
+    position, with their probabilities (softmax of the teacher-forced ``logits``), most likely
+    first; nothing in the prompt."""
+    assert s.soft_ids.shape == s.soft_p.shape == (len(s.ids), SOFT_K)
+    assert (s.soft_ids[:P] == -1).all() and (s.soft_p[:P] == 0).all()
+    probs = torch.softmax(logits.double(), -1)
+    assert torch.allclose(s.soft_p[P:].double(), probs.gather(-1, s.soft_ids[P:]), rtol=rtol, atol=1e-6)
+    assert (s.soft_p[P:, :-1] >= s.soft_p[P:, 1:]).all()                       # sorted, most likely first
+    assert torch.allclose(s.soft_p[P:].double().sum(-1), probs.topk(SOFT_K, -1).values.sum(-1), rtol=rtol)
 
 
 def _corpus(root):
@@ -211,6 +229,7 @@ def test_text_corpus_windows_features_targets_and_resume(tiny_dir, tmp_path, mon
         want = torch.cat([out.captures[t][0] for t in TAPS], -1)             # stored in bf16
         assert torch.allclose(s.features.float(), want, rtol=8e-3, atol=1e-4)
         assert torch.equal(out.logits[P - 1:, :ref.config.vocab_size].argmax(-1), s.targets[P:])
+        _check_soft(s, out.logits[P - 1:, :ref.config.vocab_size], P, rtol=2e-3)
     # the corpus runs out: what there is, no error; another window length is another dataset
     man = generate_text_dataset(pipe, [corpus], tmp_path / "td", TAPS, 10 ** 6, length=L, progress=False)
     assert man["samples"] == len(stream) // 20 and man["exhausted"]
@@ -269,14 +288,72 @@ def test_greedy_labels_count_only_the_argmax_path(tiny_dir):
     tr = DraftTrainer(tiny_cfg(pipe, block=4), [s], pipe.stages[0].embed, pipe.stages[0].embed.weight,
                       TrainConfig(steps=1, gamma=1e9), head_dtype=torch.float32)
     anchors = torch.tensor([P, P + 1, P + 3])
-    y, w = tr.labels(s, anchors)
+    y, w, soft = tr.labels(s, anchors)
+    assert soft is None
     assert int(y[0, 2]) == int(s.targets[P + 3]) != int(s.ids[P + 3])    # the label is the argmax
     # anchor P: P+1..P+3 count (the data is on the argmax path before P+3); anchor P+1: P+2 and
     # P+3 count, P+4 not (reached only through the off-path P+3); anchor P+3: all
     assert (w > 0).tolist() == [[True, True, True], [True, True, False], [True, True, True]]
+    tr.tc.labels = "soft"       # the same positions count; the labels are the target's top tokens
+    y2, w2, (ids, p) = tr.labels(s, anchors)
+    assert torch.equal(y2, y) and torch.equal(w2, w)
+    assert torch.equal(ids, s.soft_ids[anchors[:, None] + torch.arange(1, 4)])
+    assert torch.allclose(p.sum(-1), torch.ones(3, 3))
     tr.tc.labels = "sampled"
-    y, w = tr.labels(s, anchors)
+    y, w, _ = tr.labels(s, anchors)
     assert int(y[0, 2]) == int(s.ids[P + 3]) and bool((w > 0).all())
+
+
+@pytest.mark.parametrize("head_vocab", ["full", "data"])
+def test_soft_labels_loss_is_the_cross_entropy_against_the_targets_top_tokens(tiny_dir, head_vocab):
+    """labels="soft": with one token the loss (and its gradient) is the greedy loss; with K it
+    is -sum_k p_k log q(id_k), p the stored probabilities renormalized over the K tokens; a
+    dataset without soft labels is refused."""
+    pipe = batched(tiny_dir("llama"), batch=2)
+    ids = render(pipe.tokenizer, load_prompts(split="train")[3])
+    samples = sample_prompt(pipe, ids, TAPS, 24, temperature=1.2, greedy_after=5, gen=torch.Generator().manual_seed(2))
+
+    def trainer(labels, k=SOFT_K, data=samples):
+        return DraftTrainer(tiny_cfg(pipe, block=4), data, pipe.stages[0].embed, pipe.stages[0].embed.weight,
+                            TrainConfig(steps=1, anchors=6, labels=labels, soft_k=k, head_vocab=head_vocab,
+                                        negatives=64, seed=3), head_dtype=torch.float32)
+
+    anchors = [trainer("greedy").anchors_for(s, 0, j) for j, s in enumerate(samples)]
+
+    def loss_and_grad(tr):
+        loss, m = tr.loss(samples, anchors)
+        loss.backward()
+        return loss, torch.cat([p.grad.reshape(-1) for p in tr.params]), m
+    hard, g_hard, m_hard = loss_and_grad(trainer("greedy"))
+    one, g_one, m_one = loss_and_grad(trainer("soft", 1))
+    assert torch.allclose(one, hard, rtol=1e-6) and torch.allclose(g_one, g_hard, rtol=1e-4, atol=1e-7)
+    assert m_one["tau_tf"] == m_hard["tau_tf"]
+    tr = trainer("soft")
+    got, _, _ = loss_and_grad(tr)
+    got = got.detach()
+    # by hand: the full-vocabulary log-softmax of the draft's logits at each counted position
+    num = den = 0.0
+    with torch.no_grad():
+        for s, a in zip(samples, anchors):
+            h = tr._blocks(s, a)[:, 1:].reshape(-1, tr.cfg.hidden_size)
+            logq = torch.log_softmax(h @ tr.head.T, -1)
+            _, w, (sid, sp) = tr.labels(s, a)
+            if head_vocab == "data":   # the softmax over that step's candidates only
+                cand = torch.cat([tr.vocab, torch.randint(0, tr.head.shape[0], (64,),
+                                  generator=torch.Generator().manual_seed(3 * 7_777_777))] +
+                                 [tr.labels(x, b)[2][0].reshape(-1) for x, b in zip(samples, anchors)]).unique()
+                logq = torch.full_like(logq, -torch.inf)
+                logq[:, cand] = torch.log_softmax(h @ tr.head[cand].T, -1)
+            ce = -(sp.reshape(-1, SOFT_K) * logq.gather(-1, sid.reshape(-1, SOFT_K))).sum(-1)
+            num += float((ce * w.reshape(-1)).sum())
+            den += float(w.sum())
+    assert abs(float(got) - num / den) < 1e-4 * num / den
+    assert float(got) > float(hard) * 0.5     # (a different loss: the target's spread, not its argmax alone)
+    old = [type(s)(s.ids, s.prompt_len, s.features, s.targets) for s in samples]
+    with pytest.raises(ValueError, match="soft"):
+        trainer("soft", data=old)
+    with pytest.raises(ValueError, match="soft_k"):
+        trainer("soft", 0)
 
 
 def test_training_forward_equals_inference_draft(tiny_dir):

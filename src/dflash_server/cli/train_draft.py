@@ -88,10 +88,13 @@ def add_parser(sub) -> None:
                    help="softmax over the full vocabulary, or over the dataset's tokens plus --negatives random "
                         "ones per step (several times faster on CPU; auto: data on CPU, full elsewhere)")
     t.add_argument("--negatives", type=positive_int, default=4096, help="random extra tokens per step (data vocab)")
-    t.add_argument("--labels", default="greedy", choices=["greedy", "sampled"],
+    t.add_argument("--labels", default="greedy", choices=["greedy", "sampled", "soft"],
                    help="greedy: the target's argmax stored with the data, positions past the first off-argmax "
                         "data token of a block not counted (what greedy verification accepts); sampled: the data "
-                        "tokens")
+                        "tokens; soft: as greedy, but against the target's distribution there (its --soft-k most "
+                        "likely tokens, stored with data sampled since 2026-12-05)")
+    t.add_argument("--soft-k", type=positive_int, default=16,
+                   help="--labels soft: the target's most likely tokens a position trains on (at most the 16 stored)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     t.add_argument("--ckpt-every", type=positive_int, default=100, help="checkpoint interval in steps")
     t.add_argument("--eval-every", type=int, default=0, help="held-out acceptance interval (default steps/10; 0 too)")
@@ -223,7 +226,7 @@ def draft_block(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..spec.train import DraftTrainer, TrainConfig, default_gamma
-    from ..spec.train_data import (generate_dataset, generate_text_dataset, load_dataset, load_prompts,
+    from ..spec.train_data import (SOFT_K, generate_dataset, generate_text_dataset, load_dataset, load_prompts,
                                    read_manifest, render)
     from ..weights.default_model import default_model_path
     from ..weights.loader import open_model
@@ -236,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be in [0, 100], got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.soft_k > SOFT_K:
+        raise UserError(f"--soft-k must be at most {SOFT_K} (the tokens stored per position), got {args.soft_k}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -328,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     tc = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, warmup=args.warmup,
                      gamma=args.gamma or default_gamma(cfg.block_size), seed=args.seed,
                      head_vocab=args.head_vocab if args.head_vocab != "auto" else "data" if device == "cpu" else "full",
-                     negatives=args.negatives, amp=dtype != torch.float32, labels=args.labels)
+                     negatives=args.negatives, amp=dtype != torch.float32, labels=args.labels,
+                     soft_k=args.soft_k)
     head = pipe.stages[-1].lm_head
     if head.mode != "dense":  # quantized for serving: train against the dense matrix
         tied = mc.tie_word_embeddings or not source.has("lm_head.weight")

@@ -11,7 +11,9 @@ frozen LM head, weighted by ``exp(-(k-1)/gamma)``. When the dataset stores the t
 argmax per position, that is the label (greedy verification accepts exactly the argmax), and
 block position k > 1 only counts where the data tokens at positions 1..k-1 of the block are
 themselves the argmax: greedy verification only reaches position k along that path
-(``labels="greedy"``). AdamW, linear warmup then cosine decay,
+(``labels="greedy"``). ``labels="soft"`` keeps that mask but trains on the target's
+distribution there: cross-entropy against its ``soft_k`` most likely tokens, their stored
+probabilities renormalized (with ``soft_k=1`` exactly the greedy loss). AdamW, linear warmup then cosine decay,
 grad-norm clip 1.0. Only draft parameters train. Data order and anchors are a pure function
 of (seed, step), so a resumed run continues exactly where it stopped.
 """
@@ -55,8 +57,10 @@ class TrainConfig:
     negatives: int = 4096
     amp: bool = False           # bf16 autocast for the draft layers (fp32 master weights)
     # "greedy": train on the target's stored argmax (samples without it fall back to their
-    # tokens); "sampled": on the data tokens
+    # tokens); "sampled": on the data tokens; "soft": on the target's stored top-``soft_k``
+    # distribution (every sample must have soft labels)
     labels: str = "greedy"
+    soft_k: int = 16
 
 
 class DraftTrainer:
@@ -71,6 +75,14 @@ class DraftTrainer:
                  init: dict[str, torch.Tensor] | None = None):
         if not samples:
             raise ValueError("no training samples")
+        if tc.labels not in ("greedy", "sampled", "soft"):
+            raise ValueError(f"labels must be greedy, sampled or soft, got {tc.labels!r}")
+        if tc.labels == "soft":
+            if tc.soft_k < 1:
+                raise ValueError(f"soft_k must be at least 1, got {tc.soft_k}")
+            if any(s.soft_ids is None or s.targets is None for s in samples):
+                raise ValueError("labels 'soft' needs the target's stored distribution in every sample: "
+                                 "a dataset sampled before soft labels were kept has none (sample a new one)")
         self.cfg, self.samples, self.tc, self.device = cfg, samples, tc, torch.device(device)
         self.embed, self.head_dtype = embed, head_dtype
         self.head = head_weight.detach().to(self.device, head_dtype)
@@ -151,40 +163,59 @@ class DraftTrainer:
             x = layer(x, cos_b, sin_b, ck, cv, masks[key])
         return d.norm(x)[0].view(A, B, -1)
 
-    def labels(self, s: Sample, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Labels and loss weights (A, B-1) for block positions 1..B-1 at ``anchors``."""
+    def labels(self, s: Sample, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """Labels and loss weights (A, B-1) for block positions 1..B-1 at ``anchors``, and
+        with soft labels their (ids, probabilities) (A, B-1, soft_k), else None."""
         k = torch.arange(1, self.cfg.block_size)
         pos = anchors[:, None] + k
         valid = pos < len(s.ids)
         pos = pos.clamp(max=len(s.ids) - 1)
-        if self.tc.labels == "greedy" and s.targets is not None:
+        soft = None
+        if self.tc.labels in ("greedy", "soft") and s.targets is not None:
             y = s.targets[pos]
             on_path = (s.ids[pos] == y).int().cumprod(-1)          # data == argmax up to here
             valid = valid & torch.cat([torch.ones_like(on_path[:, :1]), on_path[:, :-1]], -1).bool()
+            if self.tc.labels == "soft":
+                ids, p = s.soft_ids[pos][..., :self.tc.soft_k], s.soft_p[pos][..., :self.tc.soft_k]
+                p = p * (ids >= 0)
+                total = p.sum(-1, keepdim=True)
+                valid = valid & (total[..., 0] > 0)
+                soft = (ids.clamp(min=0), p / total.clamp(min=1e-30))
         else:
             y = s.ids[pos]
-        return y, valid * torch.exp(-(k - 1) / self.tc.gamma)
+        return y, valid * torch.exp(-(k - 1) / self.tc.gamma), soft
 
     def loss(self, samples: list[Sample], anchors: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         B, dev = self.cfg.block_size, self.device
-        hidden, labels, weights = [], [], []
+        hidden, labels, weights, softs = [], [], [], []
         for s, a in zip(samples, anchors):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.tc.amp):
                 hidden.append(self._blocks(s, a)[:, 1:].float())
-            y, w = self.labels(s, a)
+            y, w, soft = self.labels(s, a)
             labels.append(y)
             weights.append(w)
+            softs.append(soft)
         h = torch.cat(hidden).reshape(-1, self.cfg.hidden_size)
         y = torch.cat(labels).reshape(-1).to(dev)
         w = torch.cat(weights).reshape(-1).to(dev, torch.float32)
+        soft = None
+        if self.tc.labels == "soft":
+            K = softs[0][0].shape[-1]
+            soft = (torch.cat([x[0] for x in softs]).reshape(-1, K), torch.cat([x[1] for x in softs]).reshape(-1, K))
         head = self.head
         if self.vocab is not None:
             g = torch.Generator().manual_seed(self.tc.seed * 7_777_777 + self.step)
-            cand = torch.cat([self.vocab, torch.randint(0, self.head.shape[0], (self.tc.negatives,), generator=g)])
-            cand = cand.unique()
+            cand = [self.vocab, torch.randint(0, self.head.shape[0], (self.tc.negatives,), generator=g)]
+            cand = torch.cat(cand + ([soft[0].reshape(-1)] if soft is not None else [])).unique()
             head, y = self.head[cand.to(dev)], torch.searchsorted(cand, y.cpu()).to(dev)
+            if soft is not None:
+                soft = (torch.searchsorted(cand, soft[0]), soft[1])
         logits = F.linear(h.to(self.head_dtype), head).float()
-        ce = F.cross_entropy(logits, y, reduction="none")
+        if soft is None:
+            ce = F.cross_entropy(logits, y, reduction="none")
+        else:   # -sum_k p_k log q(id_k): the cross-entropy against the target's (renormalized) top-K
+            logq = torch.log_softmax(logits, dim=-1).gather(-1, soft[0].to(dev))
+            ce = -(soft[1].to(dev) * logq).sum(-1)
         loss = (ce * w).sum() / w.sum()
         with torch.no_grad():
             hit = (logits.argmax(-1) == y) & (w > 0)

@@ -14,7 +14,11 @@ pickle) with a ``dataset.json`` manifest; generation resumes where a previous ru
 Greedy serving accepts a draft token exactly when it equals the target's argmax, so each
 position also stores that argmax (``targets``), and sampled rows switch to greedy decoding
 after a random number of tokens (``greedy_after``): the sampled prefix makes the rows
-differ, the greedy rest is the path greedy verification walks.
+differ, the greedy rest is the path greedy verification walks. Each position also keeps the
+target's ``SOFT_K`` most likely tokens and their probabilities (softmax at temperature 1 over
+the whole vocabulary: ``soft_ids`` / ``soft_p``), for training on the target's distribution
+instead of its argmax alone (``TrainConfig.labels = "soft"``); ~1.7% of a position's bytes
+beside its features.
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ class Sample:
     prompt_len: int
     features: torch.Tensor   # (L-1, taps*H): tapped outputs at positions [0, L-1)
     targets: torch.Tensor | None = None  # (L,) int64: the target's argmax for each position, -1 in the prompt
+    soft_ids: torch.Tensor | None = None  # (L, SOFT_K) int64: its most likely tokens there, -1 in the prompt
+    soft_p: torch.Tensor | None = None    # (L, SOFT_K) float32: their probabilities (0 in the prompt)
 
 
 def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[dict]:
@@ -86,17 +92,27 @@ def _last_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 TOP_K = 256  # sampling looks at the 256 most likely tokens (a full-vocabulary sort per step is slow)
+SOFT_K = 16  # the target's most likely tokens kept per position, with their probabilities
+
+
+def soft_labels(vals: torch.Tensor, idx: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probabilities) of the SOFT_K most likely tokens from ``logits.topk`` (``vals``,
+    ``idx``, sorted descending): softmax at temperature 1 over the whole last dimension."""
+    k = min(SOFT_K, vals.shape[-1])
+    return idx[..., :k].cpu(), torch.exp(vals[..., :k] - torch.logsumexp(logits, dim=-1, keepdim=True)).cpu()
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torch.Tensor, gen) -> tuple:
-    """(chosen tokens, argmax tokens) for each row; rows where ``greedy`` is set take the argmax."""
+    """(chosen tokens, argmax tokens, soft_labels) for each row; rows where ``greedy`` is set
+    take the argmax."""
     vals, idx = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1)     # sorted, descending
+    soft = soft_labels(vals, idx, logits)
     probs = torch.softmax(vals / max(temperature, 1e-5), dim=-1)
     if top_p < 1.0:
         probs[(probs.cumsum(-1) - probs) > top_p] = 0.0
     tok = idx.cpu().gather(-1, torch.multinomial(probs.cpu(), 1, generator=gen)).squeeze(-1)
     top = kernels.argmax(logits).cpu()                              # what greedy serving picks
-    return torch.where(greedy, top, tok), top
+    return torch.where(greedy, top, tok), top, soft
 
 
 PROMPT_SNAPSHOT = 1 << 30  # snapshot slot of the prompt's state while sampling (no prefix cache here)
@@ -148,11 +164,12 @@ def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature
             switch = torch.randint(1, greedy_after + 1, (B,), generator=gen)
         for g in range(len(groups)):
             switch[g * per:g * per + greedy_rows] = 0
-        toks, tops, feats, length = [], [], [], [0] * B
+        toks, tops, softs, feats, length = [], [], [], [], [0] * B
         for j in range(max_new):
-            tok, top = _sample(logits, temperature, top_p, switch <= j, gen)
+            tok, top, soft = _sample(logits, temperature, top_p, switch <= j, gen)
             toks.append(tok)
             tops.append(top)
+            softs.append(soft)
             for b in range(B):
                 if not length[b] and int(tok[b]) in eos:
                     length[b] = j + 1
@@ -169,6 +186,8 @@ def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature
                 logits = _last_logits(step.logits, vocab)
         toks_t = torch.stack(toks, dim=1)                                       # (B, n)
         tops_t = torch.stack(tops, dim=1)
+        soft_ids_t = torch.stack([s[0] for s in softs], dim=1)              # (B, n, K)
+        soft_p_t = torch.stack([s[1] for s in softs], dim=1)
         feats_t = torch.stack(feats, dim=1) if feats else prompt_feats[0].new_zeros(B, 0, prompt_feats[0].shape[-1])
     samples = []  # built outside inference mode: training differentiates through these
     for b in range(B):
@@ -178,8 +197,11 @@ def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature
         prompt = lane_ids[b] if lanes > 1 else groups[0]
         full = torch.tensor(prompt + toks_t[b, :n].tolist(), dtype=torch.long)
         targets = torch.cat([torch.full((len(prompt),), -1, dtype=torch.long), tops_t[b, :n].long()])
+        K = soft_ids_t.shape[-1]
+        soft_ids = torch.cat([torch.full((len(prompt), K), -1, dtype=torch.long), soft_ids_t[b, :n].long()])
+        soft_p = torch.cat([torch.zeros(len(prompt), K), soft_p_t[b, :n].float()])
         f = torch.cat([prompt_feats[b // per if lanes > 1 else 0], feats_t[b, :n - 1]])[:len(full) - 1].clone()
-        samples.append(Sample(full, len(prompt), f, targets))
+        samples.append(Sample(full, len(prompt), f, targets, soft_ids, soft_p))
     return samples
 
 
@@ -253,6 +275,9 @@ def _save_shard(path: Path, samples: list[Sample], dtype=torch.bfloat16) -> int:
                "features": torch.cat([s.features for s in samples]).to(dtype).contiguous()}
     if all(s.targets is not None for s in samples):
         tensors["targets"] = torch.cat([s.targets for s in samples]).to(torch.int32)
+    if all(s.soft_ids is not None for s in samples):
+        tensors["soft_ids"] = torch.cat([s.soft_ids for s in samples]).to(torch.int32).contiguous()
+        tensors["soft_p"] = torch.cat([s.soft_p for s in samples]).to(torch.float16).contiguous()
     save_file(tensors, str(path))
     return int(lens.sum())
 
@@ -376,6 +401,10 @@ def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, 
             t = load_file(str(Path(data_dir) / shard["file"]))
             off, pl = t["offsets"].tolist(), t["prompt_len"].tolist()
             t["tokens"], t["features"]   # noqa: B018 - present, or the shard is not one of ours
+            soft = "soft_ids" in t
+            if soft and not (t["soft_ids"].dim() == 2 and t["soft_p"].shape == t["soft_ids"].shape
+                             and t["soft_ids"].shape[0] == t["tokens"].shape[0]):
+                raise ValueError("soft labels do not match the tokens")
         except Exception as e:  # noqa: BLE001 - a truncated / foreign shard (SafetensorError, KeyError, ...)
             raise ValueError(f"{data_dir}: corrupt dataset shard {shard!r:.80} ({type(e).__name__})") from None
         feat_off = 0
@@ -383,7 +412,9 @@ def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, 
             ids = t["tokens"][off[i]:off[i + 1]].long()
             n = len(ids) - 1
             targets = t["targets"][off[i]:off[i + 1]].long() if "targets" in t else None
-            out.append(Sample(ids, pl[i], t["features"][feat_off:feat_off + n], targets))
+            sl = slice(off[i], off[i + 1])
+            out.append(Sample(ids, pl[i], t["features"][feat_off:feat_off + n], targets,
+                              t["soft_ids"][sl].long() if soft else None, t["soft_p"][sl].float() if soft else None))
             feat_off += n
         if limit is not None and len(out) >= limit:
             return man, out[:limit]
@@ -459,7 +490,7 @@ def text_prompt(tokenizer) -> list[int]:
 def capture_windows(pipe, prompt: list[int], bodies: list[list[int]], taps: tuple[int, ...]) -> list[Sample]:
     """One teacher-forced forward over ``prompt + body`` rows (the pipeline's batch; a short
     last group is padded with copies and the copies dropped): features at every position
-    and the target's argmax for every body position."""
+    and the target's argmax (and soft labels) for every body position."""
     B, vocab = pipe.stages[0].batch, pipe.config.vocab_size
     rows = [prompt + b for b in bodies]
     ids = torch.tensor(rows + [rows[-1]] * (B - len(rows)), dtype=torch.long)
@@ -469,12 +500,18 @@ def capture_windows(pipe, prompt: list[int], bodies: list[list[int]], taps: tupl
         out = pipe.forward(ids, 0, logits="all", capture=taps)
         logits = out.logits if out.logits.dim() == 3 else out.logits[None]
         top = kernels.argmax(logits[..., :vocab]).cpu()                                # (B, L)
+        lv = logits[..., :vocab].float()
+        sid, sp = soft_labels(*lv.topk(SOFT_K, dim=-1), lv)                            # (B, L, K)
         feats = torch.cat([out.captures[t] for t in taps], dim=-1).cpu()
     samples = []
     for b in range(len(bodies)):
+        p0 = max(P, 1)
         targets = torch.full((L,), -1, dtype=torch.long)
-        targets[max(P, 1):] = top[b, max(P, 1) - 1:L - 1]          # the argmax predicting each body token
-        samples.append(Sample(ids[b].clone(), max(P, 1), feats[b, :L - 1].clone(), targets))
+        targets[p0:] = top[b, p0 - 1:L - 1]          # the argmax predicting each body token
+        soft_ids = torch.full((L, sid.shape[-1]), -1, dtype=torch.long)
+        soft_p = torch.zeros(L, sid.shape[-1])
+        soft_ids[p0:], soft_p[p0:] = sid[b, p0 - 1:L - 1], sp[b, p0 - 1:L - 1]
+        samples.append(Sample(ids[b].clone(), p0, feats[b, :L - 1].clone(), targets, soft_ids, soft_p))
     return samples
 
 
