@@ -176,7 +176,7 @@ class DraftTrainer:
             on_path = (s.ids[pos] == y).int().cumprod(-1)          # data == argmax up to here
             valid = valid & torch.cat([torch.ones_like(on_path[:, :1]), on_path[:, :-1]], -1).bool()
             if self.tc.labels == "soft":
-                ids, p = s.soft_ids[pos][..., :self.tc.soft_k], s.soft_p[pos][..., :self.tc.soft_k]
+                ids, p = s.soft_ids[pos][..., :self.tc.soft_k].long(), s.soft_p[pos][..., :self.tc.soft_k].float()
                 p = p * (ids >= 0)
                 total = p.sum(-1, keepdim=True)
                 valid = valid & (total[..., 0] > 0)

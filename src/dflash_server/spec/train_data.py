@@ -43,8 +43,8 @@ class Sample:
     prompt_len: int
     features: torch.Tensor   # (L-1, taps*H): tapped outputs at positions [0, L-1)
     targets: torch.Tensor | None = None  # (L,) int64: the target's argmax for each position, -1 in the prompt
-    soft_ids: torch.Tensor | None = None  # (L, SOFT_K) int64: its most likely tokens there, -1 in the prompt
-    soft_p: torch.Tensor | None = None    # (L, SOFT_K) float32: their probabilities (0 in the prompt)
+    soft_ids: torch.Tensor | None = None  # (L, SOFT_K) integer: its most likely tokens there, -1 in the prompt
+    soft_p: torch.Tensor | None = None    # (L, SOFT_K) float: their probabilities (0 in the prompt; fp16 when loaded)
 
 
 def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[dict]:
@@ -414,7 +414,7 @@ def load_dataset(data_dir: str | Path, limit: int | None = None) -> tuple[dict, 
             targets = t["targets"][off[i]:off[i + 1]].long() if "targets" in t else None
             sl = slice(off[i], off[i + 1])
             out.append(Sample(ids, pl[i], t["features"][feat_off:feat_off + n], targets,
-                              t["soft_ids"][sl].long() if soft else None, t["soft_p"][sl].float() if soft else None))
+                              t["soft_ids"][sl] if soft else None, t["soft_p"][sl] if soft else None))  # (as stored)
             feat_off += n
         if limit is not None and len(out) >= limit:
             return man, out[:limit]
