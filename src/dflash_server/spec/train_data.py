@@ -501,7 +501,7 @@ def capture_windows(pipe, prompt: list[int], bodies: list[list[int]], taps: tupl
         logits = out.logits if out.logits.dim() == 3 else out.logits[None]
         top = kernels.argmax(logits[..., :vocab]).cpu()                                # (B, L)
         lv = logits[..., :vocab].float()
-        sid, sp = soft_labels(*lv.topk(SOFT_K, dim=-1), lv)                            # (B, L, K)
+        sid, sp = soft_labels(*lv.topk(min(SOFT_K, vocab), dim=-1), lv)                # (B, L, K)
         feats = torch.cat([out.captures[t] for t in taps], dim=-1).cpu()
     samples = []
     for b in range(len(bodies)):
