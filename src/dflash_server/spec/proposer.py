@@ -225,11 +225,8 @@ class DFlashProposer:
         return True
 
     def flush(self) -> None:
-        """Append deferred positions to the draft's context."""
-        if self._pending:
-            start, feats = self._pending[0][0], torch.cat([f for _, f in self._pending], dim=1)
-            self._pending.clear()
-            self.draft.append_context(feats, start)
+        """Append the selected slot's deferred positions to the draft's context."""
+        self.flush_lanes([self._lane])
 
     def flush_lanes(self, lanes: list[int]) -> None:
         """``flush`` of several slots in one draft call (``append_contexts``); the selected
