@@ -1,6 +1,7 @@
 """train-draft: data sampling + feature capture, the training forward against inference,
 resume, end to end on a tiny target (beats a random draft, export loads, output lossless)."""
 import json
+import random
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from dflash_server.spec.draft import DFlashDraft
 from dflash_server.spec.proposer import DFlashProposer
 from dflash_server.spec.train import DraftTrainer, TrainConfig
 from dflash_server.spec.train_data import (PROMPTS_FILE, SOFT_K, generate_dataset, generate_text_dataset, load_dataset,
-                                           load_prompts, pick_mask_token, render, sample_prompt, self_prompts,
+                                           load_prompts, pick_mask_token, read_manifest, render, sample_prompt,
+                                           self_prompts,
                                            text_files, text_prompt, user_turn_prefix)
 from dflash_server.weights.loader import open_model
 from helpers.build import pipeline
@@ -110,14 +112,114 @@ def test_several_prompts_share_the_slots_each_row_as_its_prompt_alone(tiny_dir, 
     assert not torch.equal(samples[1].ids[samples[1].prompt_len:], samples[1].targets[samples[1].prompt_len:])
     man = generate_dataset(pipe, load_prompts(split="train")[:5], tmp_path, TAPS, 6, max_new=12, continuations=2,
                            progress=False)
-    assert man["prompts_done"] == 4 and man["samples"] >= 6
-    assert len({tuple(s.ids[:s.prompt_len].tolist()) for s in load_dataset(tmp_path)[1]}) == 4
+    assert man["prompts_done"] == 3 and man["samples"] == 6      # no more prompts started than needed
+    assert len({tuple(s.ids[:s.prompt_len].tolist()) for s in load_dataset(tmp_path)[1]}) == 3
     with pytest.raises(ValueError, match="do not divide"):
         generate_dataset(pipe, prompts, tmp_path / "x", TAPS, 4, continuations=3, progress=False)
     with pytest.raises(ValueError, match="do not divide"):
         sample_prompt(pipe, ids + [ids[0]], TAPS, 4)
     with pytest.raises(ValueError, match="sequence slots"):
         generate_dataset(batched(path), prompts, tmp_path / "y", TAPS, 4, continuations=2, progress=False)
+
+
+def _int8_slots(path, lanes, max_ctx=256):
+    """Sequence slots in bf16 with int8 weights: the native kernels' rows are bit-equal to
+    the same rows computed alone (on any row count), as train-draft samples on a CPU."""
+    src = open_model(path)
+    return build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.bfloat16, max_ctx=max_ctx,
+                          quantize="int8", progress=False, lanes=lanes)
+
+
+def _same(a, b):
+    assert a.prompt_len == b.prompt_len and torch.equal(a.ids, b.ids) and torch.equal(a.targets, b.targets)
+    assert torch.equal(a.features, b.features) and torch.equal(a.soft_ids, b.soft_ids)
+    assert torch.equal(a.soft_p, b.soft_p)
+
+
+def test_refilled_slots_give_each_prompt_what_it_gives_alone(tiny_dir, monkeypatch):
+    """sample_stream over 6 prompts in 2 groups of 2 slots; rows end at an EOS token or at the
+    context's end (prompts of different lengths), so groups finish out of order and are
+    refilled while the other decodes. Each prompt's samples equal that prompt sampled alone
+    with the same generator, bit for bit; a row that ended decodes no more and a free group
+    is refilled at once (the rows decoded are exactly the tokens fed)."""
+    from dflash_server.spec.train_sample import Job, sample_stream
+    path = tiny_dir("llama")
+    prompts = [render(_int8_slots(path, 2).tokenizer, p) for p in load_prompts(split="train")[:6]]
+    max_ctx = max(map(len, prompts)) + 20
+    pipe, solo = _int8_slots(path, 4, max_ctx), _int8_slots(path, 2, max_ctx)
+
+    def jobs(keys, greedy_rows=1):
+        it = iter(Job(k, prompts[k], greedy_rows, torch.Generator().manual_seed(100 + k)) for k in keys)
+        return lambda: next(it, None)
+
+    def run(p, keys):
+        return list(sample_stream(p, jobs(keys), TAPS, 64, 2, temperature=1.5, greedy_after=8))
+    # an EOS the rows do write: a token a sampled row of prompt 0 writes early on
+    eos = run(solo, [0])[0][1][1].ids[len(prompts[0]) + 2].item()
+    monkeypatch.setattr(pipe.tokenizer, "eos_token_ids", (eos,))
+    monkeypatch.setattr(solo.tokenizer, "eos_token_ids", (eos,))
+    fed = []
+    forward_rows = pipe.forward_rows
+    monkeypatch.setattr(pipe, "forward_rows", lambda t, lanes, pos, **kw: fed.append(len(t)) or
+                        forward_rows(t, lanes, pos, **kw))
+    got = run(pipe, range(6))
+    keys = [k for k, _ in got]
+    assert sorted(keys) == list(range(6)) and keys != sorted(keys)          # out of order: refilled mid-flight
+    ended = [s for _, ss in got for s in ss]
+    assert any(s.ids[-1] == eos for s in ended) and any(s.ids[-1] != eos for s in ended)
+    assert sum(fed) == sum(len(s.ids) - s.prompt_len - 1 for s in ended)  # each token fed once, none after its end
+    assert max(fed) == 4 and len(fed) < max(len(s.ids) - s.prompt_len for s in ended) * 3
+    for k, samples in got:
+        alone = run(solo, [k])
+        assert len(alone) == 1 and len(alone[0][1]) == len(samples) >= 1
+        for a, b in zip(samples, alone[0][1]):
+            _same(a, b)
+    with pytest.raises(ValueError, match="do not divide"):
+        list(sample_stream(pipe, jobs([0]), TAPS, 8, 3))
+    with pytest.raises(ValueError, match="sequence slots"):
+        list(sample_stream(batched(path), jobs([0]), TAPS, 8, 2))
+
+
+def test_dataset_resumed_after_an_interruption_is_the_uninterrupted_one(tiny_dir, tmp_path, monkeypatch):
+    """Each prompt samples with its own generator, so a dataset sampled in one run, in two
+    runs (a smaller target first) and in a run killed mid-way (a shard write fails) and
+    resumed hold the same samples in the same order; prompts finishing out of order are
+    written in order."""
+    from dflash_server.spec import train_data
+    path = tiny_dir("llama")
+    prompts = load_prompts(split="train")[:7]
+    lens = [len(render(_int8_slots(path, 2).tokenizer, p)) for p in prompts]
+    assert len(set(lens)) > 3
+    pipe = _int8_slots(path, 4, max_ctx=max(lens) + 12)      # rows end where the context does: out of order
+    kw = dict(max_new=64, temperature=1.3, greedy_after=5, continuations=2, shard_prompts=2, progress=False)
+    whole = generate_dataset(pipe, prompts, tmp_path / "a", TAPS, 10, **kw)
+    assert whole["samples"] == 10 and whole["prompts_done"] == 5
+    generate_dataset(pipe, prompts, tmp_path / "b", TAPS, 3, **kw)
+    two = generate_dataset(pipe, prompts, tmp_path / "b", TAPS, 10, **kw)
+    save, calls = train_data._save_shard, []
+
+    def dies(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return save(*a)
+    monkeypatch.setattr(train_data, "_save_shard", dies)
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(pipe, prompts, tmp_path / "c", TAPS, 10, **kw)
+    monkeypatch.setattr(train_data, "_save_shard", save)
+    assert read_manifest(tmp_path / "c")["prompts_done"] == 2
+    three = generate_dataset(pipe, prompts, tmp_path / "c", TAPS, 10, **kw)
+    assert whole["prompts_done"] == two["prompts_done"] == three["prompts_done"]
+    want = load_dataset(tmp_path / "a")[1]
+    for d in ("b", "c"):
+        got = load_dataset(tmp_path / d)[1]
+        assert len(got) == len(want)
+        for a, b in zip(want, got):
+            _same(a, b)
+    order = list(range(len(prompts)))
+    random.Random(0).shuffle(order)                              # the dataset's prompt order (seed 0)
+    assert [s.ids[:s.prompt_len].tolist() for s in want] == \
+        [render(pipe.tokenizer, prompts[order[k]]) for k in range(5) for _ in range(2)]
 
 
 def test_the_default_model_writes_its_own_user_prompts():

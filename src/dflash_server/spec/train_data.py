@@ -1,15 +1,14 @@
 """Self-distillation data for a DFlash draft: the target's own responses and features.
 
 The target is sampled on a prompt set (``assets/train_prompts.jsonl``, written for this
-project and disjoint from the evaluation sets), rendered with its chat template. B
-continuations of the same prompt (or B/K of each of several prompts) are drawn at once: in B sequence slots
-(``build_pipeline(..., lanes=B)``, one row each per forward: what ``train-draft`` uses on a
-CPU, where the native kernels batch rows) or a lockstep batch (``batch=B``; the rows share
-positions, so no padding); the tapped layers' outputs are
-captured during generation, so no second teacher-forced pass is needed (a position's
-feature is the layer output when that token went through the target, as in a prefill).
-Each continuation is cut after its first EOS. Samples go to safetensors shards (never
-pickle) with a ``dataset.json`` manifest; generation resumes where a previous run stopped.
+project and disjoint from the evaluation sets), rendered with its chat template, by
+``train_sample.py``: K continuations per prompt, in the pipeline's sequence slots (what
+``train-draft`` uses on a CPU: B/K prompts at once, a finished prompt's slots refilled
+with the next one) or as a lockstep batch. Each continuation is cut after its first EOS.
+Samples go to safetensors shards (never pickle) with a ``dataset.json`` manifest; each
+prompt samples from its own generator (seeded by the dataset's seed and the prompt's
+ordinal), so generation resumes where a previous run stopped and writes what an
+uninterrupted run would have.
 
 Greedy serving accepts a draft token exactly when it equals the target's argmax, so each
 position also stores that argmax (``targets``), and sampled rows switch to greedy decoding
@@ -25,26 +24,16 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import kernels
+from .train_sample import SOFT_K, Job, Sample, sample_prompt, sample_stream, soft_labels  # noqa: F401 (re-exported)
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "assets" / "train_prompts.jsonl"
 MANIFEST = "dataset.json"
-
-
-@dataclass
-class Sample:
-    ids: torch.Tensor        # (L,) int64: prompt + response (EOS included when reached)
-    prompt_len: int
-    features: torch.Tensor   # (L-1, taps*H): tapped outputs at positions [0, L-1)
-    targets: torch.Tensor | None = None  # (L,) int64: the target's argmax for each position, -1 in the prompt
-    soft_ids: torch.Tensor | None = None  # (L, SOFT_K) integer: its most likely tokens there, -1 in the prompt
-    soft_p: torch.Tensor | None = None    # (L, SOFT_K) float: their probabilities (0 in the prompt; fp16 when loaded)
 
 
 def load_prompts(path: str | Path | None = None, split: str | None = None) -> list[dict]:
@@ -83,126 +72,6 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
     used |= set(tokenizer.eos_token_ids) | {tokenizer.bos_token_id}
     special = [i for i in tokenizer.tok.get_added_tokens_decoder() if i not in used and i < vocab_size]
     return max(special) if special else vocab_size - 1
-
-
-def _last_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, V) logits of the last position for either output layout of the pipeline."""
-    rows = logits[:, -1] if logits.dim() == 3 else logits[-1:]
-    return rows[..., :vocab].float()
-
-
-TOP_K = 256  # sampling looks at the 256 most likely tokens (a full-vocabulary sort per step is slow)
-SOFT_K = 16  # the target's most likely tokens kept per position, with their probabilities
-
-
-def soft_labels(vals: torch.Tensor, idx: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, probabilities) of the SOFT_K most likely tokens from ``logits.topk`` (``vals``,
-    ``idx``, sorted descending): softmax at temperature 1 over the whole last dimension."""
-    k = min(SOFT_K, vals.shape[-1])
-    return idx[..., :k].cpu(), torch.exp(vals[..., :k] - torch.logsumexp(logits, dim=-1, keepdim=True)).cpu()
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: torch.Tensor, gen) -> tuple:
-    """(chosen tokens, argmax tokens, soft_labels) for each row; rows where ``greedy`` is set
-    take the argmax."""
-    vals, idx = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1)     # sorted, descending
-    soft = soft_labels(vals, idx, logits)
-    probs = torch.softmax(vals / max(temperature, 1e-5), dim=-1)
-    if top_p < 1.0:
-        probs[(probs.cumsum(-1) - probs) > top_p] = 0.0
-    tok = idx.cpu().gather(-1, torch.multinomial(probs.cpu(), 1, generator=gen)).squeeze(-1)
-    top = kernels.argmax(logits).cpu()                              # what greedy serving picks
-    return torch.where(greedy, top, tok), top, soft
-
-
-PROMPT_SNAPSHOT = 1 << 30  # snapshot slot of the prompt's state while sampling (no prefix cache here)
-
-
-def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature: float = 0.8,
-                  top_p: float = 0.95, greedy_rows: int = 1, greedy_after: int = 0,
-                  gen: torch.Generator | None = None) -> list[Sample]:
-    """B continuations with their features and the target's argmax at every position: B =
-    the pipeline's sequence slots (each decodes one row of a batched forward: on a CPU the
-    native kernels' rows, each row's result as alone), or its lockstep batch. ``ids`` is one
-    prompt (every row continues it) or, with slots, a list of G prompts that divides B (B/G
-    rows continue each, prompt g in rows [g*B/G, (g+1)*B/G)). The first ``greedy_rows`` rows
-    of each prompt decode greedily (what greedy serving sees); the rest sample, and with
-    ``greedy_after`` > 0 each of them turns greedy after a random number of tokens in
-    [1, greedy_after]. Rows that reached EOS go on decoding (the batch keeps its shape);
-    what they write after it is dropped."""
-    vocab, eos = pipe.config.vocab_size, set(pipe.tokenizer.eos_token_ids)
-    lanes = pipe.lanes if pipe.stages[0].batch == 1 else 1   # B sequence slots: one decode row each
-    groups = [list(p) for p in ids] if ids and not isinstance(ids[0], int) else [list(ids)]
-    if len(groups) > 1 and (lanes == 1 or lanes % len(groups)):
-        raise ValueError(f"{len(groups)} prompts do not divide the pipeline's {lanes} sequence slot(s)")
-    per = lanes // len(groups)                                  # rows continuing each prompt
-    lane_ids = [groups[b // per] for b in range(lanes)]
-    max_new = min(max_new, pipe.max_ctx - max(map(len, groups)))
-    with torch.inference_mode():
-        # each prompt prefilled once, in its first slot, then copied into its other slots as
-        # a snapshot: the state bits a prefill of each would write, at a copy's cost
-        prompt_feats, first = [], []
-        for g, prompt in enumerate(groups):
-            pipe.select(g * per)
-            pipe.reset()
-            out = pipe.prefill(prompt, capture=taps)
-            if per > 1:
-                pipe.snapshot_save(PROMPT_SNAPSHOT)
-                try:
-                    for lane in range(g * per + 1, (g + 1) * per):
-                        pipe.select(lane)
-                        pipe.reset()
-                        pipe.snapshot_restore(PROMPT_SNAPSHOT)
-                finally:
-                    pipe.snapshot_free(PROMPT_SNAPSHOT)
-            prompt_feats.append(torch.cat([out.captures[t][:1] for t in taps], dim=-1)[0].cpu())  # rows are identical
-            first.append(_last_logits(out.logits, vocab))
-        logits = torch.cat([f.expand(per, -1) if f.shape[0] == 1 else f for f in first]) if lanes > 1 else first[0]
-        B = logits.shape[0]
-        switch = torch.full((B,), max_new + 1)
-        if greedy_after > 0:
-            switch = torch.randint(1, greedy_after + 1, (B,), generator=gen)
-        for g in range(len(groups)):
-            switch[g * per:g * per + greedy_rows] = 0
-        toks, tops, softs, feats, length = [], [], [], [], [0] * B
-        for j in range(max_new):
-            tok, top, soft = _sample(logits, temperature, top_p, switch <= j, gen)
-            toks.append(tok)
-            tops.append(top)
-            softs.append(soft)
-            for b in range(B):
-                if not length[b] and int(tok[b]) in eos:
-                    length[b] = j + 1
-            if all(length) or j == max_new - 1:
-                break
-            if lanes > 1:   # one row per slot, in one forward (the native kernels' batched rows)
-                step = pipe.forward_rows(tok.tolist(), list(range(lanes)), [len(p) + j for p in lane_ids],
-                                         capture=taps)
-                feats.append(torch.cat([step.captures[t][0] for t in taps], dim=-1).cpu())
-                logits = step.logits[:, :vocab].float()
-            else:
-                step = pipe.forward(tok[:, None], len(groups[0]) + j, logits="last", capture=taps)
-                feats.append(torch.cat([step.captures[t][:, -1] for t in taps], dim=-1).cpu())
-                logits = _last_logits(step.logits, vocab)
-        toks_t = torch.stack(toks, dim=1)                                       # (B, n)
-        tops_t = torch.stack(tops, dim=1)
-        soft_ids_t = torch.stack([s[0] for s in softs], dim=1)              # (B, n, K)
-        soft_p_t = torch.stack([s[1] for s in softs], dim=1)
-        feats_t = torch.stack(feats, dim=1) if feats else prompt_feats[0].new_zeros(B, 0, prompt_feats[0].shape[-1])
-    samples = []  # built outside inference mode: training differentiates through these
-    for b in range(B):
-        n = length[b] or toks_t.shape[1]
-        if n < 2:
-            continue
-        prompt = lane_ids[b] if lanes > 1 else groups[0]
-        full = torch.tensor(prompt + toks_t[b, :n].tolist(), dtype=torch.long)
-        targets = torch.cat([torch.full((len(prompt),), -1, dtype=torch.long), tops_t[b, :n].long()])
-        K = soft_ids_t.shape[-1]
-        soft_ids = torch.cat([torch.full((len(prompt), K), -1, dtype=torch.long), soft_ids_t[b, :n].long()])
-        soft_p = torch.cat([torch.zeros(len(prompt), K), soft_p_t[b, :n].float()])
-        f = torch.cat([prompt_feats[b // per if lanes > 1 else 0], feats_t[b, :n - 1]])[:len(full) - 1].clone()
-        samples.append(Sample(full, len(prompt), f, targets, soft_ids, soft_p))
-    return samples
 
 
 USER_MARK = "\x00USER\x00"   # stands for the user's text while the template is cut at it
@@ -317,11 +186,11 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
         raise ValueError(f"{data_dir} holds data for another target or other tapped layers; use a new --data dir")
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
-    gen = torch.Generator().manual_seed(seed + 1000003 * man["prompts_done"])
     bar = tqdm(total=samples, initial=min(man["samples"], samples), desc="sampling target", unit="seq",
                disable=None if progress else True)
-    pending: list[Sample] = []
+    pending: list[Sample] = []       # finished prompts, in order, not yet in a shard
     pending_prompts = 0
+    early: dict[int, list[Sample]] = {}   # prompts that finished before an earlier one
     # this run's throughput (response tokens kept / seconds), written with the manifest
     run = man["last_run"] = {"response_tokens": 0, "seconds": 0.0, "tokens_per_s": None}
     t_run = time.perf_counter()
@@ -348,29 +217,56 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
         raise ValueError(f"{per} continuations per prompt do not divide the {rows} rows sampled at once")
     if per != rows and lockstep > 1:
         raise ValueError("several prompts at once need sequence slots (a lockstep batch shares one prompt)")
+    start = man["prompts_done"]
+    launched = finished = 0
+
+    def have() -> int:
+        return man["samples"] + len(pending) + sum(map(len, early.values()))
+
+    def next_job() -> Job | None:
+        """The next prompt of the (repeating) shuffled order while the samples done and those
+        expected from prompts in flight fall short; greedy rows only on the first pass."""
+        nonlocal launched
+        if have() + per * (launched - finished) >= samples:
+            return None
+        k = start + launched
+        launched += 1
+        return Job(k, render(pipe.tokenizer, prompts[order[k % len(order)]]), greedy_rows if k < len(order) else 0,
+                   torch.Generator().manual_seed(prompt_seed(seed, k)))
+
+    def finish(k: int, got: list[Sample]) -> None:
+        nonlocal pending, pending_prompts, finished
+        finished += 1
+        early[k] = got
+        while man["prompts_done"] + pending_prompts in early:   # the next prompt in order has finished
+            pending += early.pop(man["prompts_done"] + pending_prompts)
+            pending_prompts += 1
+        run["response_tokens"] += sum(len(x.ids) - x.prompt_len for x in got)
+        run["seconds"] = round(time.perf_counter() - t_run, 2)
+        run["tokens_per_s"] = round(run["response_tokens"] / max(run["seconds"], 1e-9), 1)
+        bar.update(len(got))
+        bar.set_postfix(tokens=man["tokens"] + sum(len(s.ids) for s in pending))
+        if pending_prompts >= shard_prompts:
+            flush()
+
     try:
-        k = man["prompts_done"]
-        while man["samples"] + len(pending) < samples:
-            group = [prompts[order[(k + g) % len(order)]] for g in range(rows // per)]
-            ids = [render(pipe.tokenizer, p) for p in group]
-            got = sample_prompt(pipe, ids if len(ids) > 1 else ids[0], taps, max_new, temperature=temperature,
-                                top_p=top_p, greedy_rows=greedy_rows if k < len(order) else 0,
-                                greedy_after=greedy_after, gen=gen)
-            pending += got
-            pending_prompts += len(group)
-            k += len(group) - 1
-            run["response_tokens"] += sum(len(x.ids) - x.prompt_len for x in got)
-            run["seconds"] = round(time.perf_counter() - t_run, 2)
-            run["tokens_per_s"] = round(run["response_tokens"] / max(run["seconds"], 1e-9), 1)
-            k += 1
-            bar.update(len(got))
-            bar.set_postfix(tokens=man["tokens"] + sum(len(s.ids) for s in pending))
-            if pending_prompts >= shard_prompts:
-                flush()
+        if lockstep == 1 and rows > 1:      # sequence slots, refilled as prompts finish
+            for k, got in sample_stream(pipe, next_job, taps, max_new, per, temperature=temperature, top_p=top_p,
+                                        greedy_after=greedy_after):
+                finish(k, got)
+        else:
+            while (job := next_job()) is not None:
+                finish(job.key, sample_prompt(pipe, job.ids, taps, max_new, temperature=temperature, top_p=top_p,
+                                              greedy_rows=job.greedy_rows, greedy_after=greedy_after, gen=job.gen))
         flush()
     finally:
         bar.close()
     return man
+
+
+def prompt_seed(seed: int, k: int) -> int:
+    """The seed of the generator the dataset's ``k``-th prompt samples with."""
+    return seed * 1_000_003 + k
 
 
 def top_tokens(samples: list[Sample], k: int) -> tuple[torch.Tensor, float]:
