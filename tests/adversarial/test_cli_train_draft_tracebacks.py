@@ -88,3 +88,31 @@ def test_soft_labels_on_a_dataset_without_them_or_with_bad_ones(tiny_dir, tmp_pa
     assert run_train(tiny_dir, out2, "--data-only", "--samples", "2").returncode == 0
     _rewrite_shards(out2 / "data", lambda t: {**t, "soft_p": t["soft_p"][1:].contiguous()})
     assert_clean(run_train(tiny_dir, out2, "--labels", "soft"), "corrupt dataset shard")
+
+
+def test_sampling_that_can_never_give_a_sample_stops_with_one_line(tiny_dir, tmp_path):
+    """--max-new-tokens 1 (a sample needs a response of 2+ tokens) looped forever over the
+    prompts; now one line after a whole pass gave nothing. A prompts file with no training
+    prompt (all held out) is one line too."""
+    res = run_train(tiny_dir, tmp_path / "out", "--max-new-tokens", "1")
+    assert_clean(res, "gave no sample")
+    p = tmp_path / "held.jsonl"
+    p.write_text('{"messages": [{"role": "user", "content": "hi"}], "split": "heldout"}\n')
+    assert_clean(run_train(tiny_dir, tmp_path / "out2", "--prompts", str(p)), "no training prompts")
+
+
+def test_a_prompt_longer_than_the_context_is_skipped(tiny_dir, tmp_path):
+    """A prompt that leaves no room in the target's context gives no sample and sampling goes
+    on with the others (the tiny target's context is 1024 positions)."""
+    import json
+    p = tmp_path / "p.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "word " * 1500}]},
+            {"messages": [{"role": "user", "content": "Say hello."}]}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run_train(tiny_dir, tmp_path / "out", "--prompts", str(p), "--samples", "4", "--gen-batch", "2",
+                    "--data-only")
+    assert res.returncode == 0, res.stderr[-2000:]
+    man = json.loads((tmp_path / "out" / "data" / "dataset.json").read_text())
+    assert man["samples"] == 4 and man["prompts_done"] >= 3          # the long one visited, skipped
+    from dflash_server.spec.train_data import load_dataset
+    assert all(s.prompt_len < 100 for s in load_dataset(tmp_path / "out" / "data")[1])

@@ -379,6 +379,23 @@ def test_train_draft_continuations_flag_spreads_a_batch_over_prompts(tiny_dir, t
     assert len({tuple(s.ids[:s.prompt_len].tolist()) for s in load_dataset(out / "data")[1]}) == 4
 
 
+def test_sampling_batch_defaults():
+    """Sequence slots default to 32 rows of 16 prompts (2 continuations each), a lockstep
+    batch to 8 continuations of one prompt; given flags win; K must divide B."""
+    import argparse
+
+    from dflash_server.cli.train_draft import sampling_batch
+    from dflash_server.errors import UserError
+
+    def ns(b=None, k=None):
+        return argparse.Namespace(gen_batch=b, continuations=k)
+    assert sampling_batch(ns(), True) == (32, 2) and sampling_batch(ns(), False) == (8, 8)
+    assert sampling_batch(ns(3), True) == (3, 3) and sampling_batch(ns(8), True) == (8, 2)
+    assert sampling_batch(ns(8, 8), True) == (8, 8) and sampling_batch(ns(4), False) == (4, 4)
+    with pytest.raises(UserError, match="does not divide"):
+        sampling_batch(ns(4, 3), True)
+
+
 def test_greedy_labels_count_only_the_argmax_path(tiny_dir):
     pipe = batched(tiny_dir("llama"), batch=1)
     ids = render(pipe.tokenizer, load_prompts(split="train")[1])

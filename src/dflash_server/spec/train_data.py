@@ -172,8 +172,10 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
     """Sample until the dataset in ``data_dir`` holds at least ``samples`` sequences
     (continuing an existing one made with the same taps/model). ``continuations``: rows
     per prompt (default: every sequence slot continues one prompt); fewer spread the slots
-    over several prompts at once (more distinct prompts for the same tokens). Returns the
-    manifest."""
+    over several prompts at once (more distinct prompts for the same tokens), each group of
+    slots taking the next prompt as soon as its continuations have ended; a prompt is
+    started only while the samples done and in flight fall short of ``samples``. Samples
+    are written in prompt order. Returns the manifest."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg = pipe.config
@@ -184,6 +186,8 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
     if man["target_layer_ids"] != list(taps) or man["hidden_size"] != cfg.hidden_size or \
             (fingerprint and man.get("model") and man["model"] != fingerprint):
         raise ValueError(f"{data_dir} holds data for another target or other tapped layers; use a new --data dir")
+    if not prompts:
+        raise ValueError("no training prompts to sample")
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     bar = tqdm(total=samples, initial=min(man["samples"], samples), desc="sampling target", unit="seq",
@@ -234,9 +238,15 @@ def generate_dataset(pipe, prompts: list[dict], data_dir: str | Path, taps: tupl
         return Job(k, render(pipe.tokenizer, prompts[order[k % len(order)]]), greedy_rows if k < len(order) else 0,
                    torch.Generator().manual_seed(prompt_seed(seed, k)))
 
+    barren = 0    # prompts in a row that gave no sample
+
     def finish(k: int, got: list[Sample]) -> None:
-        nonlocal pending, pending_prompts, finished
+        nonlocal pending, pending_prompts, finished, barren
         finished += 1
+        barren = 0 if got else barren + 1
+        if barren >= len(order):
+            raise ValueError(f"{barren} prompts in a row gave no sample (a sample needs a response of 2+ "
+                             "tokens: a larger response cap, or prompts that leave room in the context)")
         early[k] = got
         while man["prompts_done"] + pending_prompts in early:   # the next prompt in order has finished
             pending += early.pop(man["prompts_done"] + pending_prompts)

@@ -128,11 +128,15 @@ class _Group:
     def running(self) -> list[int]:
         return [r for r, n in enumerate(self.length) if not n]
 
-    def take(self, logits: torch.Tensor, temperature: float, top_p: float, eos: set[int]) -> bool:
-        """Sample the next token of each running row from its logits (rows in ``running()``
+    def greedy(self) -> torch.Tensor:
+        """Which running rows take the argmax at the next token."""
+        return self.switch[self.running()] <= self.n
+
+    def record(self, tok: torch.Tensor, top: torch.Tensor, sid: torch.Tensor, sp: torch.Tensor,
+               eos: set[int]) -> bool:
+        """The next token of each running row (``_sample``'s outputs, rows in ``running()``
         order); True once every row has ended."""
         rows = self.running()
-        tok, top, (sid, sp) = _sample(logits, temperature, top_p, self.switch[rows] <= self.n, self.job.gen)
         self.n += 1
         for i, r in enumerate(rows):
             t = int(tok[i])
@@ -158,7 +162,7 @@ class _Group:
             K = sid.shape[-1]
             soft_ids = torch.cat([torch.full((P, K), -1, dtype=torch.long), sid])
             soft_p = torch.cat([torch.zeros(P, K), sp])
-            f = torch.cat([self.prompt_feats, torch.stack(self.feats[r][:n - 1])]) if n > 1 else self.prompt_feats
+            f = torch.cat([self.prompt_feats, torch.stack(self.feats[r][:n - 1])])
             out.append(Sample(full, P, f[:len(full) - 1].clone(), targets, soft_ids, soft_p))
         return out
 
@@ -198,7 +202,8 @@ def sample_stream(pipe, next_job: Callable[[], Job | None], taps: tuple[int, ...
                 slot = _Group(job, range(g * per, (g + 1) * per), room, switch)
                 with torch.inference_mode():
                     slot.prompt_feats, first = _prefill_slots(pipe, job.ids, slot.lanes, taps)
-                    done = slot.take(first.expand(per, -1), temperature, top_p, eos)
+                    tok, top, (sid, sp) = _sample(first.expand(per, -1), temperature, top_p, slot.greedy(), job.gen)
+                    done = slot.record(tok, top, sid, sp, eos)
                 if done:
                     yield job.key, slot.samples()
                     slot = None
@@ -211,18 +216,19 @@ def sample_stream(pipe, next_job: Callable[[], Job | None], taps: tuple[int, ...
                                      [groups[g].lanes[r] for g, r in rows],
                                      [len(groups[g].job.ids) + groups[g].n - 1 for g, r in rows], capture=taps)
             feats = torch.cat([step.captures[t][0] for t in taps], dim=-1).cpu()
-            logits = step.logits[:, :vocab].float()
+            live = [(g, s, s.running()) for g, s in enumerate(groups) if s is not None]   # rows in this order
+            greedy = torch.cat([s.greedy() for _, s, _ in live])
+            tok, top, (sid, sp) = _sample(step.logits[:, :vocab].float(), temperature, top_p, greedy,
+                                          [(s.job.gen, len(run)) for _, s, run in live])
             finished = []
             i = 0
-            for g, s in enumerate(groups):
-                if s is None:
-                    continue
-                run = s.running()
+            for g, s, run in live:
                 for j, r in enumerate(run):
                     s.feats[r].append(feats[i + j])
-                if s.take(logits[i:i + len(run)], temperature, top_p, eos):
+                n = len(run)
+                if s.record(tok[i:i + n], top[i:i + n], sid[i:i + n], sp[i:i + n], eos):
                     finished.append(g)
-                i += len(run)
+                i += n
         for g in finished:
             yield groups[g].job.key, groups[g].samples()
             groups[g] = None
