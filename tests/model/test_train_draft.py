@@ -246,6 +246,10 @@ def test_the_default_model_writes_its_own_user_prompts():
     assert any(r["messages"][0]["content"].startswith("Write a Python") for r in rows)
     with pytest.raises(ValueError, match="no usable user turn"):   # turns cut at max_len are never kept
         self_prompts(pipe, 1, max_len=2, progress=False)
+    kept = []     # a filter that takes one prompt and no more: stops (it looped forever once one was kept)
+    with pytest.raises(ValueError, match=r"in 3 batches in a row \(1 of 3 kept"):
+        self_prompts(pipe, 3, max_len=64, seed=1, keep=lambda t: not kept and not kept.append(t), patience=3,
+                     progress=False)
 
 
 @pytest.mark.parametrize("slots", [False, True])

@@ -91,24 +91,26 @@ def user_turn_prefix(tokenizer) -> tuple[list[int], list[int]]:
 
 
 def self_prompts(pipe, n: int, *, openings: tuple[str, ...] = ("",), max_len: int = 128, temperature: float = 1.0,
-                 top_p: float = 0.95, min_words: int = 4, seed: int = 0, keep=None, progress: bool = True) -> list[dict]:
+                 top_p: float = 0.95, min_words: int = 4, seed: int = 0, keep=None, patience: int = 50,
+                 progress: bool = True) -> list[dict]:
     """``n`` user prompts written by the target itself (the Magpie recipe: a chat model
     given only the template's text before a user turn writes a user's request). Each
     batch of the pipeline's slots starts from one of ``openings`` in turn (``""``: the
     model's own choice; e.g. ``"Write a Python"`` steers it to code); a prompt is kept when
     the model ended the turn within ``max_len`` tokens, has ``min_words`` words, is new,
-    and ``keep(text)`` (if given) accepts it. Returns ``{"kind", "messages", "id",
-    "split"}`` rows in the order written."""
+    and ``keep(text)`` (if given) accepts it; ValueError after ``patience`` batches in a row
+    kept nothing. Returns ``{"kind", "messages", "id", "split"}`` rows in the order written."""
     tok = pipe.tokenizer
     head, ends = user_turn_prefix(tok)
     ends = set(ends)
     gen = torch.Generator().manual_seed(seed)
-    seen, out, tries = set(), [], 0
+    seen, out, tries, idle = set(), [], 0, 0    # idle: batches in a row that kept nothing
     bar = tqdm(total=n, desc="self-prompts", unit="prompt", disable=None if progress else True)
     try:
         while len(out) < n:
             opening = openings[tries % len(openings)]
             tries += 1
+            idle += 1
             lead = tok.encode(opening, add_bos=False) if opening else []
             got = sample_prompt(pipe, head + lead, (0,), max_len, temperature=temperature, top_p=top_p,
                                 greedy_rows=0, gen=gen)
@@ -121,14 +123,16 @@ def self_prompts(pipe, n: int, *, openings: tuple[str, ...] = ("",), max_len: in
                 if len(text.split()) < min_words or text in seen or (keep is not None and not keep(text)):
                     continue
                 seen.add(text)
+                idle = 0
                 out.append({"kind": "self", "messages": [{"role": "user", "content": text}],
                             "id": f"sp_{len(out):05d}", "split": "train"})
                 bar.update(1)
                 if len(out) == n:
                     break
-            if tries >= 50 and not out:
-                raise ValueError(f"the model wrote no usable user turn in {tries} batches (none ended "
-                                 f"within {max_len} tokens with {min_words}+ words)")
+            if idle >= patience:
+                raise ValueError(f"the model wrote no usable user turn in {idle} batches in a row ({len(out)} of "
+                                 f"{n} kept; a turn is kept when it ends within {max_len} tokens with "
+                                 f"{min_words}+ words, is new and passes the filter)")
     finally:
         bar.close()
     return out
