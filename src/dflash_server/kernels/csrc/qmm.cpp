@@ -810,6 +810,13 @@ void run_group(Kind kind, Isa isa, const uint8_t* g, int64_t k, const Acts& a, i
 // above): 6 rows 0.86-0.96x the time with AMX, 5 rows even, 4 rows 1.28x; 8 rows 0.82x (VNNI 1.21x)
 constexpr int AMX_MIN_ROWS = 6;
 constexpr int AMX_ROWS = 8;  // rows per tile product (x holds AMX_ROWS spare rows: tile A may read them)
+// a last chunk of at most this many rows goes to the vector path: measured 2026-12-07 (Xeon VM,
+// 2 threads, 1536x576 Q4_1 and 576x1536 Q8_0, bf16 rows, each count's time over 8 rows', two
+// processes per variant): 9 rows 1.49-1.55x -> 1.20-1.22x (Q4_1), 1.26-1.37x -> 1.20-1.23x (Q8_0);
+// 10 rows 1.42-1.66x -> 1.33-1.34x / even; 11 rows 1.56-1.63x -> 1.44-1.49x / even; 12-13 rows
+// slower on the vector path (12: 1.51-1.64x -> 1.58-1.64x, Q8_0 1.33-1.44x -> 1.46-1.53x), so they
+// keep the tile pass
+constexpr int AMX_TAIL_VECTOR_ROWS = 3;
 bool amx_takes(Kind k, int64_t m_rows) {
   return m_rows >= AMX_MIN_ROWS &&
          (k == Kind::Q4 || k == Kind::Q5 || k == Kind::Q4K || k == Kind::Q5K || k == Kind::Q8);
@@ -972,6 +979,15 @@ void amx_groups(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int6
   float* ews = dws + nb * 16;
   uint8_t* bt = reinterpret_cast<uint8_t*>(ews + nb * 16);
   for (int64_t m0 = 0; m0 < mt; m0 += AMX_ROWS) {
+    if (m0 > 0 && mt - m0 <= AMX_TAIL_VECTOR_ROWS) {
+      // a short last chunk on the vector path, whose cost grows with its rows, not a tile pass,
+      // which scales 8 rows whatever it holds (the pair's weights are still in cache). Same bits
+      // (every path rounds alike).
+      const Acts rest{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s ? a.s + m0 * nb : nullptr,
+                      a.s_lo ? a.s_lo + m0 * nb : nullptr};
+      for (int j = 0; j < NG; ++j) group<K>(Isa::AVX512VNNI, g + j * gbytes, k, rest, mt - m0, out[j] + m0 * NR);
+      break;
+    }
     const Acts part{a.q + m0 * k, a.d + m0 * (k / QK), a.ds + m0 * (k / QK), nullptr, nullptr};
     float* o[2] = {out[0] + m0 * NR, out[1] + m0 * NR};
     // the first chunk unpacks the pair's blocks as it goes and prefetches the next pair's
