@@ -150,21 +150,25 @@ class _Group:
     def samples(self) -> list[Sample]:
         """The rows as samples (built outside inference mode: training differentiates
         through them); a row of fewer than 2 tokens is dropped."""
-        out, ids = [], self.job.ids
-        P = len(ids)
-        for r, n in enumerate(self.length):
-            if n < 2:
-                continue
-            full = torch.tensor(ids + self.toks[r][:n], dtype=torch.long)
-            targets = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.tensor(self.tops[r][:n])])
-            sid = torch.stack([s[0] for s in self.soft[r][:n]]).long()
-            sp = torch.stack([s[1] for s in self.soft[r][:n]]).float()
-            K = sid.shape[-1]
-            soft_ids = torch.cat([torch.full((P, K), -1, dtype=torch.long), sid])
-            soft_p = torch.cat([torch.zeros(P, K), sp])
-            f = torch.cat([self.prompt_feats, torch.stack(self.feats[r][:n - 1])])
-            out.append(Sample(full, P, f[:len(full) - 1].clone(), targets, soft_ids, soft_p))
-        return out
+        return [_make_sample(self.job.ids, self.toks[r][:n], torch.tensor(self.tops[r][:n]),
+                             torch.stack([s[0] for s in self.soft[r][:n]]),
+                             torch.stack([s[1] for s in self.soft[r][:n]]), self.prompt_feats,
+                             torch.stack(self.feats[r][:n - 1]))
+                for r, n in enumerate(self.length) if n >= 2]
+
+
+def _make_sample(prompt: list[int], toks: list[int], tops: torch.Tensor, sid: torch.Tensor, sp: torch.Tensor,
+                 prompt_feats: torch.Tensor, feats: torch.Tensor) -> Sample:
+    """A continuation of ``prompt`` as a Sample: its n tokens, the target's argmax and soft
+    labels at each (``tops`` (n,), ``sid`` / ``sp`` (n, K)), the prompt's features (P, F) and
+    those of the first n - 1 response tokens (``feats``)."""
+    P = len(prompt)
+    full = torch.tensor(prompt + toks, dtype=torch.long)
+    K = sid.shape[-1]
+    return Sample(full, P, torch.cat([prompt_feats, feats])[:len(full) - 1].clone(),
+                  torch.cat([torch.full((P,), -1, dtype=torch.long), tops.long()]),
+                  torch.cat([torch.full((P, K), -1, dtype=torch.long), sid.long()]),
+                  torch.cat([torch.zeros(P, K), sp.float()]))
 
 
 def sample_stream(pipe, next_job: Callable[[], Job | None], taps: tuple[int, ...], max_new: int, per: int, *,
@@ -250,7 +254,8 @@ def sample_prompt(pipe, ids, taps: tuple[int, ...], max_new: int, *, temperature
         raise ValueError(f"{len(groups)} prompts do not divide the pipeline's {lanes} sequence slot(s)")
     if lanes > 1:
         seeds = torch.randint(1 << 62, (len(groups),), generator=gen).tolist()   # one generator per prompt
-        jobs = iter(Job(i, p, greedy_rows, torch.Generator().manual_seed(s)) for i, (p, s) in enumerate(zip(groups, seeds)))
+        jobs = iter(Job(i, p, greedy_rows, torch.Generator().manual_seed(s))
+                    for i, (p, s) in enumerate(zip(groups, seeds)))
         got = dict(sample_stream(pipe, lambda: next(jobs, None), taps, max_new, lanes // len(groups),
                                  temperature=temperature, top_p=top_p, greedy_after=greedy_after))
         return [s for i in range(len(groups)) for s in got[i]]
@@ -296,16 +301,9 @@ def _sample_lockstep(pipe, prompt: list[int], taps, max_new, *, temperature, top
         soft_p_t = torch.stack([s[1] for s in softs], dim=1)
         feats_t = torch.stack(feats, dim=1) if feats else prompt_feats.new_zeros(B, 0, prompt_feats.shape[-1])
     samples = []  # built outside inference mode: training differentiates through these
-    P = len(prompt)
     for b in range(B):
         n = length[b] or toks_t.shape[1]
-        if n < 2:
-            continue
-        full = torch.tensor(prompt + toks_t[b, :n].tolist(), dtype=torch.long)
-        targets = torch.cat([torch.full((P,), -1, dtype=torch.long), tops_t[b, :n].long()])
-        K = soft_ids_t.shape[-1]
-        soft_ids = torch.cat([torch.full((P, K), -1, dtype=torch.long), soft_ids_t[b, :n].long()])
-        soft_p = torch.cat([torch.zeros(P, K), soft_p_t[b, :n].float()])
-        f = torch.cat([prompt_feats, feats_t[b, :n - 1]])[:len(full) - 1].clone()
-        samples.append(Sample(full, P, f, targets, soft_ids, soft_p))
+        if n >= 2:
+            samples.append(_make_sample(prompt, toks_t[b, :n].tolist(), tops_t[b, :n], soft_ids_t[b, :n],
+                                        soft_p_t[b, :n], prompt_feats, feats_t[b, :n - 1]))
     return samples
