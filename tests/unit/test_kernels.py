@@ -710,15 +710,24 @@ def test_attention_step_with_output_gate(dtype, hd):
                                         vc.clone(), start, nh, nkv, hd ** -0.5, **args)
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_attention_tree_rows_equal_their_paths(window):
+_DEEP_TREE = (-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 12, 13, 2, 15, 16, 17, 18, 19, 20, 21, 22, 11, 24, 9, 26)
+
+
+@pytest.mark.parametrize("window,hd,cache,start,parents", [
+    (0, 64, torch.float32, 30, (-1, 0, 0, 1, 1, 2, 3, 3, 6)),
+    (5, 64, torch.float32, 30, (-1, 0, 0, 1, 1, 2, 3, 3, 6)),
+    # the grouped paths' tree form: 16-bit caches, keys over several blocks, a path of 13
+    # rows beside side branches (ancestor lists longer than a group of 8 keys)
+    (0, 64, torch.float16, 301, _DEEP_TREE),
+    (0, 128, torch.bfloat16, 77, _DEEP_TREE),
+])
+def test_attention_tree_rows_equal_their_paths(window, hd, cache, start, parents):
     """A tree of rows (DDTree verify): row t at position start + depth(t) sees the cache and
     its ancestors; it equals, bit for bit, the one-row step of a cache that holds its path
     contiguously; portable == vectorized; bad parents are refused."""
     from dflash_server.layers.rope import RotaryTable
 
-    nh, nkv, hd, max_ctx, start = 4, 2, 64, 96, 30
-    parents = (-1, 0, 0, 1, 1, 2, 3, 3, 6)
+    nh, nkv, max_ctx = 4, 2, start + 66
     depth = [0]
     for p in parents[1:]:
         depth.append(depth[p] + 1)
@@ -727,7 +736,7 @@ def test_attention_tree_rows_equal_their_paths(window):
     pos = torch.tensor(depth) + start
     cos, sin = table.cos[pos], table.sin[pos]
     qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
-    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd).to(cache), torch.randn(1, nkv, max_ctx, hd).to(cache)
     tree = torch.tensor(parents)
     k1, v1 = kc.clone(), vc.clone()
     out = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5, window=window, tree=tree)

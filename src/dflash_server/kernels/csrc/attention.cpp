@@ -474,12 +474,34 @@ DFLASH_INLINE void group_queries(const Step<T, KT>& s, int64_t kvh, int64_t u0, 
   }
 }
 
+// A tree block (Geometry::parents): query row t's keys are the cache before start, then its
+// ancestors root first (rows ascending). The group paths score each query over the rows a
+// causal row t would see, [0, start + t], then tree_compact moves its ancestors' scores down to
+// list places start, start + 1, ... (in place: an ancestor's row is never before its place) and
+// gives the list length; its values are the cache's [0, start) in the block loops and then the
+// ancestors', one by one in list order (tree_path). So a tree row's arithmetic is the one of a
+// causal row whose keys are its path, laid out contiguously: the per-row path's bits.
+DFLASH_INLINE int64_t tree_path(const Geometry& g, int64_t t, int64_t* path) {
+  int64_t d = 0;
+  for (int64_t r = t; r >= 0; r = g.parents[r]) path[d++] = r;
+  std::reverse(path, path + d);
+  return d;
+}
+DFLASH_INLINE int64_t tree_compact(const Geometry& g, int64_t t, float* scores) {
+  int64_t path[64];
+  const int64_t d = tree_path(g, t, path);
+  for (int64_t i = 0; i < d; ++i) scores[g.start + i] = scores[g.start + path[i]];
+  return g.start + d;
+}
+
 // The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
-// without a window, the keys streamed in blocks that every query of the group uses while they
+// or a tree (tree_compact), without a window, the keys streamed in blocks that every query of the group uses while they
 // are in L1: a kv head's keys and values are read from L2 once per group instead of once per
 // (row, head) (at a few hundred keys that re-reading was the step's cost). Each query's
 // arithmetic is attend_row_avx2's (scores per key, its softmax, values accumulated in key
-// order), so the output bits are the per-row path's.
+// order), so the output bits are the per-row path's. (Trees took the per-row path until
+// 2026-12-07: an 8-node DDTree verify of the default model cost 1.75x a one-row step against
+// 1.56x for a chain of the same rows; now both ~1.7x, measured alternating in one process.)
 template <typename T, typename KT, int NV>
 DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
   const Geometry& g = s.g;
@@ -500,7 +522,10 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
         scores_avx2(base + u * stride, kf, 0, std::min(kend, n[u]) - kb, hd, g.scale,
                     base + u * stride + 2 * hd + kb, Contiguous{});
   }
+  int64_t cont[128];  // keys [0, cont[u]) of query u's list are cache rows [0, cont[u])
   for (int64_t u = 0; u < Q; ++u) {
+    if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, base + u * stride + 2 * hd);
+    cont[u] = g.parents != nullptr ? g.start : n[u];
     inv[u] = softmax_avx2(base + u * stride + 2 * hd, n[u]);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
@@ -508,10 +533,20 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
     const int64_t kend = std::min(kb + KB, width);
     const float* vf = block_f32(vc, kb, kend, hd, blk);
     for (int64_t u = 0; u < Q; ++u)
-      if (kb < n[u])
-        values_block_avx2<NV>(base + u * stride + 2 * hd + kb, inv[u], vf, 0, std::min(kend, n[u]) - kb,
+      if (kb < cont[u])
+        values_block_avx2<NV>(base + u * stride + 2 * hd + kb, inv[u], vf, 0, std::min(kend, cont[u]) - kb,
                               base + u * stride + hd);
   }
+  if (g.parents != nullptr)
+    for (int64_t u = 0; u < Q; ++u) {
+      int64_t path[64];
+      const int64_t d = tree_path(g, (u0 + u) % g.T, path);
+      const float* sc = base + u * stride + 2 * hd;
+      for (int64_t i = 0; i < d; ++i) {  // list key start + i is cache row start + path[i]
+        const int64_t r = g.start + path[i];
+        values_block_avx2<NV>(sc + (g.start + i) - r, inv[u], vc, r, r + 1, base + u * stride + hd);
+      }
+    }
   for (int64_t u = 0; u < Q; ++u)
     write_head(s, kvh * G + (u0 + u) / g.T, (u0 + u) % g.T, base + u * stride + hd);
 }
@@ -647,7 +682,10 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
                       Contiguous{});
     }
   }
+  int64_t cont[128];  // keys [0, cont[u]) of query u's list are cache rows [0, cont[u])
   for (int64_t u = 0; u < Q; ++u) {
+    if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, scores(u));
+    cont[u] = g.parents != nullptr ? g.start : n[u];
     inv[u] = softmax_avx2(scores(u), n[u]);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
@@ -662,7 +700,7 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
       for (int e = 0; e < nq; ++e) {
         sc[e] = scores(u + e);
         acc[e] = base + (u + e) * stride + hd;
-        all = std::min(all, n[u + e]);
+        all = std::min(all, cont[u + e]);
       }
       all = std::max(kb, all);
       if constexpr (QV == 4) {
@@ -672,10 +710,21 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
       if (nq == 2) values_avx512<2, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
       if (nq == 1) values_avx512<1, NV / 2>(vf, kb, kb, all, sc, inv + u, acc);
       for (int e = 0; e < nq; ++e)  // a longer query's keys past the shortest one's, in order after them
-        if (all < std::min(kend, n[u + e]))
-          values_avx512<1, NV / 2>(vf, kb, all, std::min(kend, n[u + e]), sc + e, inv + u + e, acc + e);
+        if (all < std::min(kend, cont[u + e]))
+          values_avx512<1, NV / 2>(vf, kb, all, std::min(kend, cont[u + e]), sc + e, inv + u + e, acc + e);
     }
   }
+  if (g.parents != nullptr)
+    for (int64_t u = 0; u < Q; ++u) {
+      int64_t path[64];
+      const int64_t d = tree_path(g, (u0 + u) % g.T, path);
+      const float* sc = scores(u);
+      float* acc = base + u * stride + hd;
+      for (int64_t i = 0; i < d; ++i) {  // list key j = start + i is cache row start + path[i]
+        const int64_t j = g.start + i, r = g.start + path[i];
+        values_avx512<1, NV / 2>(block_f32(vc, r, r + 1, hd, blk), j, j, j + 1, &sc, inv + u, &acc);
+      }
+    }
   for (int64_t u = 0; u < Q; ++u)
     write_head(s, kvh * G + (u0 + u) / g.T, (u0 + u) % g.T, base + u * stride + hd);
 }
@@ -699,7 +748,7 @@ void run_step(const Step<T, KT>& s, bool fast) {
   // threads only when each chunk has ~32K multiply-adds to do (waking threads costs more)
   for (int64_t h = 0; h < g.nkv; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
   const int64_t G = g.nh / g.nkv, per = G * g.T;
-  if (fast && g.parents == nullptr && g.key_rows == nullptr && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
+  if (fast && g.key_rows == nullptr && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
       per > 1 && g.start + g.T <= 16384) {
     // each kv head's queries in a few chunks, so the threads have about two each (at most
     // 128 queries a chunk: group_avx2's per-query arrays), but at least MIN_QUERIES a chunk
