@@ -127,16 +127,16 @@ def test_rows_are_invariant_and_paths_identical(qname):
     n, k = 67, 768
     _, rows = gguf_rows(qname, n, k, seed=1)
     qtype, packed = kernels.repack(rows, k)
-    x = torch.randn(64, k) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different scales
+    x = torch.randn(70, k) * torch.logspace(-3, 2, 70)[:, None]  # rows of very different scales
     x[5, 7] = 300.0  # an outlier channel
     full = torch.ops.dflash.qmm(x, packed, qtype, n, k)
     # AMX from 6 rows (chunks of 8; a short chunk's spare rows); the 256-bit vector path 4 rows a pass, then 1-3
     # in one; AVX-512 from 5 rows on two groups at once (8 rows a pass, then the last 1-7 in one; an odd last
-    # group alone)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15, 16, 21, 23, 33, 40):
+    # group alone); rows in tiles of 64 (a second tile of 1-3 rows on the vector path under AMX)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15, 16, 21, 23, 33, 40, 64, 65, 67):
         part = torch.ops.dflash.qmm(x[:m], packed, qtype, n, k)
         assert torch.equal(part, full[:m]), m
-    alone = torch.cat([torch.ops.dflash.qmm(x[i:i + 1], packed, qtype, n, k) for i in range(64)])
+    alone = torch.cat([torch.ops.dflash.qmm(x[i:i + 1], packed, qtype, n, k) for i in range(70)])
     assert torch.equal(alone, full)
     paths = [i for i in range(len(kernels.ISAS)) if torch.ops.dflash.isa_supported(i)]
     assert 0 in paths and len(paths) >= 2  # the portable path and at least one SIMD path here

@@ -815,7 +815,9 @@ constexpr int AMX_ROWS = 8;  // rows per tile product (x holds AMX_ROWS spare ro
 // processes per variant): 9 rows 1.49-1.55x -> 1.20-1.22x (Q4_1), 1.26-1.37x -> 1.20-1.23x (Q8_0);
 // 10 rows 1.42-1.66x -> 1.33-1.34x / even; 11 rows 1.56-1.63x -> 1.44-1.49x / even; 12-13 rows
 // slower on the vector path (12: 1.51-1.64x -> 1.58-1.64x, Q8_0 1.33-1.44x -> 1.46-1.53x), so they
-// keep the tile pass
+// keep the tile pass. A 64-row tile's remainder of 1-3 rows too (a call of 65-67 rows: a prefill
+// chunk's last tile), measured the same way on 576x1536 Q8_0, time over 64 rows': 65 rows
+// 1.13-1.23x -> 0.90-1.07x, 129 rows 1.73-2.44x -> 1.60-1.95x
 constexpr int AMX_TAIL_VECTOR_ROWS = 3;
 bool amx_takes(Kind k, int64_t m_rows) {
   return m_rows >= AMX_MIN_ROWS &&
@@ -979,9 +981,10 @@ void amx_groups(const uint8_t* g, int64_t gbytes, int64_t k, const Acts& a, int6
   float* ews = dws + nb * 16;
   uint8_t* bt = reinterpret_cast<uint8_t*>(ews + nb * 16);
   for (int64_t m0 = 0; m0 < mt; m0 += AMX_ROWS) {
-    if (m0 > 0 && mt - m0 <= AMX_TAIL_VECTOR_ROWS) {
+    if (mt - m0 <= AMX_TAIL_VECTOR_ROWS) {
       // a short last chunk on the vector path, whose cost grows with its rows, not a tile pass,
-      // which scales 8 rows whatever it holds (the pair's weights are still in cache). Same bits
+      // which scales 8 rows whatever it holds (the pair's weights are still in cache; or, for a
+      // 64-row tile's remainder of 1-3 rows, read once as a vector pass reads them). Same bits
       // (every path rounds alike).
       const Acts rest{a.q + m0 * k, a.d + m0 * nb, a.ds + m0 * nb, a.s ? a.s + m0 * nb : nullptr,
                       a.s_lo ? a.s_lo + m0 * nb : nullptr};
