@@ -808,17 +808,22 @@ def test_attention_rows_take_trees_among_other_rows(portable):
                                         tree=torch.tensor([-1, 0, -1, 1, 3, 4]))   # the tree's rows apart
 
 
-def test_attention_over_slots_equals_positions():
+@pytest.mark.parametrize("hd,cache,start,T", [(64, torch.float32, 20, 3), (64, torch.float16, 301, 1),
+                                               (128, torch.bfloat16, 77, 9), (64, torch.float32, 40, 16)])
+def test_attention_over_slots_equals_positions(hd, cache, start, T):
     """Slot-addressed KV (KV Flash pools): rows written to given cache rows and attending to
     given key rows in logical order give, bit for bit, what position-addressed KV gives for
-    the same keys; hostile slot arguments are refused."""
+    the same keys (the grouped paths take lists that are prefixes of the longest one; others
+    go row by row, the same bits: a draft block's shared list, lists that are not prefixes);
+    hostile slot arguments are refused."""
     from dflash_server.layers.rope import RotaryTable
 
-    nh, nkv, hd, max_ctx, start, T = 4, 2, 64, 64, 20, 3
+    nh, nkv = 4, 2
+    max_ctx = start + T + 40
     table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
     cos, sin = table.rows(start, T)
     qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
-    kc, vc = torch.randn(1, nkv, max_ctx, hd), torch.randn(1, nkv, max_ctx, hd)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd).to(cache), torch.randn(1, nkv, max_ctx, hd).to(cache)
     k1, v1 = kc.clone(), vc.clone()
     ref = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5)
     # the same keys scattered: position p lives at slot perm[p]
@@ -831,6 +836,21 @@ def test_attention_over_slots_equals_positions():
                                           write_rows=perm[start:start + T], key_rows=keys, key_counts=counts)
     assert torch.equal(out, ref)
     assert torch.equal(k2[:, :, perm[:start + T]], k1[:, :, :start + T])
+    # every row sees the whole block (a draft block), and rows whose lists are not prefixes of one
+    # another (odd rows see every other key): the vectorized paths == the portable per-row path
+    seen = perm[:start + T]
+    every = torch.stack([seen] * T)
+    odd = torch.stack([seen if t % 2 == 0 else torch.cat([seen[::2], seen[:start + T - len(seen[::2])]])
+                       for t in range(T)])
+    odd_counts = torch.tensor([start + T if t % 2 == 0 else len(seen[::2]) for t in range(T)])
+    for keys_t, counts_t in ((every, torch.full((T,), start + T)), (odd, odd_counts)):
+        outs = [torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5,
+                                                portable, write_rows=perm[start:start + T], key_rows=keys_t,
+                                                key_counts=counts_t) for portable in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+    assert torch.equal(torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv,
+                                                       hd ** -0.5, True, write_rows=perm[start:start + T],
+                                                       key_rows=keys, key_counts=counts), ref)
     bad = [dict(write_rows=torch.tensor([0, 1, max_ctx]), key_rows=keys, key_counts=counts),
            dict(write_rows=perm[:T], key_rows=keys, key_counts=counts + 100),
            dict(write_rows=perm[:T], key_rows=keys, key_counts=torch.zeros(T, dtype=torch.long)),

@@ -219,7 +219,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("dflash::decoder_stack")
     def _decoder_stack_fake(x, weights, k_caches, v_caches, ints, floats, cos, sin, start, capture, tree=None,
-                            lanes=None, positions=None):
+                            lanes=None, positions=None, write_rows=None, key_rows=None, key_counts=None):
         return [x.new_empty(x.shape) for _ in range(1 + len(capture))]
 
     @torch.library.register_fake("dflash::draft_pass")

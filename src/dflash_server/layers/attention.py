@@ -215,9 +215,7 @@ class Attention(nn.Module):
                 args = {**args, "tree": ctx.tree_parents}
             if ctx.slots is not None:  # KV Flash: write to the pool slots, read the visible ones in
                 # logical order (a tree row: the prefix, then its ancestors root first)
-                rows, counts = ctx.pool_keys(self.window)
-                args = {**{k: v for k, v in args.items() if k != "window"}, "write_rows": ctx.slots.cpu(),
-                        "key_rows": rows, "key_counts": counts}
+                args = {**{k: v for k, v in args.items() if k != "window"}, **ctx.pool_args(self.window)}
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale, **args)
             return self.o(self._gated(out, x))

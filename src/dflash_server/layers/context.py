@@ -169,6 +169,16 @@ class ForwardContext:
             got = self._masks[key] = (order.clamp(max=P - 1), counts)
         return got
 
+    def pool_args(self, window: int | None = None) -> dict:
+        """The native attention ops' KV Flash arguments (write_rows, key_rows, key_counts),
+        the same for every layer of a window (``pool_keys``)."""
+        key = ("pool_args", window)
+        got = self._masks.get(key)
+        if got is None:
+            rows, counts = self.pool_keys(window)
+            got = self._masks[key] = {"write_rows": self.slots.cpu(), "key_rows": rows, "key_counts": counts}
+        return got
+
     def graph_mask(self, window: int | None = None) -> torch.Tensor:
         """A CUDA-graph step's bool (T, graph_span) mask: for each row the keys at or before
         its position (and inside the window), computed on the device from the positions."""

@@ -47,8 +47,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, state) -> torch.Tensor:
         if ctx.lanes is not None:
             return self._forward_rows(x, ctx, state)
-        if ctx.slots is None and self._native_layer() and self.mixer.native_step_ok(x, ctx, state) \
-                and kernels.inference(x):
+        if self._native_layer() and self.mixer.native_step_ok(x, ctx, state) and kernels.inference(x):
             # the ops below in one C++ call (bit-identical; ~12 fewer Python-level calls)
             m, f = self.mixer, self.mlp
             cos, sin = ctx.rope_f32(m.local_rope)
@@ -57,7 +56,7 @@ class DecoderLayer(nn.Module):
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
                 f.down.weight, f.down.qtype, **m.native_args,
-                **({} if ctx.tree is None else {"tree": ctx.tree_parents}))
+                **(ctx.pool_args() if ctx.slots is not None else {} if ctx.tree is None else {"tree": ctx.tree_parents}))
         if self.mixer_out_norm is None and isinstance(self.mixer, GatedDeltaNet) and \
                 (h := self.mixer.residual_step(x, self.input_norm, ctx, state)) is not None:
             return self._mlp(h)  # (norm and residual add inside the projections, the same bits)

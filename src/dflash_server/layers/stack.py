@@ -54,7 +54,7 @@ class NativeStack:
         cache type, which all layers share)."""
         from .. import kernels
 
-        return ctx.slots is None and self.layers[0].mixer.native_step_ok(h, ctx, state) and kernels.inference(h)
+        return self.layers[0].mixer.native_step_ok(h, ctx, state) and kernels.inference(h)
 
     def rows_usable(self, h: torch.Tensor, bank) -> bool:
         from .. import kernels
@@ -69,6 +69,8 @@ class NativeStack:
         kw = {}
         if ctx.lanes is not None:
             kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_tree()}
+        elif ctx.slots is not None:
+            kw = ctx.pool_args()
         elif ctx.tree is not None:
             kw = {"tree": ctx.tree_parents}
         outs = torch.ops.dflash.decoder_stack(h, self.weights, [s.k for s in states], [s.v for s in states],

@@ -457,6 +457,41 @@ DFLASH_AVX2 inline const float* block_f32(const KT* c, int64_t j0, int64_t j1, i
   }
 }
 
+// keys [j0, j1) of a key list as fp32 rows in ``buf`` (list: the cache rows in logical order;
+// null: rows j0..j1 themselves, block_f32)
+template <typename KT>
+DFLASH_AVX2 inline const float* list_f32(const KT* c, const int64_t* list, int64_t j0, int64_t j1, int64_t hd,
+                                         float* buf) {
+  if (list == nullptr) return block_f32(c, j0, j1, hd, buf);
+  for (int64_t j = j0; j < j1; ++j) {
+    const KT* src = c + list[j] * hd;
+    float* d = buf + (j - j0) * hd;
+    for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(d + i, load8(src + i));
+  }
+  return buf;
+}
+struct ListRows {  // key j of a row's list is cache row rows[j]
+  const int64_t* rows;
+  DFLASH_INLINE int64_t operator()(int64_t j) const { return rows[j]; }
+};
+
+// Slot-addressed KV (KV Flash pools): the grouped paths take the rows' key lists when each row's
+// list is a prefix of the longest one (a decode row; a causal block, whose row t sees the
+// resident context then rows up to t; a draft block, whose rows see the same keys). Returns that
+// list and its length (*width), or null where the lists differ otherwise (the per-row path).
+// A query's arithmetic depends only on its key list, so the bits are the per-row path's.
+inline const int64_t* shared_key_list(const Geometry& g, int64_t* width) {
+  int64_t top = 0;
+  for (int64_t t = 1; t < g.T; ++t)
+    if (g.key_counts[t] > g.key_counts[top]) top = t;
+  const int64_t* list = g.key_rows + top * g.key_stride;
+  for (int64_t t = 0; t < g.T; ++t)
+    if (t != top && std::memcmp(g.key_rows + t * g.key_stride, list, g.key_counts[t] * sizeof(int64_t)) != 0)
+      return nullptr;
+  *width = g.key_counts[top];
+  return list;
+}
+
 // queries [u0, u0 + Q) of kv head kvh's group (u = head-in-group * T + row), normed where the
 // family norms them and rotated, into base + u * stride; n[u]: the keys each one sees (causal)
 template <typename T, typename KT>
@@ -470,7 +505,7 @@ DFLASH_INLINE void group_queries(const Step<T, KT>& s, int64_t kvh, int64_t u0, 
     const T* src = s.qkv + t * s.width() + h * s.qhead();
     rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
            base + u * stride);
-    n[u] = g.start + t + 1;
+    n[u] = g.key_counts != nullptr ? g.key_counts[t] : g.start + t + 1;
   }
 }
 
@@ -503,20 +538,21 @@ DFLASH_INLINE int64_t tree_compact(const Geometry& g, int64_t t, float* scores) 
 // 2026-12-07: an 8-node DDTree verify of the default model cost 1.75x a one-row step against
 // 1.56x for a chain of the same rows; now both ~1.7x, measured alternating in one process.)
 template <typename T, typename KT, int NV>
-DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
+DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
+                            const int64_t* list, int64_t width) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, KB = 32;
-  const int64_t G = g.nh / g.nkv, Q = u1 - u0, width = g.start + g.T, stride = 2 * hd + width;
+  const int64_t G = g.nh / g.nkv, Q = u1 - u0, stride = 2 * hd + width;
   buf.resize(static_cast<size_t>(Q * stride));
   float* base = buf.data();  // per query: q (hd), the output accumulator (hd), scores (width)
   const KT *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
   float inv[128];
   int64_t n[128];
   group_queries(s, kvh, u0, Q, base, stride, n);
-  alignas(32) float blk[KB * hd];  // a 16-bit cache's block of keys, then of values, in fp32
+  alignas(32) float blk[KB * hd];  // a block of keys, then of values, in fp32 (16-bit caches, key lists)
   for (int64_t kb = 0; kb < width; kb += KB) {
     const int64_t kend = std::min(kb + KB, width);
-    const float* kf = block_f32(kc, kb, kend, hd, blk);  // (key kb is kf's row 0)
+    const float* kf = list_f32(kc, list, kb, kend, hd, blk);  // (key kb is kf's row 0)
     for (int64_t u = 0; u < Q; ++u)
       if (kb < n[u])
         scores_avx2(base + u * stride, kf, 0, std::min(kend, n[u]) - kb, hd, g.scale,
@@ -531,7 +567,7 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
     const int64_t kend = std::min(kb + KB, width);
-    const float* vf = block_f32(vc, kb, kend, hd, blk);
+    const float* vf = list_f32(vc, list, kb, kend, hd, blk);
     for (int64_t u = 0; u < Q; ++u)
       if (kb < cont[u])
         values_block_avx2<NV>(base + u * stride + 2 * hd + kb, inv[u], vf, 0, std::min(kend, cont[u]) - kb,
@@ -626,13 +662,14 @@ DFLASH_AVX512 inline void values_avx512(const float* vf, int64_t kb, int64_t j0,
 
 // group_avx2's computation (same queries, same keys, same bits), four queries at a time (QS, QV)
 template <typename T, typename KT, int NV>
-DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf) {
+DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
+                                const int64_t* list, int64_t width) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, S = NV, KB = 32;
   // queries per pass over a block's keys (scores) and values: each key / value register load
   // serves QS / QV queries; a query's own lane chains are the same whatever the count
   constexpr int QS = 4, QV = NV / 2 == 4 ? 4 : 2;  // (head_dim 128: 4 queries' accumulators would spill)
-  const int64_t G = g.nh / g.nkv, Q = u1 - u0, width = g.start + g.T, stride = 4 * hd + width;
+  const int64_t G = g.nh / g.nkv, Q = u1 - u0, stride = 4 * hd + width;
   buf.resize(static_cast<size_t>(Q * stride));
   float* base = buf.data();  // per query: q (hd), the output accumulator (hd), q with steps doubled (2 hd), scores
   const KT *kc = s.kc + kvh * g.max_ctx * hd, *vc = s.vc + kvh * g.max_ctx * hd;
@@ -654,8 +691,9 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
     for (int64_t j = kb; j < full; j += 2)
       for (int64_t st = 0; st < S; ++st) {
         float* d = kp + (((j - kb) / 2) * S + st) * 16;
-        _mm256_storeu_ps(d, load8(kc + j * hd + 8 * st));
-        _mm256_storeu_ps(d + 8, load8(kc + (j + 1) * hd + 8 * st));
+        const int64_t r0 = list ? list[j] : j, r1 = list ? list[j + 1] : j + 1;
+        _mm256_storeu_ps(d, load8(kc + r0 * hd + 8 * st));
+        _mm256_storeu_ps(d + 8, load8(kc + r1 * hd + 8 * st));
       }
     for (int64_t u = 0; u < Q; u += QS) {
       const int nq = static_cast<int>(std::min<int64_t>(QS, Q - u));
@@ -677,9 +715,14 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
         }
       }
       for (int e = 0; e < nq; ++e)  // the block's last keys, fewer than 8, one by one
-        if (full < std::min(kend, n[u + e]))
-          scores_avx2(base + (u + e) * stride, kc, full, std::min(kend, n[u + e]), hd, g.scale, scores(u + e),
-                      Contiguous{});
+        if (full < std::min(kend, n[u + e])) {
+          if (list != nullptr)
+            scores_avx2(base + (u + e) * stride, kc, full, std::min(kend, n[u + e]), hd, g.scale, scores(u + e),
+                        ListRows{list});
+          else
+            scores_avx2(base + (u + e) * stride, kc, full, std::min(kend, n[u + e]), hd, g.scale, scores(u + e),
+                        Contiguous{});
+        }
     }
   }
   int64_t cont[128];  // keys [0, cont[u]) of query u's list are cache rows [0, cont[u])
@@ -691,7 +734,7 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
     const int64_t kend = std::min(kb + KB, width);
-    const float* vf = block_f32(vc, kb, kend, hd, blk);  // key kb is vf's row 0
+    const float* vf = list_f32(vc, list, kb, kend, hd, blk);  // key kb is vf's row 0
     for (int64_t u = 0; u < Q; u += QV) {
       const int nq = static_cast<int>(std::min<int64_t>(QV, Q - u));
       const float* sc[QV];
@@ -748,8 +791,10 @@ void run_step(const Step<T, KT>& s, bool fast) {
   // threads only when each chunk has ~32K multiply-adds to do (waking threads costs more)
   for (int64_t h = 0; h < g.nkv; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
   const int64_t G = g.nh / g.nkv, per = G * g.T;
-  if (fast && g.key_rows == nullptr && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
-      per > 1 && g.start + g.T <= 16384) {
+  int64_t width = g.start + g.T;  // the longest key list
+  const int64_t* list = g.key_rows != nullptr ? shared_key_list(g, &width) : nullptr;
+  if (fast && (g.key_rows == nullptr || list != nullptr) && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
+      per > 1 && width <= 16384) {
     // each kv head's queries in a few chunks, so the threads have about two each (at most
     // 128 queries a chunk: group_avx2's per-query arrays), but at least MIN_QUERIES a chunk
     // where the group has that many: every chunk widens its kv head's 16-bit keys and values
@@ -769,9 +814,11 @@ void run_step(const Step<T, KT>& s, bool fast) {
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
         if (wide)
-          g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf) : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf);
+          g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf, list, width)
+                     : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf, list, width);
         else
-          g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf) : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf);
+          g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf, list, width)
+                     : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width);
       }
     });
     return;
@@ -1023,9 +1070,11 @@ namespace dflash {
 at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale, bool portable,
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-                             double norm_eps, bool gated, const c10::optional<at::Tensor>& tree) {
+                             double norm_eps, bool gated, const c10::optional<at::Tensor>& tree,
+                             const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
+                             const c10::optional<at::Tensor>& key_counts) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated, 0, false, tree, c10::nullopt, c10::nullopt, c10::nullopt);
+                        gated, 0, false, tree, write_rows, key_rows, key_counts);
 }
 at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale,
