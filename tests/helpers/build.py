@@ -10,13 +10,14 @@ from dflash_server.weights.loader import open_model
 
 
 def pipeline(path, stages: int = 1, split=None, dtype=torch.float32, max_ctx: int = 512, quantize="dense",
-             devices=None, remote=None, lanes: int = 1, kv_dtype: str = "auto"):
-    """``devices`` (e.g. ["cpu", "remote:cpu"]) overrides ``stages``; ``remote``: RemoteOptions."""
+             devices=None, remote=None, lanes: int = 1, kv_dtype: str = "auto", kvflash=None):
+    """``devices`` (e.g. ["cpu", "remote:cpu"]) overrides ``stages``; ``remote``: RemoteOptions;
+    ``kvflash``: a KvFlashConfig."""
     src = open_model(path)
     shards = plan_placement(src.config.num_layers, devices or ["cpu"] * stages, split,
                             together=src.config.kv_groups() if split is None else ())
     return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, quantize=quantize, progress=False,
-                          remote=remote, lanes=lanes, kv_dtype=kv_dtype)
+                          remote=remote, lanes=lanes, kv_dtype=kv_dtype, kvflash=kvflash)
 
 
 def greedy(pipe, prompt_ids, max_tokens=16, chunk=512, **kw) -> list[int]:

@@ -67,6 +67,41 @@ def test_stack_rows_equal_the_layers_one_by_one(tiny_dir):
     assert all(torch.equal(x, y) for x, y in zip(_caches(fused), _caches(plain)))
 
 
+def test_kv_flash_pools_through_the_stack_equal_the_layers(tiny_dir):
+    """A KV Flash pool that pages (a 200-token prompt in a 128-token pool): prefill chunks,
+    decode steps, a verify block with captures and a DDTree block through the stack (key
+    lists of pool slots, the same for every layer) equal the layers one by one, logits,
+    captures and pools bit for bit."""
+    from dflash_server.runtime.kv_pager import KvFlashConfig
+
+    fused, plain = _pair(tiny_dir("llama"), kvflash=KvFlashConfig(128, chunk=16))
+    calls = []
+    stack = fused.stages[0]._native_stack()
+    orig = stack.run
+    stack.run = lambda *a, **kw: calls.append(1) or orig(*a, **kw)
+    taps = (0, fused.config.num_layers - 1)
+    ids = prompt_ids(fused, 200)
+    outs = {}
+    for name, pipe in (("fused", fused), ("plain", plain)):
+        pipe.reset()
+        got = [pipe.prefill(ids[:190], chunk=32).logits]
+        got.append(pipe.forward([ids[190]], 190, capture=taps))                    # a decode step
+        got.append(pipe.forward(ids[191:197], 191, logits="all", capture=taps))    # a verify block
+        pipe.checkpoint()
+        got.append(pipe.forward(ids[:5], 197, logits="all", tree=(-1, 0, 0, 1, 2)))  # a DDTree block
+        pipe.rollback_tree([0, 2])
+        got.append(pipe.forward([ids[7]], 199, capture=taps))
+        assert pipe.kvflash_stats()[0]["paged_chunks"] > 0
+        outs[name] = got
+    assert len(calls) >= 10   # (7 prefill chunks, the steps and blocks: all through the stack)
+    assert torch.equal(outs["fused"][0], outs["plain"][0])
+    for a, b in zip(outs["fused"][1:], outs["plain"][1:]):
+        assert torch.equal(a.logits, b.logits)
+        assert a.captures.keys() == b.captures.keys()
+        assert all(torch.equal(a.captures[i], b.captures[i]) for i in a.captures)
+    assert all(torch.equal(x, y) for x, y in zip(_caches(fused), _caches(plain)))
+
+
 def test_generation_through_the_stack_equals_the_layers(tiny_dir):
     fused, plain = _pair(tiny_dir("qwen3"))
     ids = prompt_ids(fused, 12)
