@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=3, help="prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lookup", type=int, default=5,
+                    help="prompt-lookup depth of the *_lookup modes (0: leave them out)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ddtree.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,6 +74,13 @@ def main():
         engines[f"tree{b}"] = Engine(pipe, proposer=DFlashProposer(draft, pipe, tree_budget=b))
     # what `--ddtree` serves by default: the adaptive budget, up to the largest given
     engines["tree_auto"] = Engine(pipe, proposer=DFlashProposer(draft, pipe, tree_budget=max(budgets), adaptive=True))
+    if args.lookup:   # prompt lookup beside the draft: the default chain, and its chain grafted onto trees
+        engines["chain_auto_lookup"] = Engine(pipe, proposer=DFlashProposer(draft, pipe, adaptive=True,
+                                                                            lookup=args.lookup))
+        engines[f"tree{budgets[0]}_lookup"] = Engine(pipe, proposer=DFlashProposer(
+            draft, pipe, tree_budget=budgets[0], lookup=args.lookup))
+        engines["tree_auto_lookup"] = Engine(pipe, proposer=DFlashProposer(
+            draft, pipe, tree_budget=max(budgets), adaptive=True, lookup=args.lookup))
     for e in engines.values():
         e.warm_up()
     modes = [k for k in engines if k != "ar"]

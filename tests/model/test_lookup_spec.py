@@ -166,3 +166,43 @@ def test_lookup_alone_refuses_a_depth_of_zero(tiny_dir):
     for bad in (0, 17):
         with pytest.raises(ValueError, match="lookup depth"):
             LookupProposer(pipe, bad)
+
+
+def test_graft_adds_a_chain_to_a_tree():
+    """ddtree.graft: the chain follows the tree's nodes where they hold its tokens, then
+    appends its own (parents before children), at most ``limit`` new nodes."""
+    from dflash_server.spec.ddtree import DraftTree, chain_tree, graft
+
+    tree = DraftTree([5, 6, 7, 8], (-1, 0, 0, 1, 3), 3)   # 5 -> 7 -> 8 and 6 under the root
+    got, added = graft(tree, [5, 7, 9, 10], 8)
+    assert added == 2 and got.tokens == [5, 6, 7, 8, 9, 10] and got.parents == (-1, 0, 0, 1, 3, 3, 5)
+    assert got.depth == 4 and got.children()[3] == {8: 4, 9: 5}
+    got, added = graft(tree, [6, 1, 2], 1)              # a new branch, cut at the limit
+    assert added == 1 and got.tokens == [5, 6, 7, 8, 1] and got.parents == (-1, 0, 0, 1, 3, 2)
+    assert graft(tree, [5, 7], 4) == (tree, 0)           # already in the tree
+    got, added = graft(chain_tree([]), [3, 4], 4)         # an empty tree: the chain alone
+    assert got == chain_tree([3, 4]) and added == 2
+    for t in (got, graft(tree, [5, 7, 9, 10], 8)[0]):
+        assert all(p < r for r, p in enumerate(t.parents) if r > 0)
+
+
+@pytest.mark.parametrize("family,stages", [("llama", 1), ("qwen3_5", 1), ("qwen3", 2)])
+def test_lookup_grafted_onto_trees_is_lossless_and_taken(tiny_dir, family, stages):
+    """DDTree steps with prompt lookup: the lookup's chain is a path of the tree (alone where
+    the adaptive budget chose a plain step); greedy and seeded sampling == plain decoding,
+    lookups taken and accepted beyond what the trees alone accept."""
+    pipe = pipeline(tiny_dir(family), stages=stages)
+    ids = repeating_prompt(pipe)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.3, top_k=3, seed=7)):
+        ref = run(pipe, ids, max_tokens=40, sampling=sampling).token_ids
+        for adaptive in (False, True):
+            prop = DFlashProposer(random_draft(pipe, block=4), pipe, tree_budget=4, adaptive=adaptive, lookup=5)
+            res = run(pipe, ids, prop, max_tokens=40, sampling=sampling)
+            assert res.token_ids == ref, (family, stages, sampling, adaptive)
+            spec = res.extra["spec"]
+            assert spec["tree_steps"] > 0 and spec["lookup_steps"] > 0
+        alone = run(pipe, ids, DFlashProposer(random_draft(pipe, block=4), pipe, tree_budget=4), max_tokens=40,
+                    sampling=sampling)
+        assert alone.token_ids == ref and alone.extra["spec"]["lookup_steps"] == 0
+        if sampling.greedy:   # the tiny model repeats its prompt: the lookup's chains are accepted
+            assert spec["acceptance_length"] > alone.extra["spec"]["acceptance_length"]

@@ -216,7 +216,10 @@ def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     assert alone.returncode == 0, alone.stderr
     alone = json.loads(alone.stdout)
     assert alone["token_ids"] == plain["token_ids"] and alone["spec"]["block_size"] == 1
-    assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--ddtree", "--lookup", "3"), "lookup")
+    tree = run_cli(*base, "--draft", str(draft), "--ddtree-budget", "4", "--lookup", "3")   # lookups grafted onto trees
+    assert tree.returncode == 0, tree.stderr
+    tree = json.loads(tree.stdout)
+    assert tree["token_ids"] == plain["token_ids"] and isinstance(tree["spec"]["lookup_steps"], int)
     for bad in ("maybe", "", "ON"):
         assert_clean_error(gen(tiny_dir("llama"), "--draft", str(draft), "--batch-spec", bad), "batch-spec")
 

@@ -29,6 +29,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     assert (cfg.kvflash_pool, cfg.lanes_flag, cfg.disk_min_tokens) == (1024, 3, 0)
     assert cfg.prefill_curve == ("2000:0.5", "8000:0.2") and cfg.block_size == 4 and cfg.ddtree_budget == 9
     assert cfg.lookup is None and cfg.lookup_depth() == 0      # (with --ddtree-budget: trees, no lookup)
+    assert EngineConfig(draft="default", ddtree=True, lookup=3).lookup_depth() == 3   # (grafted onto the trees)
     assert EngineConfig(draft="default").lookup_depth() == 5 and EngineConfig().lookup_depth() == 5
     assert EngineConfig().lookup_depth(cpu=False) == 0 and EngineConfig(draft="default").lookup_depth(cpu=False) == 5
     assert EngineConfig(no_draft=True).lookup_depth() == 0 and EngineConfig(lookup=0).lookup_depth() == 0
@@ -66,7 +67,7 @@ def test_flags_reach_the_config_and_it_is_frozen():
     ({"ddtree_budget": 8, "draft": "default", "no_draft": True}, "--ddtree"),
     ({"lookup": -1, "draft": "default"}, "--lookup"), ({"lookup": 17, "draft": "default"}, "--lookup"),
     ({"lookup": True, "draft": "default"}, "--lookup"), ({"lookup": "5", "draft": "default"}, "--lookup"),
-    ({"lookup": 2.5, "draft": "default"}, "--lookup"), ({"lookup": 3, "draft": "default", "ddtree": True}, "--lookup"),
+    ({"lookup": 2.5, "draft": "default"}, "--lookup"),
     ({"batch_spec": "maybe"}, "--batch-spec"), ({"batch_spec": True}, "--batch-spec"), ({"batch_spec": None}, "--batch-spec"),
 ])
 def test_bad_values_are_refused_naming_the_flag(kw, flag):

@@ -158,8 +158,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--lookup", type=lookup_arg, default=None, metavar="N",
                    help="prompt lookup: where the context repeats its last 2-4 tokens, verify up to N tokens "
                         "copied from after their earlier occurrence (0-16, 0: off; default 5 beside a --draft, "
-                        "and alone, without a draft model, on a CPU target; off with --no-draft, --ddtree, or "
-                        "alone on a GPU)")
+                        "and alone, without a draft model, on a CPU target; off with --no-draft, or alone on a "
+                        "GPU; with --ddtree off unless given, then grafted onto the trees as a path)")
     d.add_argument("--batch-spec", default="auto", choices=["auto", "on", "off"],
                    help="several sequences decoding together verify their draft blocks in one forward, "
                         "sized by the batch sizer (on), or decode plain rows in one forward while each keeps "

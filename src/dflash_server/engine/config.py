@@ -154,9 +154,6 @@ class EngineConfig:
             raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
         if self.batch_spec not in ("auto", "on", "off"):
             raise ValueError(f"--batch-spec must be auto, on or off, got {self.batch_spec!r}")
-        if self.lookup and (self.ddtree or self.ddtree_budget):
-            raise ValueError("--lookup drafts chains; --ddtree verifies trees: give one of them (--lookup 0 "
-                             "with --ddtree)")
         if (self.ddtree or self.ddtree_budget) and (self.no_draft or self.draft is None):
             raise ValueError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
         # flags that only take effect with another one: refused without it, rather than silently dropped
@@ -196,8 +193,9 @@ class EngineConfig:
     def lookup_depth(self, cpu: bool = True) -> int:
         """Prompt-lookup drafts a step: --lookup, else 5, with a draft or alone on a target
         whose stages are all on CPUs (measured there: benchmarks/spec.py); none with
-        --no-draft (plain decoding), with --ddtree (trees), or alone on a GPU target (not
-        measured there yet: --lookup N turns it on)."""
+        --no-draft (plain decoding), with --ddtree unless given (then grafted onto the trees:
+        engine.speculative.tree_step), or alone on a GPU target (not measured there yet:
+        --lookup N turns it on)."""
         if self.lookup is not None:
             return self.lookup
         if self.no_draft or self.ddtree or self.ddtree_budget:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..spec.ddtree import chain_tree, graft
 from ..spec.lookup import LookupUse
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class RowsVerify:
     tree: DraftTree | None = None
     size: int = 1
     lookup: bool = False   # the drafts are a prompt lookup's (spec.lookup), not the draft's
+    looked: tuple[int, ...] = ()   # a tree's grafted prompt-lookup chain (its tokens), if any
 
     @property
     def rows(self) -> int:
@@ -150,6 +152,11 @@ class RowsVerify:
         if self.lookup:
             spec.lookup_steps += 1
             self.seq.lookup.learn(len(kept) - 1)
+        elif self.looked:   # a tree with a lookup chain: the lookup paid for the chain's tokens on the path
+            spec.lookup_steps += 1
+            path = [self.tree.tokens[r - 1] for r in kept[1:]]
+            self.seq.lookup.learn(next((i for i, (a, b) in enumerate(zip(path, self.looked)) if a != b),
+                                       min(len(path), len(self.looked))))
 
     def learned(self, kept: list[int], done: bool) -> int | None:
         """What the sizer observed (None: the sequence ended, acceptance not observed): the
@@ -264,33 +271,40 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     target's token at each node (``seq.commit``: greedy, or one seeded draw per token) while
     it is a child of that node. The path's rows stay in the caches (KV moved down, recurrent
     state of its last row); the token that left the tree is the next anchor. The budget is
-    the proposer's, or the adaptive sizer's choice (0: a plain decode step)."""
+    the proposer's, or the adaptive sizer's choice (0: a plain decode step). With prompt
+    lookup on, where the context repeats, the lookup's chain is grafted onto the tree as a
+    path from the root (``ddtree.graft``; on its own where the budget is 0), as a chain step
+    verifies it instead of the draft's block; the sizer learns only from steps without."""
     sizer = proposer.sizer
     spec_begin(proposer, seq)
     anchor, pos = seq.last, seq.pos
     # depth: at most the draft's block, the tokens left, and the room in the context
-    block = min(proposer.block_size, seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos - 1)
+    room = min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos - 1)
+    block = min(proposer.block_size, room)
     if block < 1:
         return "length"
     chosen = sizer.choose() if sizer is not None else proposer.tree_budget
     budget = min(chosen, pipe.max_ctx - pos - 1, pipe.max_spec_rows - 1) if block > 1 else 0
+    look = lookup_drafts(proposer, seq, min(room, pipe.max_spec_rows - budget))
     t0 = time.perf_counter()
-    if budget == 0:   # a plain step: nothing to roll back, its features wait for the next draft
+    if budget == 0 and not look:   # a plain step: nothing to roll back, its features wait for the next draft
         out = pipe.forward([anchor], pos, logits="all", capture=proposer.taps)
         done = seq.commit(out.logits[0])
         proposer.add_context(out.captures, pos, 1, defer=True)
         seq.spec.record(0, 0)
         path, logits = [0], out.logits[0]
     else:
-        tree = proposer.propose_tree(anchor, pos, block, budget)
+        tree = proposer.propose_tree(anchor, pos, block, budget) if budget > 0 else chain_tree([])
+        if look:
+            tree, _ = graft(tree, look, len(look))
         pipe.checkpoint()
         verify = pipe.forward([anchor] + tree.tokens, pos, logits="all", capture=proposer.taps, tree=tree.parents)
-        v = RowsVerify(seq, tree.tokens, tree=tree, size=budget)
+        v = RowsVerify(seq, tree.tokens, tree=tree, size=budget, looked=tuple(look))
         path, done = v.accept(verify.logits)
         v.keep(pipe, proposer, path, verify.captures)
         v.record(path, done)
         logits = verify.logits[path[-1]]
-    if sizer is not None:
+    if sizer is not None and not look:
         sizer.observe(chosen, None if done else len(path), time.perf_counter() - t0)
     if done:
         return seq.out.finish
