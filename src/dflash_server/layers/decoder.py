@@ -56,7 +56,8 @@ class DecoderLayer(nn.Module):
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
                 f.down.weight, f.down.qtype, **m.native_args,
-                **(ctx.pool_args() if ctx.slots is not None else {} if ctx.tree is None else {"tree": ctx.tree_parents}))
+                **(ctx.pool_args() if ctx.slots is not None else
+                   {} if ctx.tree is None else {"tree": ctx.tree_parents}))
         if self.mixer_out_norm is None and isinstance(self.mixer, GatedDeltaNet) and \
                 (h := self.mixer.residual_step(x, self.input_norm, ctx, state)) is not None:
             return self._mlp(h)  # (norm and residual add inside the projections, the same bits)

@@ -60,8 +60,9 @@ class DFlashProposer:
         always gets its own head, made of those rows only (int4 where ``fast_head``).
         ``lookup`` > 0: where the context repeats its last few tokens, a step verifies up to
         that many tokens copied from the earlier occurrence instead of drafting
-        (spec.lookup; with DDTrees the copied chain is grafted onto the step's tree). ``batched``: several running sequences
-        verify their blocks in one forward where the stages can (``batch_verify``); else
+        (spec.lookup; with DDTrees the copied chain is grafted onto the step's tree).
+        ``batched``: several running sequences verify their blocks in one forward where the
+        stages can (``batch_verify``); else
         they decode plain rows together, each feeding its draft context."""
         cfg = pipeline.config
         self.batched = batched
