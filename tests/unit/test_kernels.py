@@ -480,8 +480,16 @@ for i, (hd, nh, nkv, cache, start, T, gated, qk) in enumerate(CASES):
     vc = torch.randn(1, nkv, start + T + 5, hd, generator=g).to(getattr(torch, cache))
     cos, sin = torch.randn(T, hd, generator=g), torch.randn(T, hd, generator=g)
     qn = (torch.randn(hd, generator=g), torch.randn(hd, generator=g)) if qk else (None, None)
-    out[str(i)] = torch.ops.dflash.attention_step(qkv, cos, sin, kc, vc, start, nh, nkv, hd ** -0.5, False, qn[0],
-                                                  qn[1], 1e-6, gated)
+    args = (start, nh, nkv, hd ** -0.5, False, qn[0], qn[1], 1e-6, gated)
+    out[str(i)] = torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), *args)
+    if T > 1:   # a DDTree block (each row's parent (t - 1) // 2), and KV Flash key lists (rows scattered)
+        out[f"{i}t"] = torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), *args,
+                                                       tree=torch.tensor([-1] + [(t - 1) // 2 for t in range(1, T)]))
+        perm = torch.randperm(start + T + 5, generator=g)
+        keys = torch.stack([torch.cat([perm[:start + t + 1], perm[:T - 1 - t]]) for t in range(T)])
+        out[f"{i}k"] = torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), *args,
+                                                       write_rows=perm[start:start + T], key_rows=keys,
+                                                       key_counts=torch.arange(start + 1, start + T + 1))
 save_file(out, sys.argv[1])
 """
 
@@ -489,7 +497,8 @@ save_file(out, sys.argv[1])
 def test_attention_avx512_and_avx2_forms_give_the_same_bits(tmp_path):
     """The grouped attention's AVX-512 form (this CPU's path where it has AVX-512) against its
     AVX2 form (DFLASH_KERNELS_ISA=avx2 keeps it), in two processes, on blocks, decode rows,
-    long contexts, head sizes 64 / 128, every cache type, gated heads and q/k norms. (On a CPU
+    long contexts, head sizes 64 / 128, every cache type, gated heads and q/k norms, DDTree
+    blocks and KV Flash key lists. (On a CPU
     without AVX-512 both processes run the AVX2 form.)"""
     from safetensors.torch import load_file
 
@@ -501,9 +510,10 @@ def test_attention_avx512_and_avx2_forms_give_the_same_bits(tmp_path):
                            text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr
         outs[cap] = load_file(tmp_path / f"{cap}.safetensors")
-    assert len(outs["avx2"]) == len(ATTN_CASES)
-    for i, case in enumerate(ATTN_CASES):
-        assert torch.equal(outs["avx2"][str(i)], outs["amx"][str(i)]), case
+    assert len(outs["avx2"]) == len(ATTN_CASES) + 2 * sum(case[5] > 1 for case in ATTN_CASES)
+    assert outs["avx2"].keys() == outs["amx"].keys()
+    for key in outs["avx2"]:
+        assert torch.equal(outs["avx2"][key], outs["amx"][key]), ATTN_CASES[int(key.rstrip("tk"))]
 
 
 @pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
