@@ -172,6 +172,35 @@ def test_the_op_rejects_malformed_stacks():
         torch.ops.dflash.decoder_stack(x, [x] * 5, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [])
     with pytest.raises(RuntimeError, match="outside the stack"):
         torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [1])
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="not with lanes"):   # key lists are one sequence's pool
+        torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [], lanes=[0],
+                                       positions=[0], write_rows=one, key_rows=one[None], key_counts=one + 1)
+
+
+def test_hostile_key_lists_through_the_stack_are_refused(tiny_dir):
+    """KV Flash arguments of the stack reach the attention step's checks: a key or write row
+    past the pool, a key count past the rows or the list: a clean error naming the op."""
+    pipe = pipeline(tiny_dir("llama"), dtype=torch.bfloat16, quantize="int8", max_ctx=64)
+    pipe.reset()
+    pipe.prefill(prompt_ids(pipe, 5), chunk=8)
+    (st,) = pipe.stages
+    stack = st._stack
+    cos, sin = st.rope.rows(5, 1)
+    x = torch.randn(1, 1, pipe.config.hidden_size, dtype=torch.bfloat16)
+    base = (x, stack.weights, [s.k.clone() for s in st.states], [s.v.clone() for s in st.states], stack.ints,
+            stack.floats, cos.float().contiguous(), sin.float().contiguous(), 5, [])
+    keys = torch.arange(6)[None]
+    for bad in (dict(write_rows=torch.tensor([64]), key_rows=keys, key_counts=torch.tensor([6])),
+                dict(write_rows=torch.tensor([5]), key_rows=keys + 60, key_counts=torch.tensor([6])),
+                dict(write_rows=torch.tensor([5]), key_rows=keys, key_counts=torch.tensor([7])),
+                dict(write_rows=torch.tensor([5]), key_rows=keys, key_counts=torch.tensor([0])),
+                dict(write_rows=torch.tensor([5]), key_rows=keys)):
+        with pytest.raises(RuntimeError, match="attention_step"):
+            torch.ops.dflash.decoder_stack(*base, **bad)
+    out = torch.ops.dflash.decoder_stack(*base, write_rows=torch.tensor([5]), key_rows=keys,
+                                         key_counts=torch.tensor([6]))
+    assert torch.isfinite(out[0].float()).all()
 
 
 def test_the_op_passes_opcheck(tiny_dir):
