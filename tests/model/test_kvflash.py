@@ -314,3 +314,71 @@ def test_sliding_layers_keep_their_window_resident(tiny_dir):
     assert st.pager.tail == 8 and st.pager.pool_tokens == 192
     assert gen(pipe, ids, n=60).token_ids == ref
     assert st.pager.page_outs > 0
+
+
+def _aten_attention(pipe) -> list:
+    """Turn ``pipe``'s native attention (and its stack) off; returns a list that counts the
+    aten attention calls of every pipeline given to it later."""
+    for st in pipe.stages:
+        st._stack = None
+        for layer in st.layers:
+            layer.mixer.native, layer._fused = False, False
+    return []
+
+
+def _count_aten(pipe, calls: list) -> None:
+    for st in pipe.stages:
+        for layer in st.layers:
+            orig = layer.mixer._attend
+            layer.mixer._attend = lambda *a, _orig=orig, **kw: calls.append(1) or _orig(*a, **kw)
+
+
+def test_score_policy_on_the_native_step_observes_what_aten_observes(tiny_dir):
+    """The native attention step feeds KV Flash's score policy: the attention each slot
+    receives and the latest queries agree with aten's path within rounding (fp32), so
+    eviction and re-selection make the same choices and the tokens are the same."""
+    path = tiny_dir("llama")
+    ids = prompt_ids(pipeline(path), 150)
+    native, aten = (kv_pipeline(path, 128, chunk=16, policy="score", tau=8) for _ in range(2))
+    _aten_attention(aten)
+    native_calls, aten_calls = [], []
+    _count_aten(native, native_calls)
+    _count_aten(aten, aten_calls)
+    got = [gen(p, ids, n=40) for p in (native, aten)]
+    assert got[0].token_ids == got[1].token_ids and not native_calls and aten_calls
+    (pa, pb), (qa, qb) = [p.stages[0].pager for p in (native, aten)], [p.stages[0].pool for p in (native, aten)]
+    assert pa.page_outs == pb.page_outs > 0 and pa.resident == pb.resident and qa.reselects == qb.reselects > 0
+    sa, sb = pa.policy.score, pb.policy.score
+    assert sa.keys() == sb.keys() and max(sb.values()) > 0
+    assert all(abs(sa[c] - sb[c]) <= 1e-4 * max(1.0, abs(sb[c])) for c in sa), (sa, sb)
+    assert len(qa.last_q) == len(qb.last_q) == native.config.num_layers
+    assert all(a.shape == b.shape and torch.allclose(a, b, atol=1e-4) for a, b in zip(qa.last_q, qb.last_q))
+
+
+def test_score_policy_through_the_stack(tiny_dir):
+    """The serving configuration (bf16, int8 layers): a paging pool's forwards with the score
+    policy run through the fused stack, and what they observe (masses after a 150-token
+    prefill and decode steps, the latest queries) is aten's within bf16 rounding."""
+    path = tiny_dir("llama")
+    ids = prompt_ids(pipeline(path), 150)
+    native, aten = (kv_pipeline(path, 128, chunk=16, policy="score", dtype=torch.bfloat16, quantize="int8")
+                    for _ in range(2))
+    _aten_attention(aten)
+    stack = native.stages[0]._native_stack()
+    calls, run = [], stack.run
+    stack.run = lambda *a, **kw: calls.append(1) or run(*a, **kw)
+    for p in (native, aten):
+        p.reset()
+        p.prefill(ids, chunk=32)
+        for i in range(3):
+            p.forward([ids[i]], 150 + i)
+    assert len(calls) >= 8
+    (pa, pb), (qa, qb) = [p.stages[0].pager for p in (native, aten)], [p.stages[0].pool for p in (native, aten)]
+    assert pa.page_outs == pb.page_outs > 0 and pa.resident == pb.resident
+    sa, sb = pa.policy.score, pb.policy.score
+    assert sa.keys() == sb.keys() and max(sb.values()) > 0
+    assert all(abs(sa[c] - sb[c]) <= 0.05 * max(1.0, abs(sb[c])) for c in sa), (sa, sb)
+    assert len(qa.last_q) == len(qb.last_q) == native.config.num_layers
+    for a, b in zip(qa.last_q, qb.last_q):
+        assert a.shape == b.shape == (1, 1, native.config.num_heads, native.config.head_dim) and a.dtype == b.dtype
+        assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)

@@ -872,6 +872,55 @@ def test_attention_over_slots_equals_positions(hd, cache, start, T):
             torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5, **kw)
 
 
+@pytest.mark.parametrize("hd,cache,start,T", [(64, torch.bfloat16, 301, 1), (64, torch.float32, 40, 5),
+                                               (128, torch.float16, 77, 3), (16, torch.float32, 20, 2)])
+def test_attention_step_reports_masses_and_queries(hd, cache, start, T):
+    """KV Flash's score policy on the native step: ``mass`` receives each cache row's attention
+    summed over heads and rows, ``q_out`` the rotated queries of the last rows, on the grouped
+    paths (head_dim 64 / 128) and the per-row one (16, and ``portable``), against fp64; the
+    output is the same as without them; bad arguments are refused."""
+    from dflash_server.layers.rope import RotaryTable, apply_rope
+
+    nh, nkv = 4, 2
+    max_ctx = start + T + 40
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    cos, sin = table.rows(start, T)
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
+    kc, vc = torch.randn(1, nkv, max_ctx, hd).to(cache), torch.randn(1, nkv, max_ctx, hd).to(cache)
+    perm = torch.randperm(max_ctx)
+    keys = torch.stack([torch.cat([perm[:start + t + 1], perm[:T - 1 - t]]) for t in range(T)])
+    slots = dict(write_rows=perm[start:start + T], key_rows=keys, key_counts=torch.arange(start + 1, start + T + 1))
+    args = (cos, sin)
+    plain = torch.ops.dflash.attention_step(qkv, *args, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5, **slots)
+    q = apply_rope(qkv.double()[0, :, :nh * hd].reshape(T, nh, hd), cos.double()[:, None], sin.double()[:, None])
+    R = min(T, 2)
+    for portable in (False, True):
+        k2, v2 = kc.clone(), vc.clone()
+        mass, q_out = torch.zeros(max_ctx), torch.empty(1, R, nh, hd, dtype=torch.bfloat16)
+        out = torch.ops.dflash.attention_step(qkv, *args, k2, v2, start, nh, nkv, hd ** -0.5, portable, mass=mass,
+                                              q_out=q_out, **slots)
+        assert torch.equal(out, plain) if not portable else torch.allclose(out.float(), plain.float(), atol=1e-2)
+        ref = torch.zeros(max_ctx, dtype=torch.float64)
+        kd = k2[0].double()
+        for t in range(T):
+            rows = keys[t, :start + t + 1]
+            for h in range(nh):
+                p = (kd[h // (nh // nkv), rows] @ q[t, h] * hd ** -0.5).softmax(0)
+                ref.index_add_(0, rows, p)
+        torch.testing.assert_close(mass.double(), ref, rtol=1e-4, atol=1e-5)
+        assert abs(mass.sum().item() - nh * T) < 1e-3
+        torch.testing.assert_close(q_out[0].double(), q[T - R:], rtol=0, atol=2e-2)
+    for bad in (dict(mass=torch.zeros(max_ctx - 1)), dict(mass=torch.zeros(max_ctx, dtype=torch.float64)),
+                dict(q_out=torch.empty(1, T + 1, nh, hd, dtype=torch.bfloat16)),
+                dict(q_out=torch.empty(1, T, nh, hd, dtype=torch.float32))):
+        with pytest.raises(RuntimeError, match="attention_step"):
+            torch.ops.dflash.attention_step(qkv, *args, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5, **bad,
+                                            **slots)
+    with pytest.raises(RuntimeError, match="key lists"):   # masses are for KV Flash pools
+        torch.ops.dflash.attention_step(qkv, *args, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5,
+                                        mass=torch.zeros(max_ctx))
+
+
 def test_argmax_is_torchs():
     """``dflash::argmax`` gives ``torch.argmax``'s indices: the first of equal maxima, a NaN
     as the largest (the first NaN), -inf rows, short rows, bf16 / fp16, several rows, both

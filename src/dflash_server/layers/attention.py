@@ -22,6 +22,21 @@ from .sdpa import sdpa
 
 
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
+
+
+def score_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype, layers: int = 0) -> tuple[dict, torch.Tensor | None]:
+    """KV Flash's score policy on the native attention: ({mass, q_out} for the op, the queries
+    tensor it fills or None). ``mass``: ``ctx.attn_mass``, which the op adds each slot's
+    attention to (over heads and rows), as the aten path does; ``q_out``: the rotated queries
+    of the forward's last rows (up to SCORE_QUERY_ROWS), (1, R, nh, hd), or one per layer
+    ((layers, 1, R, nh, hd)) for the stack; the caller appends them to ``ctx.last_q``."""
+    args, queries = {}, None
+    if ctx.attn_mass is not None:
+        args["mass"] = ctx.attn_mass
+    if ctx.last_q is not None:
+        shape = (1, min(rows, SCORE_QUERY_ROWS), nh, hd)
+        queries = args["q_out"] = torch.empty(((layers,) if layers else ()) + shape, dtype=dtype)
+    return args, queries
 # Prefill chunks (over 64 rows) ending at most here take the native attention step, whose
 # rows are computed alike however the prompt is cut into chunks (exact prefix-cache hits, and
 # a prompt prefilled beside other sequences, in pieces the step budget sets, equals the same
@@ -142,7 +157,7 @@ class Attention(nn.Module):
     def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
         """Whether this block of rows takes the fused native step (decode and verify blocks
         of one sequence, and prefill chunks ending within NATIVE_PREFILL_CTX; position-
-        addressed KV or a KV Flash pool without the score policy; outside torch.compile: its
+        addressed KV or a KV Flash pool, whose score policy the step feeds (``score_args``); outside torch.compile: its
         graph fuses this part itself, and the op's int position would make dynamo recompile
         every step). A prefill chunk on the native step writes the keys, values and outputs
         a decode step of each row would, so there a prefix-cache hit (KV from earlier decode
@@ -150,7 +165,8 @@ class Attention(nn.Module):
         differs in the last bits, so past NATIVE_PREFILL_CTX a hit can flip a near tie."""
         return (self.native and x.shape[0] == 1
                 and (x.shape[1] <= 64 or ctx.start + x.shape[1] <= NATIVE_PREFILL_CTX)
-                and ctx.last_q is None and ctx.attn_mass is None and ctx.tail_attn is None and ctx.graph_pos is None
+                and (ctx.slots is not None or (ctx.last_q is None and ctx.attn_mass is None))
+                and ctx.tail_attn is None and ctx.graph_pos is None
                 and state.k.dtype in CPU_NATIVE_CACHE
                 and not torch.compiler.is_compiling())
 
@@ -213,11 +229,15 @@ class Attention(nn.Module):
             args = self.native_args
             if ctx.tree is not None and ctx.slots is None:
                 args = {**args, "tree": ctx.tree_parents}
+            queries = None
             if ctx.slots is not None:  # KV Flash: write to the pool slots, read the visible ones in
                 # logical order (a tree row: the prefix, then its ancestors root first)
-                args = {**{k: v for k, v in args.items() if k != "window"}, **ctx.pool_args(self.window)}
+                score, queries = score_args(ctx, x.shape[1], self.nh, self.hd, qkv.dtype)
+                args = {**{k: v for k, v in args.items() if k != "window"}, **ctx.pool_args(self.window), **score}
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale, **args)
+            if queries is not None:
+                ctx.last_q.append(queries)
             return self.o(self._gated(out, x))
         return self.o(self._gated(self._attend(qkv, ctx, state, x.dtype), x))
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .attention import Attention
+from .attention import Attention, score_args
 from .context import ForwardContext
 from .gdn import GatedDeltaNet
 from .mlp import SwiGLU
@@ -51,13 +51,18 @@ class DecoderLayer(nn.Module):
             # the ops below in one C++ call (bit-identical; ~12 fewer Python-level calls)
             m, f = self.mixer, self.mlp
             cos, sin = ctx.rope_f32(m.local_rope)
-            return torch.ops.dflash.decoder_layer(
+            kw, queries = ({"tree": ctx.tree_parents} if ctx.tree is not None else {}), None
+            if ctx.slots is not None:   # a KV Flash pool (and its score policy)
+                score, queries = score_args(ctx, x.shape[1], m.nh, m.hd, x.dtype)
+                kw = {**ctx.pool_args(), **score}
+            out = torch.ops.dflash.decoder_layer(
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
-                f.down.weight, f.down.qtype, **m.native_args,
-                **(ctx.pool_args() if ctx.slots is not None else
-                   {} if ctx.tree is None else {"tree": ctx.tree_parents}))
+                f.down.weight, f.down.qtype, **m.native_args, **kw)
+            if queries is not None:
+                ctx.last_q.append(queries)
+            return out
         if self.mixer_out_norm is None and isinstance(self.mixer, GatedDeltaNet) and \
                 (h := self.mixer.residual_step(x, self.input_norm, ctx, state)) is not None:
             return self._mlp(h)  # (norm and residual add inside the projections, the same bits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import score_args
 from .context import ForwardContext
 
 
@@ -66,14 +67,18 @@ class NativeStack:
         last output and the captured layers' outputs by global layer index."""
         want = [i for i in capture if i in self.position]
         cos, sin = ctx.rope_f32(False)
-        kw = {}
+        kw, queries = {}, None
         if ctx.lanes is not None:
             kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_tree()}
-        elif ctx.slots is not None:
-            kw = ctx.pool_args()
+        elif ctx.slots is not None:   # a KV Flash pool (and its score policy: one queries tensor per layer)
+            m = self.layers[0].mixer
+            score, queries = score_args(ctx, h.shape[1], m.nh, m.hd, h.dtype, layers=len(self.layers))
+            kw = {**ctx.pool_args(), **score}
         elif ctx.tree is not None:
             kw = {"tree": ctx.tree_parents}
         outs = torch.ops.dflash.decoder_stack(h, self.weights, [s.k for s in states], [s.v for s in states],
                                               self.ints, self.floats, cos, sin, ctx.start,
                                               [self.position[i] for i in want], **kw)
+        if queries is not None:
+            ctx.last_q.extend(queries.unbind(0))
         return outs[0], dict(zip(want, outs[1:]))

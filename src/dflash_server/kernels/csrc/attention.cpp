@@ -28,8 +28,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <immintrin.h>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -82,7 +84,18 @@ struct Geometry {
   const int64_t* key_rows = nullptr;
   const int64_t* key_counts = nullptr;
   int64_t key_stride = 0;
+  // KV Flash's score policy (with key lists only): mass[r] += the attention probability of
+  // cache row r, summed over every (head, row) of the call; and the rotated queries of the
+  // last q_rows rows (Step::q_out, (q_rows, nh, hd) in the activations' type). null / 0: none.
+  float* mass = nullptr;
+  int64_t q_rows = 0;
 };
+
+// p_j = scores[j] * inv of one query's keys into mass at the keys' cache rows
+template <typename Rows>
+DFLASH_INLINE void add_mass(const float* scores, float inv, int64_t n, Rows at, float* mass) {
+  for (int64_t j = 0; j < n; ++j) mass[at(j)] += scores[j] * inv;
+}
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
 DFLASH_INLINE float sigmoid(float x) {
@@ -136,7 +149,7 @@ struct Contiguous {  // rows j (a causal block's row: no index to read)
 // keys in order with one fused multiply-add per element.
 template <typename KT, typename Rows>
 DFLASH_INLINE void attend_row(const float* q, const KT* kc, const KT* vc, int64_t n, int64_t hd, float scale,
-                              float* scores, float* out, Rows at) {
+                              float* scores, float* out, Rows at, float* mass = nullptr) {
   // four keys at a time: four independent accumulation chains (each key's own arithmetic
   // is the same as alone)
   int64_t j = 0;
@@ -171,6 +184,7 @@ DFLASH_INLINE void attend_row(const float* q, const KT* kc, const KT* vc, int64_
     part[j % 8] += scores[j];
   }
   const float inv = 1.f / sum8(part);
+  if (mass != nullptr) add_mass(scores, inv, n, at, mass);
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (j = 0; j < n; ++j) {
     const float p = scores[j] * inv;
@@ -292,9 +306,10 @@ DFLASH_AVX2 inline float softmax_avx2(float* scores, int64_t n) {
 
 template <typename KT, typename Rows>
 DFLASH_AVX2 void attend_row_avx2(const float* q, const KT* kc, const KT* vc, int64_t n, int64_t hd,
-                                 float scale, float* scores, float* out, Rows at) {
+                                 float scale, float* scores, float* out, Rows at, float* mass = nullptr) {
   scores_avx2(q, kc, 0, n, hd, scale, scores, at);
   const float inv = softmax_avx2(scores, n);
+  if (mass != nullptr) add_mass(scores, inv, n, at, mass);
   if (hd == 64) return weighted_values_avx2<8>(scores, inv, vc, n, out, at);
   if (hd == 128) return weighted_values_avx2<16>(scores, inv, vc, n, out, at);
   for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
@@ -331,6 +346,7 @@ struct Step {
   KT* kc;  // the caches (fp32, fp16 or bf16)
   KT* vc;
   T* out;
+  T* q_out = nullptr;  // Geometry::q_rows
   int64_t qhead() const { return g.gated ? 2 * g.hd : g.hd; }  // a query head's span in qkv
   int64_t qdim() const { return g.nh * qhead(); }
   int64_t odim() const { return g.nh * g.hd; }
@@ -397,9 +413,20 @@ DFLASH_INLINE void write_head(const Step<T, KT>& s, int64_t h, int64_t t, const 
   }
 }
 
-// query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim
+// row t's rotated query of head h (q: hd floats) into Step::q_out, if t is among the last q_rows
+template <typename T, typename KT>
+DFLASH_INLINE void write_query(const Step<T, KT>& s, int64_t h, int64_t t, const float* q) {
+  const Geometry& g = s.g;
+  const int64_t r = t - (g.T - g.q_rows);
+  if (s.q_out == nullptr || r < 0) return;
+  T* dst = s.q_out + (r * g.nh + h) * g.hd;
+  for (int64_t i = 0; i < g.hd; ++i) dst[i] = static_cast<T>(q[i]);
+}
+
+// query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim;
+// mass: this call's share of Geometry::mass (key lists only), or null
 template <typename T, typename KT, bool AVX2>
-DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch) {
+DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch, float* mass) {
   const Geometry& g = s.g;
   const int64_t h = w / g.T, t = w % g.T, kvh = h / (g.nh / g.nkv);
   float* scores = scratch;
@@ -409,6 +436,7 @@ DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch) {
   const T* src = s.qkv + t * s.width() + h * s.qhead();
   rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
          q);
+  write_query(s, h, t, q);
   int64_t n, lo;
   KeyRows at{0, nullptr};
   int64_t tail[64];
@@ -417,9 +445,9 @@ DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch) {
     at.tail = g.key_rows + t * g.key_stride;
     n = g.key_counts[t];
     if constexpr (AVX2)
-      attend_row_avx2(q, kc, vc, n, g.hd, g.scale, scores, o, at);
+      attend_row_avx2(q, kc, vc, n, g.hd, g.scale, scores, o, at, mass);
     else
-      attend_row(q, kc, vc, n, g.hd, g.scale, scores, o, at);
+      attend_row(q, kc, vc, n, g.hd, g.scale, scores, o, at, mass);
   } else if (g.parents == nullptr) {
     n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
     if constexpr (AVX2)
@@ -505,6 +533,7 @@ DFLASH_INLINE void group_queries(const Step<T, KT>& s, int64_t kvh, int64_t u0, 
     const T* src = s.qkv + t * s.width() + h * s.qhead();
     rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
            base + u * stride);
+    write_query(s, h, t, base + u * stride);
     n[u] = g.key_counts != nullptr ? g.key_counts[t] : g.start + t + 1;
   }
 }
@@ -539,7 +568,7 @@ DFLASH_INLINE int64_t tree_compact(const Geometry& g, int64_t t, float* scores) 
 // 1.56x for a chain of the same rows; now both ~1.7x, measured alternating in one process.)
 template <typename T, typename KT, int NV>
 DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
-                            const int64_t* list, int64_t width) {
+                            const int64_t* list, int64_t width, float* mass) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, KB = 32;
   const int64_t G = g.nh / g.nkv, Q = u1 - u0, stride = 2 * hd + width;
@@ -563,6 +592,7 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
     if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, base + u * stride + 2 * hd);
     cont[u] = g.parents != nullptr ? g.start : n[u];
     inv[u] = softmax_avx2(base + u * stride + 2 * hd, n[u]);
+    if (mass != nullptr) add_mass(base + u * stride + 2 * hd, inv[u], n[u], ListRows{list}, mass);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
@@ -663,7 +693,7 @@ DFLASH_AVX512 inline void values_avx512(const float* vf, int64_t kb, int64_t j0,
 // group_avx2's computation (same queries, same keys, same bits), four queries at a time (QS, QV)
 template <typename T, typename KT, int NV>
 DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
-                                const int64_t* list, int64_t width) {
+                                const int64_t* list, int64_t width, float* mass) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, S = NV, KB = 32;
   // queries per pass over a block's keys (scores) and values: each key / value register load
@@ -730,6 +760,7 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
     if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, scores(u));
     cont[u] = g.parents != nullptr ? g.start : n[u];
     inv[u] = softmax_avx2(scores(u), n[u]);
+    if (mass != nullptr) add_mass(scores(u), inv[u], n[u], ListRows{list}, mass);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
@@ -778,11 +809,21 @@ DFLASH_AVX2 void write_kv_avx2(const Step<T, KT>& s, int64_t h) { write_kv<T, KT
 template <typename T, typename KT>
 void write_kv_portable(const Step<T, KT>& s, int64_t h) { write_kv<T, KT, false>(s, h); }
 template <typename T, typename KT>
-DFLASH_AVX2 void query_avx2(const Step<T, KT>& s, int64_t w, float* scratch) {
-  query<T, KT, true>(s, w, scratch);
+DFLASH_AVX2 void query_avx2(const Step<T, KT>& s, int64_t w, float* scratch, float* mass) {
+  query<T, KT, true>(s, w, scratch, mass);
 }
 template <typename T, typename KT>
-void query_portable(const Step<T, KT>& s, int64_t w, float* scratch) { query<T, KT, false>(s, w, scratch); }
+void query_portable(const Step<T, KT>& s, int64_t w, float* scratch, float* mass) {
+  query<T, KT, false>(s, w, scratch, mass);
+}
+
+// Geometry::mass from the shares of a call's work items (w0: where each began), summed in
+// their order whatever the threads (the same bits run to run)
+inline void sum_mass(const Geometry& g, std::vector<std::pair<int64_t, std::vector<float>>>& parts) {
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& part : parts)
+    for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += part.second[r];
+}
 
 template <typename T, typename KT>
 void run_step(const Step<T, KT>& s, bool fast) {
@@ -809,25 +850,41 @@ void run_step(const Step<T, KT>& s, bool fast) {
     const int64_t size = std::min<int64_t>(128, (per + chunks - 1) / chunks);
     const int64_t pieces = (per + size - 1) / size;
     const bool wide = has_avx512();
+    // the masses: one share per work item (a few), summed in item order after
+    std::vector<float> shares(g.mass != nullptr ? g.nkv * pieces * g.max_ctx : 0, 0.f);
     at::parallel_for(0, g.nkv * pieces, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> buf;
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
+        float* mass = g.mass != nullptr ? shares.data() + w * g.max_ctx : nullptr;
         if (wide)
-          g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf, list, width)
-                     : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf, list, width);
+          g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
+                     : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
         else
-          g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf, list, width)
-                     : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width);
+          g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
+                     : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
       }
     });
+    if (g.mass != nullptr)
+      for (int64_t w = 0; w < g.nkv * pieces; ++w)
+        for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += shares[w * g.max_ctx + r];
     return;
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, (g.start + g.T) * g.hd));
+  std::vector<std::pair<int64_t, std::vector<float>>> parts;  // the masses: a share per range of work items
+  std::mutex parts_lock;
   at::parallel_for(0, g.nh * g.T, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(g.start + g.T + 2 * g.hd);
-    for (int64_t w = w0; w < w1; ++w) fast ? query_avx2(s, w, scratch.data()) : query_portable(s, w, scratch.data());
+    std::vector<float> mass(g.mass != nullptr ? g.max_ctx : 0, 0.f);
+    float* m = g.mass != nullptr ? mass.data() : nullptr;
+    for (int64_t w = w0; w < w1; ++w)
+      fast ? query_avx2(s, w, scratch.data(), m) : query_portable(s, w, scratch.data(), m);
+    if (m != nullptr) {
+      std::lock_guard<std::mutex> hold(parts_lock);
+      parts.emplace_back(w0, std::move(mass));
+    }
   });
+  if (g.mass != nullptr) sum_mass(g, parts);
 }
 
 // the caches' element type: fp32, fp16 or bf16, both caches alike
@@ -861,7 +918,8 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated, int64_t window,
                           bool v_norm, const c10::optional<at::Tensor>& tree,
                           const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
-                          const c10::optional<at::Tensor>& key_counts) {
+                          const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
+                          const c10::optional<at::Tensor>& q_out) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
@@ -925,6 +983,19 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     g.parents = pp;
   }
   auto qkv = qkv_in.contiguous();
+  if (mass.has_value()) {  // KV Flash's score policy: attention each cache row receives
+    TORCH_CHECK(g.key_rows != nullptr && mass->scalar_type() == at::kFloat && mass->dim() == 1 &&
+                    mass->size(0) == g.max_ctx && mass->is_contiguous(),
+                "dflash::attention_step: mass must be a contiguous float32 (cache rows) tensor, with key lists");
+    g.mass = mass->data_ptr<float>();
+  }
+  if (q_out.has_value()) {  // ... and the latest rows' rotated queries
+    TORCH_CHECK(q_out->scalar_type() == qkv.scalar_type() && q_out->dim() == 4 && q_out->size(0) == 1 &&
+                    q_out->size(1) >= 1 && q_out->size(1) <= g.T && q_out->size(2) == nh &&
+                    q_out->size(3) == g.hd && q_out->is_contiguous(),
+                "dflash::attention_step: q_out must be a contiguous (1, rows <= T, nh, head_dim) tensor of qkv's type");
+    g.q_rows = q_out->size(1);
+  }
   auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   auto out = at::empty({1, g.T, nh * g.hd}, qkv.options());
   const bool fast = !portable && dflash::simd::has_avx2();
@@ -933,9 +1004,9 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   dispatch_types(qkv, out, k_cache, "dflash::attention_step", [&](auto* qp, auto* op, auto* tag) {
     using CT = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     using KT = std::remove_pointer_t<decltype(tag)>;
-    run_step(Step<CT, KT>{g, qp, cp, sp, static_cast<KT*>(k_cache.data_ptr()), static_cast<KT*>(v_cache.data_ptr()),
-                          op},
-             fast);
+    Step<CT, KT> step{g, qp, cp, sp, static_cast<KT*>(k_cache.data_ptr()), static_cast<KT*>(v_cache.data_ptr()), op};
+    if (q_out.has_value()) step.q_out = static_cast<CT*>(q_out->data_ptr());
+    run_step(step, fast);
   });
   return out;
 }
@@ -1057,7 +1128,8 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
       std::vector<float> scratch(longest + 2 * hd);
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t s = std::upper_bound(first.begin(), first.end(), w) - first.begin() - 1;
-        fast ? query_avx2(steps[s], w - first[s], scratch.data()) : query_portable(steps[s], w - first[s], scratch.data());
+        fast ? query_avx2(steps[s], w - first[s], scratch.data(), nullptr)
+             : query_portable(steps[s], w - first[s], scratch.data(), nullptr);
       }
     });
   });
@@ -1072,9 +1144,10 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                              double norm_eps, bool gated, const c10::optional<at::Tensor>& tree,
                              const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
-                             const c10::optional<at::Tensor>& key_counts) {
+                             const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
+                             const c10::optional<at::Tensor>& q_out) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated, 0, false, tree, write_rows, key_rows, key_counts);
+                        gated, 0, false, tree, write_rows, key_rows, key_counts, mass, q_out);
 }
 at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale,
@@ -1082,7 +1155,7 @@ at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              double norm_eps, const at::Tensor& write_rows, const at::Tensor& key_rows,
                              const at::Tensor& key_counts) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm, norm_eps, false,
-                        0, false, c10::nullopt, write_rows, key_rows, key_counts);
+                        0, false, c10::nullopt, write_rows, key_rows, key_counts, c10::nullopt, c10::nullopt);
 }
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
@@ -1098,7 +1171,8 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_step(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, "
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, Tensor? tree=None, "
-        "Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None) -> Tensor");
+        "Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, Tensor(c!)? mass=None, "
+        "Tensor(d!)? q_out=None) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, "
