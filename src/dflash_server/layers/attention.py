@@ -24,7 +24,8 @@ from .sdpa import sdpa
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
 
 
-def score_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype, layers: int = 0) -> tuple[dict, torch.Tensor | None]:
+def score_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype,
+               layers: int = 0) -> tuple[dict, torch.Tensor | None]:
     """KV Flash's score policy on the native attention: ({mass, q_out} for the op, the queries
     tensor it fills or None). ``mass``: ``ctx.attn_mass``, which the op adds each slot's
     attention to (over heads and rows), as the aten path does; ``q_out``: the rotated queries
@@ -157,8 +158,8 @@ class Attention(nn.Module):
     def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
         """Whether this block of rows takes the fused native step (decode and verify blocks
         of one sequence, and prefill chunks ending within NATIVE_PREFILL_CTX; position-
-        addressed KV or a KV Flash pool, whose score policy the step feeds (``score_args``); outside torch.compile: its
-        graph fuses this part itself, and the op's int position would make dynamo recompile
+        addressed KV or a KV Flash pool, whose score policy the step feeds (``score_args``);
+        outside torch.compile: its graph fuses this part itself, and the op's int position would make dynamo recompile
         every step). A prefill chunk on the native step writes the keys, values and outputs
         a decode step of each row would, so there a prefix-cache hit (KV from earlier decode
         steps and shorter chunks) equals a miss (one long chunk) bit for bit; aten's attention
