@@ -159,8 +159,8 @@ class Attention(nn.Module):
         """Whether this block of rows takes the fused native step (decode and verify blocks
         of one sequence, and prefill chunks ending within NATIVE_PREFILL_CTX; position-
         addressed KV or a KV Flash pool, whose score policy the step feeds (``score_args``);
-        outside torch.compile: its graph fuses this part itself, and the op's int position would make dynamo recompile
-        every step). A prefill chunk on the native step writes the keys, values and outputs
+        outside torch.compile: its graph fuses this part itself, and the op's int position
+        would make dynamo recompile every step). A prefill chunk on the native step writes the keys, values and outputs
         a decode step of each row would, so there a prefix-cache hit (KV from earlier decode
         steps and shorter chunks) equals a miss (one long chunk) bit for bit; aten's attention
         differs in the last bits, so past NATIVE_PREFILL_CTX a hit can flip a near tie."""
