@@ -178,18 +178,24 @@ def test_the_op_rejects_malformed_stacks():
                                        positions=[0], write_rows=one, key_rows=one[None], key_counts=one + 1)
 
 
-def test_hostile_key_lists_through_the_stack_are_refused(tiny_dir):
-    """KV Flash arguments of the stack reach the attention step's checks: a key or write row
-    past the pool, a key count past the rows or the list: a clean error naming the op."""
+def _stack_call(tiny_dir, rows: int, capture: list[int]) -> tuple:
+    """decoder_stack's arguments for ``rows`` new rows after a 5-token prefill of the tiny
+    llama (bf16, int8: its stack), on copies of the caches."""
     pipe = pipeline(tiny_dir("llama"), dtype=torch.bfloat16, quantize="int8", max_ctx=64)
     pipe.reset()
     pipe.prefill(prompt_ids(pipe, 5), chunk=8)
     (st,) = pipe.stages
     stack = st._stack
-    cos, sin = st.rope.rows(5, 1)
-    x = torch.randn(1, 1, pipe.config.hidden_size, dtype=torch.bfloat16)
-    base = (x, stack.weights, [s.k.clone() for s in st.states], [s.v.clone() for s in st.states], stack.ints,
-            stack.floats, cos.float().contiguous(), sin.float().contiguous(), 5, [])
+    cos, sin = st.rope.rows(5, rows)
+    x = torch.randn(1, rows, pipe.config.hidden_size, dtype=torch.bfloat16)
+    return (x, stack.weights, [s.k.clone() for s in st.states], [s.v.clone() for s in st.states], stack.ints,
+            stack.floats, cos.float().contiguous(), sin.float().contiguous(), 5, capture)
+
+
+def test_hostile_key_lists_through_the_stack_are_refused(tiny_dir):
+    """KV Flash arguments of the stack reach the attention step's checks: a key or write row
+    past the pool, a key count past the rows or the list: a clean error naming the op."""
+    base = _stack_call(tiny_dir, 1, [])
     keys = torch.arange(6)[None]
     for bad in (dict(write_rows=torch.tensor([64]), key_rows=keys, key_counts=torch.tensor([6])),
                 dict(write_rows=torch.tensor([5]), key_rows=keys + 60, key_counts=torch.tensor([6])),
@@ -208,14 +214,6 @@ def test_the_op_passes_opcheck(tiny_dir):
     functionalization does not take a list of written tensors beside a list output, and the
     stack never runs under torch.compile (``native_step_ok`` is false there; its graphs
     trace the per-layer ops)."""
-    pipe = pipeline(tiny_dir("llama"), dtype=torch.bfloat16, quantize="int8", max_ctx=64)
-    pipe.reset()
-    pipe.prefill(prompt_ids(pipe, 5), chunk=8)
-    (st,) = pipe.stages
-    stack = st._stack
-    cos, sin = st.rope.rows(5, 2)
-    x = torch.randn(1, 2, pipe.config.hidden_size, dtype=torch.bfloat16)
-    args = (x, stack.weights, [s.k.clone() for s in st.states], [s.v.clone() for s in st.states], stack.ints,
-            stack.floats, cos.float().contiguous(), sin.float().contiguous(), 5, [0, 1])
+    args = _stack_call(tiny_dir, 2, [0, 1])
     torch.library.opcheck(torch.ops.dflash.decoder_stack.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

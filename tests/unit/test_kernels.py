@@ -818,14 +818,9 @@ def test_attention_rows_take_trees_among_other_rows(portable):
                                         tree=torch.tensor([-1, 0, -1, 1, 3, 4]))   # the tree's rows apart
 
 
-@pytest.mark.parametrize("hd,cache,start,T", [(64, torch.float32, 20, 3), (64, torch.float16, 301, 1),
-                                               (128, torch.bfloat16, 77, 9), (64, torch.float32, 40, 16)])
-def test_attention_over_slots_equals_positions(hd, cache, start, T):
-    """Slot-addressed KV (KV Flash pools): rows written to given cache rows and attending to
-    given key rows in logical order give, bit for bit, what position-addressed KV gives for
-    the same keys (the grouped paths take lists that are prefixes of the longest one; others
-    go row by row, the same bits: a draft block's shared list, lists that are not prefixes);
-    hostile slot arguments are refused."""
+def _slot_step_inputs(hd: int, cache: torch.dtype, start: int, T: int) -> tuple:
+    """(nh, nkv, max_ctx, cos, sin, qkv, k cache, v cache) of a T-row attention step at
+    ``start``: 4 / 2 heads, random bf16 rows and ``cache``-typed caches 40 rows longer."""
     from dflash_server.layers.rope import RotaryTable
 
     nh, nkv = 4, 2
@@ -834,6 +829,18 @@ def test_attention_over_slots_equals_positions(hd, cache, start, T):
     cos, sin = table.rows(start, T)
     qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
     kc, vc = torch.randn(1, nkv, max_ctx, hd).to(cache), torch.randn(1, nkv, max_ctx, hd).to(cache)
+    return nh, nkv, max_ctx, cos, sin, qkv, kc, vc
+
+
+@pytest.mark.parametrize("hd,cache,start,T", [(64, torch.float32, 20, 3), (64, torch.float16, 301, 1),
+                                               (128, torch.bfloat16, 77, 9), (64, torch.float32, 40, 16)])
+def test_attention_over_slots_equals_positions(hd, cache, start, T):
+    """Slot-addressed KV (KV Flash pools): rows written to given cache rows and attending to
+    given key rows in logical order give, bit for bit, what position-addressed KV gives for
+    the same keys (the grouped paths take lists that are prefixes of the longest one; others
+    go row by row, the same bits: a draft block's shared list, lists that are not prefixes);
+    hostile slot arguments are refused."""
+    nh, nkv, max_ctx, cos, sin, qkv, kc, vc = _slot_step_inputs(hd, cache, start, T)
     k1, v1 = kc.clone(), vc.clone()
     ref = torch.ops.dflash.attention_step(qkv, cos, sin, k1, v1, start, nh, nkv, hd ** -0.5)
     # the same keys scattered: position p lives at slot perm[p]
@@ -879,14 +886,9 @@ def test_attention_step_reports_masses_and_queries(hd, cache, start, T):
     summed over heads and rows, ``q_out`` the rotated queries of the last rows, on the grouped
     paths (head_dim 64 / 128) and the per-row one (16, and ``portable``), against fp64; the
     output is the same as without them; bad arguments are refused."""
-    from dflash_server.layers.rope import RotaryTable, apply_rope
+    from dflash_server.layers.rope import apply_rope
 
-    nh, nkv = 4, 2
-    max_ctx = start + T + 40
-    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
-    cos, sin = table.rows(start, T)
-    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd).to(torch.bfloat16)
-    kc, vc = torch.randn(1, nkv, max_ctx, hd).to(cache), torch.randn(1, nkv, max_ctx, hd).to(cache)
+    nh, nkv, max_ctx, cos, sin, qkv, kc, vc = _slot_step_inputs(hd, cache, start, T)
     perm = torch.randperm(max_ctx)
     keys = torch.stack([torch.cat([perm[:start + t + 1], perm[:T - 1 - t]]) for t in range(T)])
     slots = dict(write_rows=perm[start:start + T], key_rows=keys, key_counts=torch.arange(start + 1, start + T + 1))
