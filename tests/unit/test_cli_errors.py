@@ -183,6 +183,11 @@ def test_the_built_in_model_drafts_with_its_shipped_draft_by_default():
     assert drafted["token_ids"] == plain["token_ids"]
     assert drafted["spec"]["block_size"] == 8                        # the shipped draft's trained block
     assert drafted["spec"]["steps"] > drafted["spec"]["lookup_steps"]  # some steps verified the draft's block
+    tree = run_cli(*base, "--ddtree-budget", "4")   # --ddtree without --draft: the shipped draft's trees
+    assert tree.returncode == 0, tree.stderr
+    tree = json.loads(tree.stdout)
+    assert tree["token_ids"] == plain["token_ids"] and tree["spec"]["tree_steps"] > 0
+    assert_clean_error(run_cli(*base, "--ddtree", "--compile"), "--draft")   # (no shipped draft with --compile)
 
 
 def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):

@@ -62,7 +62,8 @@ def test_flags_reach_the_config_and_it_is_frozen():
     ({"target_shard_connect": "tcp://127.0.0.1:1", "target_shard_python": "python3"}, "--target-shard-python"),
     ({"kvflash": "lots"}, "--kvflash"), ({"parallel": "many"}, "--parallel"), ({"parallel": "0"}, "--parallel"),
     ({"disk_prefix_cache": "sometimes"}, "--disk-prefix-cache"), ({"disk_prefix_cache": "-4"}, "--disk-prefix-cache"),
-    ({"block_size": "big"}, "--block-size"), ({"ddtree": True}, "--ddtree"),
+    ({"block_size": "big"}, "--block-size"), ({"ddtree": True, "model": "/m"}, "--ddtree"),
+    ({"ddtree": True, "no_draft": True}, "--ddtree"),
     ({"cuda_graphs": "on"}, "--cuda-graphs"), ({"cuda_graphs": None}, "--cuda-graphs"),
     ({"ddtree_budget": 8, "draft": "default", "no_draft": True}, "--ddtree"),
     ({"lookup": -1, "draft": "default"}, "--lookup"), ({"lookup": 17, "draft": "default"}, "--lookup"),
@@ -131,6 +132,8 @@ def test_the_shipped_draft_is_on_by_default_only_for_the_built_in_model_on_a_cpu
     assert resolve_draft_path(on, builtin=False, cpu=True) is None
     assert resolve_draft_path(EngineConfig(no_draft=True), builtin=True, cpu=True) is None
     assert resolve_draft_path(EngineConfig(draft="x"), builtin=False, cpu=False) == "x"
+    # --ddtree without --draft: the built-in model's draft where it runs by default (checked at load)
+    assert resolve_draft_path(EngineConfig(ddtree=True), builtin=True, cpu=True) == default_draft_path()
     assert is_builtin_model(None) and is_builtin_model(str(default_model_path()))
     copy = tmp_path / default_model_path().name
     copy.write_bytes(b"")

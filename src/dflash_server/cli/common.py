@@ -268,6 +268,9 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
     max_ctx = cfg.max_ctx or min(mcfg.max_position_embeddings, 8192)
     kinds = {s.device.removeprefix("remote:").split(":")[0] for s in shards}
     draft_path = resolve_draft_path(cfg, builtin=is_builtin_model(cfg.model), cpu=kinds == {"cpu"})
+    if (cfg.ddtree or cfg.ddtree_budget) and not draft_path:
+        raise UserError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft (the built-in "
+                        "model's shipped draft runs without it only on a CPU target, without --compile)")
     # Verify blocks run B rows at once; the weight-only int4 kernel's cost grows linearly
     # with rows while bf16 GEMM's grows slowly, but measured on the 2-core dev CPU int4 still
     # wins up to ~8-16 rows (gate_up at 8 rows: int4 174 us vs bf16 219 us; LM head 2.7 ms

@@ -154,7 +154,9 @@ class EngineConfig:
             raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
         if self.batch_spec not in ("auto", "on", "off"):
             raise ValueError(f"--batch-spec must be auto, on or off, got {self.batch_spec!r}")
-        if (self.ddtree or self.ddtree_budget) and (self.no_draft or self.draft is None):
+        # (without --draft, the built-in model's shipped draft where it runs by default: checked
+        # once the target's devices are known, cli.common.load_engine)
+        if (self.ddtree or self.ddtree_budget) and (self.no_draft or (self.draft is None and self.model is not None)):
             raise ValueError("--ddtree / --ddtree-budget draft a tree with the DFlash draft: give --draft")
         # flags that only take effect with another one: refused without it, rather than silently dropped
         for need, missing, flags in (
