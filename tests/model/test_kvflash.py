@@ -316,17 +316,16 @@ def test_sliding_layers_keep_their_window_resident(tiny_dir):
     assert st.pager.page_outs > 0
 
 
-def _aten_attention(pipe) -> list:
-    """Turn ``pipe``'s native attention (and its stack) off; returns a list that counts the
-    aten attention calls of every pipeline given to it later."""
+def _aten_attention(pipe) -> None:
+    """Turn ``pipe``'s native attention (and its stack) off."""
     for st in pipe.stages:
         st._stack = None
         for layer in st.layers:
             layer.mixer.native, layer._fused = False, False
-    return []
 
 
 def _count_aten(pipe, calls: list) -> None:
+    """Append to ``calls`` at every aten attention call of ``pipe``."""
     for st in pipe.stages:
         for layer in st.layers:
             orig = layer.mixer._attend

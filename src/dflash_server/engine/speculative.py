@@ -296,7 +296,7 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     else:
         tree = proposer.propose_tree(anchor, pos, block, budget) if budget > 0 else chain_tree([])
         if look:
-            tree, _ = graft(tree, look, len(look))
+            tree = graft(tree, look)[0]
         pipe.checkpoint()
         verify = pipe.forward([anchor] + tree.tokens, pos, logits="all", capture=proposer.taps, tree=tree.parents)
         v = RowsVerify(seq, tree.tokens, tree=tree, size=budget, looked=tuple(look))

@@ -24,14 +24,15 @@ from .sdpa import sdpa
 SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
 
 
-def score_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype,
-               layers: int = 0) -> tuple[dict, torch.Tensor | None]:
-    """KV Flash's score policy on the native attention: ({mass, q_out} for the op, the queries
-    tensor it fills or None). ``mass``: ``ctx.attn_mass``, which the op adds each slot's
-    attention to (over heads and rows), as the aten path does; ``q_out``: the rotated queries
-    of the forward's last rows (up to SCORE_QUERY_ROWS), (1, R, nh, hd), or one per layer
-    ((layers, 1, R, nh, hd)) for the stack; the caller appends them to ``ctx.last_q``."""
-    args, queries = {}, None
+def pool_step_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype, window: int | None = None,
+                   layers: int = 0) -> tuple[dict, torch.Tensor | None]:
+    """A KV Flash pool on the native attention ops: (their arguments, the queries tensor they
+    fill or None). The pool's slots (``ctx.pool_args``), and for the score policy ``mass``
+    (``ctx.attn_mass``, which the op adds each slot's attention to, over heads and rows, as the
+    aten path does) and ``q_out`` (the rotated queries of the forward's last rows, up to
+    SCORE_QUERY_ROWS: (1, R, nh, hd), or one per layer, (layers, 1, R, nh, hd), for the stack;
+    the caller appends them to ``ctx.last_q``)."""
+    args, queries = dict(ctx.pool_args(window)), None
     if ctx.attn_mass is not None:
         args["mass"] = ctx.attn_mass
     if ctx.last_q is not None:
@@ -158,7 +159,7 @@ class Attention(nn.Module):
     def native_step_ok(self, x: torch.Tensor, ctx: ForwardContext, state: KVState) -> bool:
         """Whether this block of rows takes the fused native step (decode and verify blocks
         of one sequence, and prefill chunks ending within NATIVE_PREFILL_CTX; position-
-        addressed KV or a KV Flash pool, whose score policy the step feeds (``score_args``);
+        addressed KV or a KV Flash pool, whose score policy the step feeds (``pool_step_args``);
         outside torch.compile: its graph fuses this part itself, and the op's int position
         would make dynamo recompile every step). A prefill chunk on the native step writes the keys, values and outputs
         a decode step of each row would, so there a prefix-cache hit (KV from earlier decode
@@ -233,8 +234,8 @@ class Attention(nn.Module):
             queries = None
             if ctx.slots is not None:  # KV Flash: write to the pool slots, read the visible ones in
                 # logical order (a tree row: the prefix, then its ancestors root first)
-                score, queries = score_args(ctx, x.shape[1], self.nh, self.hd, qkv.dtype)
-                args = {**{k: v for k, v in args.items() if k != "window"}, **ctx.pool_args(self.window), **score}
+                pool, queries = pool_step_args(ctx, x.shape[1], self.nh, self.hd, qkv.dtype, self.window)
+                args = {**{k: v for k, v in args.items() if k != "window"}, **pool}
             out = torch.ops.dflash.attention_step(qkv, cos, sin, state.k, state.v, ctx.start, self.nh,
                                                   self.nkv, self.scale, **args)
             if queries is not None:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .attention import Attention, score_args
+from .attention import Attention, pool_step_args
 from .context import ForwardContext
 from .gdn import GatedDeltaNet
 from .mlp import SwiGLU
@@ -53,8 +53,7 @@ class DecoderLayer(nn.Module):
             cos, sin = ctx.rope_f32(m.local_rope)
             kw, queries = ({"tree": ctx.tree_parents} if ctx.tree is not None else {}), None
             if ctx.slots is not None:   # a KV Flash pool (and its score policy)
-                score, queries = score_args(ctx, x.shape[1], m.nh, m.hd, x.dtype)
-                kw = {**ctx.pool_args(), **score}
+                kw, queries = pool_step_args(ctx, x.shape[1], m.nh, m.hd, x.dtype)
             out = torch.ops.dflash.decoder_layer(
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.start, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import score_args
+from .attention import pool_step_args
 from .context import ForwardContext
 
 
@@ -72,8 +72,7 @@ class NativeStack:
             kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_tree()}
         elif ctx.slots is not None:   # a KV Flash pool (and its score policy: one queries tensor per layer)
             m = self.layers[0].mixer
-            score, queries = score_args(ctx, h.shape[1], m.nh, m.hd, h.dtype, layers=len(self.layers))
-            kw = {**ctx.pool_args(), **score}
+            kw, queries = pool_step_args(ctx, h.shape[1], m.nh, m.hd, h.dtype, layers=len(self.layers))
         elif ctx.tree is not None:
             kw = {"tree": ctx.tree_parents}
         outs = torch.ops.dflash.decoder_stack(h, self.weights, [s.k for s in states], [s.v for s in states],

@@ -71,17 +71,17 @@ def build_tree(logits: torch.Tensor, budget: int, row_ids: torch.Tensor | None =
     return DraftTree(tokens, tuple(parents), max(depth_of))
 
 
-def graft(tree: DraftTree, chain: list[int], limit: int) -> tuple[DraftTree, int]:
+def graft(tree: DraftTree, chain: list[int], limit: int | None = None) -> tuple[DraftTree, int]:
     """``tree`` with ``chain`` (e.g. a prompt lookup's drafts) as a path from the root: where
     the tree already holds the chain's next token under the current node it follows that node,
-    else it appends one (at most ``limit`` new nodes; appended after every existing one, so a
-    parent still precedes its children). Returns (the tree, nodes added)."""
+    else it appends one (at most ``limit`` new nodes, None: no limit; appended after every
+    existing one, so a parent still precedes its children). Returns (the tree, nodes added)."""
     tokens, parents, children = list(tree.tokens), list(tree.parents), tree.children()
     row, depth, added = 0, 0, 0
     for tok in chain:
         nxt = children[row].get(tok)
         if nxt is None:
-            if added >= limit:
+            if limit is not None and added >= limit:
                 break
             tokens.append(tok)
             parents.append(row)
