@@ -116,20 +116,21 @@ def _blocks(pipe, prompts, sizes):
 
 @pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
                                                 ("gemma4_e", 1, 0), ("laguna", 1, 0), ("llama", 1, 32), ("llama", 2, 32),
-                                                ("qwen3_5", 1, 32)])
+                                                ("qwen3_5", 1, 32), ("gemma3", 1, 32)])
 def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
     """Ragged rows: verify blocks of several slots (a slot's rows at consecutive positions,
     the slot checkpointed; a block of one next to them) in one ``forward_rows`` give each row
     what that slot's own verify forward gives; rolling each slot back crops it, and the next
     rows continue as after the slot's own rollback. With KV Flash pools (``pool`` tokens a
-    slot, chunks of 4: the longer prompts page) each slot's block runs as its own forward."""
+    slot, chunks of 4: the longer prompts page; Gemma 3's sliding layers: windows in the key
+    lists) each slot's pool pages on its own and the rows run in one forward."""
     from dflash_server.runtime.kv_pager import KvFlashConfig
 
     path = tiny_dir(family)
     kv = KvFlashConfig(pool=pool, chunk=4) if pool else None
     pipe, ref = _pipe(path, 3, stages=stages, kvflash=kv), _pipe(path, 1, stages=stages, kvflash=kv)
     assert pipe.supports_ragged
-    prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (40, 6, 52))]
+    prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (56, 6, 64))]
     blocks = _blocks(pipe, prompts, (4, 1, 3))
     keep = (2, 1, 3)                                   # positions kept of each block
     want, after = [], []
@@ -172,20 +173,21 @@ TREES = {0: ((-1, 0, 0, 1, 2, 2, 4), [0, 2, 5]), 2: ((-1, 0, 1, 0, 2), [0, 1, 2,
 
 
 @pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
-                                                ("gemma4_e", 1, 0), ("llama", 1, 32), ("qwen3_5", 1, 32)])
+                                                ("gemma4_e", 1, 0), ("llama", 1, 32), ("qwen3_5", 1, 32),
+                                                ("gemma3", 1, 32)])
 def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
     """DDTree verifies of several slots among other slots' rows in one ``forward_rows``
     (``trees``) give each row what that slot's own tree forward gives (native kernels: bit for
     bit); ``rollback_tree`` per slot keeps its path (KV moved down, recurrent state of the
     path's last node) and the next rows continue as after the slot's own rollback. With KV
-    Flash pools each slot's tree runs as its own forward."""
+    Flash pools a tree row's key list is its path."""
     from dflash_server.runtime.kv_pager import KvFlashConfig
 
     path = tiny_dir(family)
     kv = KvFlashConfig(pool=pool, chunk=8) if pool else None
     pipe, ref = _pipe(path, 3, stages=stages, kvflash=kv), _pipe(path, 1, stages=stages, kvflash=kv)
     assert pipe.supports_tree_rows
-    prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (40, 6, 52))]
+    prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (72, 6, 80))]
     blocks = _blocks(pipe, prompts, [len(TREES[lane][0]) if lane in TREES else 1 for lane in range(3)])
     want, after = [], []
     for lane, (p, blk) in enumerate(zip(prompts, blocks)):   # each slot alone
@@ -210,6 +212,8 @@ def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages,
     positions = [len(prompts[lane]) + t for lane, blk in enumerate(blocks) for t in range(len(blk))]
     out = pipe.forward_rows([t for blk in blocks for t in blk], lanes, positions, capture=TAPS,
                             trees={lane: parents for lane, (parents, _) in TREES.items()})
+    if pool:                                           # the long prompts' slots paged
+        assert all(pipe.stages[0].lanes[lane].pool.pager.page_outs > 0 for lane in (0, 2))
     check = _check()
     _assert_slot_rows(out, want, blocks, check)
     for lane in TREES:
@@ -220,6 +224,15 @@ def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages,
     nxt = pipe.forward_rows([9, 9, 9], [2, 0, 1], [ends[2], ends[0], ends[1]])
     for r, lane in enumerate([2, 0, 1]):
         assert check(nxt.logits[r], after[lane])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_pools_in_rows_on_aten(tiny_dir, family, monkeypatch):
+    """KV Flash pools in a rows forward without the native kernels: each slot's rows attend
+    as its own block forward over its pool (aten), verify blocks and trees alike."""
+    monkeypatch.setenv("DFLASH_KERNELS", "0")
+    test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, 1, 32)
+    test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, 1, 32)
 
 
 def test_tree_rows_validate(tiny_dir):

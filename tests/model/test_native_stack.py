@@ -173,9 +173,10 @@ def test_the_op_rejects_malformed_stacks():
     with pytest.raises(RuntimeError, match="outside the stack"):
         torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [1])
     one = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="not with lanes"):   # key lists are one sequence's pool
+    with pytest.raises(RuntimeError, match="not with lanes"):   # the score policy's outputs: one sequence's pool
         torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [], lanes=[0],
-                                       positions=[0], write_rows=one, key_rows=one[None], key_counts=one + 1)
+                                       positions=[0], write_rows=one, key_rows=one[None], key_counts=one + 1,
+                                       mass=torch.zeros(8))
 
 
 def _stack_call(tiny_dir, rows: int, capture: list[int]) -> tuple:

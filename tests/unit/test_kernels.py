@@ -818,6 +818,77 @@ def test_attention_rows_take_trees_among_other_rows(portable):
                                         tree=torch.tensor([-1, 0, -1, 1, 3, 4]))   # the tree's rows apart
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_attention_rows_over_pools_equal_each_lanes_step(portable):
+    """``attention_rows`` with key lists (KV Flash: a pool per lane): row b writes lane row
+    ``write_rows[b]`` and attends to its listed rows, bit-equal to that lane's own
+    ``attention_step`` over the same lists (a decode row whose position is past the lane's
+    rows, a causal block of 3, a tree of 4 given as its rows' paths); hostile lists are
+    refused and leave the banks as they were."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, hd, P = 4, 2, 64, 64
+    table = RotaryTable(hd, hd, 10000.0, 256, None, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(3)
+    kb = torch.randn(3, nkv, P, hd, generator=g).to(torch.float16)
+    vb = torch.randn(3, nkv, P, hd, generator=g).to(torch.float16)
+    perms = [torch.randperm(P, generator=g) for _ in range(3)]
+    # (lane, first position, rows, parents or None, resident prefix keys)
+    spans = [(0, 150, 1, None, 40), (1, 90, 3, None, 30), (2, 30, 4, (-1, 0, 0, 1), 25)]
+    lanes, positions, rope_at, write, lists = [], [], [], [], []
+    for lane, start, T, tree, prefix in spans:
+        perm = perms[lane]
+        depth = [0] * T
+        for t in range(T):
+            depth[t] = 0 if tree is None or tree[t] < 0 else depth[tree[t]] + 1
+        for t in range(T):
+            path, r = [], t
+            while r >= 0:
+                path.insert(0, r)
+                r = -1 if tree is None else tree[r]
+            own = [prefix + r for r in (path if tree is not None else range(t + 1))]
+            lanes.append(lane)
+            positions.append(start + t)
+            rope_at.append(start + (depth[t] if tree is not None else t))
+            write.append(int(perm[prefix + t]))
+            lists.append(perm[list(range(prefix)) + own].tolist())
+    width = max(map(len, lists))
+    key_rows = torch.tensor([k + [0] * (width - len(k)) for k in lists])
+    key_counts = torch.tensor([len(k) for k in lists])
+    write_rows = torch.tensor(write)
+    qkv = torch.randn(1, len(lanes), (nh + 2 * nkv) * hd, generator=g).to(torch.bfloat16)
+    cos, sin = table.cos[rope_at], table.sin[rope_at]
+    k1, v1 = kb.clone(), vb.clone()
+    pools = dict(write_rows=write_rows, key_rows=key_rows, key_counts=key_counts)
+    out = torch.ops.dflash.attention_rows(qkv, cos, sin, k1, v1, lanes, positions, nh, nkv, hd ** -0.5, portable,
+                                          **pools)
+    b = 0
+    for lane, start, T, _, _ in spans:
+        k2, v2 = kb[lane:lane + 1].clone(), vb[lane:lane + 1].clone()
+        want = torch.ops.dflash.attention_step(qkv[:, b:b + T], cos[b:b + T], sin[b:b + T], k2, v2, start, nh, nkv,
+                                               hd ** -0.5, portable, write_rows=write_rows[b:b + T],
+                                               key_rows=key_rows[b:b + T], key_counts=key_counts[b:b + T])
+        assert torch.equal(out[:, b:b + T], want), lane
+        assert torch.equal(k1[lane:lane + 1], k2) and torch.equal(v1[lane:lane + 1], v2), lane
+        b += T
+    one = key_counts.clone()
+    one[0] = positions[0] + 2
+    bad = [dict(pools, write_rows=torch.where(write_rows == write[1], P, write_rows)),   # a write past the lane
+           dict(pools, key_counts=one),                                          # more keys than its position allows
+           dict(pools, key_counts=torch.zeros_like(key_counts)),
+           dict(pools, key_rows=key_rows + P),                                   # key rows past the lane
+           dict(write_rows=write_rows, key_rows=key_rows),                       # not together
+           dict(pools, key_rows=key_rows[:-1]),
+           dict(pools, tree=torch.tensor([-1] * len(lanes))),                    # trees are in the lists
+           dict(pools, window=4)]
+    for kw in bad:
+        k4, v4 = kb.clone(), vb.clone()
+        with pytest.raises(RuntimeError, match="attention_rows"):
+            torch.ops.dflash.attention_rows(qkv, cos, sin, k4, v4, lanes, positions, nh, nkv, hd ** -0.5, portable,
+                                            **kw)
+        assert torch.equal(k4, kb) and torch.equal(v4, vb)
+
+
 def _slot_step_inputs(hd: int, cache: torch.dtype, start: int, T: int) -> tuple:
     """(nh, nkv, max_ctx, cos, sin, qkv, k cache, v cache) of a T-row attention step at
     ``start``: 4 / 2 heads, random bf16 rows and ``cache``-typed caches 40 rows longer."""

@@ -187,7 +187,7 @@ class Engine:
         if rows:
             # with a draft, a sequence decoding alone speculates (draft + verify); several
             # verify their blocks (or DDTrees) in one forward where the stages take a slot's
-            # rows together (KV Flash pools: a forward per slot), else decode plainly in one
+            # rows together (KV Flash pools included), else decode plainly in one
             # batched forward, which also feeds each one's draft context
             # (a request may turn its draft off: it decodes plainly, a row in that forward)
             if self.proposer is not None and len(rows) == 1 and rows[0].req.speculate:

@@ -204,8 +204,9 @@ class Attention(nn.Module):
             raise ValueError(f"carried K/V rows of shape {tuple(k.shape)} / {tuple(v.shape)}, expected {want}")
         k, v = k.to(state.k.device, state.k.dtype), v.to(state.v.device, state.v.dtype)
         if ctx.lanes is not None:
-            for b, (lane, pos) in enumerate(zip(ctx.lanes, ctx.positions)):
-                state.k[lane, :, pos], state.v[lane, :, pos] = k[0, :, b], v[0, :, b]
+            for b, lane in enumerate(ctx.lanes):
+                at = ctx.row_write(b)
+                state.k[lane, :, at], state.v[lane, :, at] = k[0, :, b], v[0, :, b]
         elif ctx.slots is not None:
             state.k.index_copy_(2, ctx.slots, k)
             state.v.index_copy_(2, ctx.slots, v)
@@ -217,7 +218,7 @@ class Attention(nn.Module):
         """The K/V rows this forward wrote into ``state`` (B, nkv, T, hd): what a later stage's
         mirror of this layer needs."""
         if ctx.lanes is not None:
-            lanes, pos = list(ctx.lanes), list(ctx.positions)
+            lanes, pos = list(ctx.lanes), [ctx.row_write(b) for b in range(len(ctx.lanes))]
             return state.k[lanes, :, pos].transpose(0, 1)[None], state.v[lanes, :, pos].transpose(0, 1)[None]
         if ctx.slots is not None:
             return state.k[:, :, ctx.slots], state.v[:, :, ctx.slots]
@@ -259,13 +260,18 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         if self.native_rows_ok(x, bank) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
+            args = self.native_args
+            if ctx.row_pools is not None:   # KV Flash pools: windows are in each row's key list
+                args = {k: v for k, v in args.items() if k != "window"}
             out = torch.ops.dflash.attention_rows(qkv, cos, sin, bank.k, bank.v, ctx.lanes, ctx.positions, self.nh,
-                                                  self.nkv, self.scale, **self.native_args, **ctx.rows_tree())
+                                                  self.nkv, self.scale, **args, **ctx.rows_args(self.window))
             return self.o(self._gated(out, x))
         outs, trees = [], ctx.row_trees or {}
-        for b, e in runs(list(ctx.lanes)):   # a tree lane's rows together, every other row alone
+        for b, e in runs(list(ctx.lanes)):
+            # a tree lane's rows together, every other row alone; with KV Flash pools a slot's
+            # rows as its own block forward (the block its pool prepared)
             lane = ctx.lanes[b]
-            spans = [(b, e)] if lane in trees else [(r, r + 1) for r in range(b, e)]
+            spans = [(b, e)] if lane in trees or ctx.row_pools is not None else [(r, r + 1) for r in range(b, e)]
             lane_kv = KVState(bank.k[lane:lane + 1], bank.v[lane:lane + 1])
             outs += [self._attend(qkv[:, r:q], ctx.block(r, q), lane_kv, x.dtype) for r, q in spans]
         return self.o(self._gated(torch.cat(outs, dim=1), x))

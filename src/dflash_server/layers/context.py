@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ForwardContext:
     # at each row's depth) and every row's parent row in the whole forward (B,), -1 for none
     row_trees: dict | None = None
     row_parents: torch.Tensor | None = None
+    # KV Flash pools in a rows forward: each slot's adjacent rows (b, e), whose ``block(b, e)``
+    # its pool prepared (slots, visible keys) as for that sequence's own block forward
+    row_pools: tuple[tuple[int, int], ...] | None = None
     # a CUDA-graph step (runtime.cuda_graph): the rows' positions as a (T,) device tensor,
     # and how many cache rows the step attends over (masked past each row's position)
     graph_pos: torch.Tensor | None = None
@@ -92,9 +96,29 @@ class ForwardContext:
                 tree=tree, tree_parents=None if tree is None else torch.tensor(tree, dtype=torch.long))
         return got
 
-    def rows_tree(self) -> dict:
-        """The native rows ops' ``tree`` argument: {} without trees."""
-        return {} if self.row_parents is None else {"tree": self.row_parents}
+    def rows_args(self, window: int | None = None) -> dict:
+        """The native rows ops' arguments past lanes and positions: with KV Flash pools each
+        row's write slot and visible keys (``pool_args`` of its slot's block, one row each;
+        a tree's rows see their paths in their key lists), else the ``tree`` ({} without)."""
+        if self.row_pools is None:
+            return {} if self.row_parents is None else {"tree": self.row_parents}
+        key = ("rows_pool_args", window)
+        got = self._masks.get(key)
+        if got is None:
+            parts = [self.block(b, e).pool_args(window) for b, e in self.row_pools]
+            width = max(p["key_rows"].shape[1] for p in parts)
+            got = self._masks[key] = {
+                "write_rows": torch.cat([p["write_rows"] for p in parts]),
+                "key_rows": torch.cat([F.pad(p["key_rows"], (0, width - p["key_rows"].shape[1])) for p in parts]),
+                "key_counts": torch.cat([p["key_counts"] for p in parts])}
+        return got
+
+    def row_write(self, b: int) -> int:
+        """The cache row (of its slot's lane) where row b of a rows forward writes: its
+        position, or its KV Flash pool slot."""
+        if self.row_pools is None:
+            return self.positions[b]
+        return int(self.rows_args()["write_rows"][b])
 
     @property
     def end(self) -> int:

@@ -103,5 +103,5 @@ class DecoderLayer(nn.Module):
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.lanes, ctx.positions, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
-                f.down.weight, f.down.qtype, **m.native_args, **ctx.rows_tree())
+                f.down.weight, f.down.qtype, **m.native_args, **ctx.rows_args())
         return self._mlp(x + self._out(self.mixer.forward_rows(self.input_norm(x), ctx, state), self.mixer_out_norm))

@@ -69,7 +69,7 @@ class NativeStack:
         cos, sin = ctx.rope_f32(False)
         kw, queries = {}, None
         if ctx.lanes is not None:
-            kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_tree()}
+            kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_args()}
         elif ctx.slots is not None:   # a KV Flash pool (and its score policy: one queries tensor per layer)
             m = self.layers[0].mixer
             kw, queries = pool_step_args(ctx, h.shape[1], m.nh, m.hd, h.dtype, layers=len(self.layers))

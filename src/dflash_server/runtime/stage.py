@@ -474,10 +474,11 @@ class LocalStage:
                                  f"context {self.max_ctx}; a slot's rows adjacent, at consecutive positions)")
             nxt[lane] = pos + 1
         trees = self._row_trees(trees or {}, lanes, positions) if trees else None
-        if self.lanes[0].pool is not None:
+        pooled = self.lanes[0].pool is not None
+        if pooled and self.lanes[0].pool.scoring:
             return self._rows_one_by_one(x, lanes, positions, capture, carry, trees)
         x = x.to(self.device)
-        if self._graphs is not None and not carry and not trees and \
+        if self._graphs is not None and not carry and not trees and not pooled and \
                 (out := self._graph_rows(x, lanes, positions, capture)):
             return out
         rope_at = list(positions)
@@ -493,6 +494,8 @@ class LocalStage:
                              row_parents=None if parents is None else torch.tensor(parents, dtype=torch.long))
         if self.rope_local is not None:
             ctx.cos_local, ctx.sin_local = self.rope_local.cos[idx], self.rope_local.sin[idx]
+        if pooled:
+            self._prepare_pools(ctx)
         h = self._inputs(x, ctx, carry)
         caps = {}
         if (stack := self._native_stack()) is not None and stack.rows_usable(h, self.banks[0]):
@@ -507,11 +510,25 @@ class LocalStage:
             self.lanes[lane].length = pos + 1
         for lane, tree in (trees or {}).items():
             self.lanes[lane].tree = tree
+        for b, e in ctx.row_pools or ():
+            self.lanes[lanes[b]].pool.finish(ctx.block(b, e), e - b)
         out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.banks))
         if self.is_last:
             out.head_logits = self._head(self.final_norm(h))[0]
             out.hidden = None
         return out
+
+    def _prepare_pools(self, ctx: ForwardContext) -> None:
+        """KV Flash pools in a rows forward: each slot's pool makes its rows' positions
+        resident and fills the slot's block context (``ctx.block``) as for that sequence's own
+        block forward (its checkpoint marking the rows speculative); the layers then read each
+        row's write slot and visible keys from it (``ctx.rows_args``)."""
+        spans = tuple(runs(list(ctx.lanes)))
+        for b, e in spans:
+            lane = self.lanes[ctx.lanes[b]]
+            start = ctx.positions[b]
+            lane.pool.prepare(start, start + e - b, ctx.block(b, e), speculative=lane.ckpt_length is not None)
+        ctx.row_pools = spans
 
     def _native_stack(self) -> NativeStack | None:
         """The stage's layers as one native op call (layers.stack), decided at the first
@@ -544,9 +561,9 @@ class LocalStage:
     def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
                          capture: tuple[int, ...] = (), carry: dict | None = None,
                          trees: dict | None = None) -> StageOutput:
-        """``forward_rows`` as one forward per slot (KV Flash: each slot's pool pages on its
-        own): a slot's adjacent rows (a verify block, or its tree) are that sequence's own
-        block forward, under its checkpoint when it holds one."""
+        """``forward_rows`` as one forward per slot (KV Flash's score policy, whose pools
+        observe each forward's attention): a slot's adjacent rows (a verify block, or its
+        tree) are that sequence's own block forward, under its checkpoint when it holds one."""
         keep, outs = self.lane, []
         try:
             for b, e in runs(lanes):
@@ -670,8 +687,9 @@ class LocalStage:
         """Whether ``forward_rows`` takes several rows of one slot and slots holding a
         checkpoint (a batch of speculative verify blocks; attention rolls back by a crop,
         recurrent layers record the block as a single sequence's verify does): one sequence per
-        slot. With KV Flash pools each slot's block runs as its own forward (its pool pages
-        on its own; ``_rows_one_by_one``)."""
+        slot. With KV Flash pools each slot's pool pages on its own before the forward
+        (``_prepare_pools``; the score policy, which observes each forward's attention per
+        pool: a forward per slot, ``_rows_one_by_one``)."""
         return self.batch == 1
 
     @property

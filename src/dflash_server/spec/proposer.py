@@ -325,7 +325,7 @@ class DFlashProposer:
 
     def batch_verify(self, pipeline) -> bool:
         """Whether several running sequences verify their blocks (or trees) in one target
-        forward: the stages take a slot's rows together (KV Flash pools: a forward per slot),
+        forward: the stages take a slot's rows together (KV Flash pools included),
         and its tree where steps verify DDTrees; not where ``batched`` is off."""
         return self.batched and pipeline.supports_ragged and (not self.uses_tree(pipeline) or pipeline.supports_tree_rows)
 

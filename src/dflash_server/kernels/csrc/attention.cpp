@@ -1024,12 +1024,18 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
 // form: row t's K/V go to cache row positions[first] + t, it attends to the cache before
 // positions[first] and to its ancestors (the caller's cos/sin place it at its depth), exactly
 // as that sequence's own tree forward does.
+// write_rows (rows,), key_rows (rows, L), key_counts (rows,): slot-addressed lanes (KV Flash,
+// a pool per lane): row b's K/V go to lane row write_rows[b] and it attends to key_counts[b]
+// lane rows key_rows[b, ...] in logical order, as attention_step's key lists (causal order,
+// residency and windows applied by the caller, a tree row's list its path: no ``tree`` then);
+// positions[b] is then the row's logical position, which may pass the lane's rows.
 at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions,
                           int64_t nh, int64_t nkv, double scale, bool portable,
                           const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                           double norm_eps, bool gated, int64_t window, bool v_norm,
-                          const c10::optional<at::Tensor>& tree) {
+                          const c10::optional<at::Tensor>& tree, const c10::optional<at::Tensor>& write_rows,
+                          const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
@@ -1043,11 +1049,36 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   const int64_t B = qkv_in.size(1), n_lanes = k_bank.size(0), hd = k_bank.size(3), max_ctx = k_bank.size(2);
   TORCH_CHECK(static_cast<int64_t>(lanes.size()) == B && static_cast<int64_t>(positions.size()) == B,
               "dflash::attention_rows: one lane and one position per row");
+  const bool listed = write_rows.has_value() || key_rows.has_value() || key_counts.has_value();
+  at::Tensor wr, kr, kcnt;
+  int64_t L = 0;
+  if (listed) {
+    TORCH_CHECK(write_rows.has_value() && key_rows.has_value() && key_counts.has_value() && !tree.has_value() &&
+                    window == 0,
+                "dflash::attention_rows: slot-addressed lanes take write_rows, key_rows and key_counts together "
+                "(windows and trees applied in the key lists)");
+    wr = write_rows->to(at::kLong).contiguous();
+    kr = key_rows->to(at::kLong).contiguous();
+    kcnt = key_counts->to(at::kLong).contiguous();
+    TORCH_CHECK(wr.dim() == 1 && wr.size(0) == B && kr.dim() == 2 && kr.size(0) == B && kcnt.dim() == 1 &&
+                    kcnt.size(0) == B,
+                "dflash::attention_rows: write_rows (rows), key_rows (rows, L) and key_counts (rows)");
+    L = kr.size(1);
+  }
   std::vector<int64_t> last(n_lanes, -1);  // each lane's latest row position so far
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lanes[b] >= 0 && lanes[b] < n_lanes, "dflash::attention_rows: lane out of range");
-    TORCH_CHECK(positions[b] >= 0 && positions[b] < max_ctx, "dflash::attention_rows: position past the cache");
+    TORCH_CHECK(positions[b] >= 0 && (listed || positions[b] < max_ctx), "dflash::attention_rows: position past the cache");
+    if (listed) {
+      const int64_t w = wr.data_ptr<int64_t>()[b], c = kcnt.data_ptr<int64_t>()[b];
+      const int64_t* k = kr.data_ptr<int64_t>() + b * L;
+      TORCH_CHECK(w >= 0 && w < max_ctx, "dflash::attention_rows: a write row past the lane");
+      TORCH_CHECK(c >= 1 && c <= L && c <= positions[b] + 1,
+                  "dflash::attention_rows: a row's key count must be in [1, its keys' width] and at most its position + 1");
+      for (int64_t j = 0; j < c; ++j)
+        TORCH_CHECK(k[j] >= 0 && k[j] < max_ctx, "dflash::attention_rows: a key row past the lane");
+    }
     TORCH_CHECK(positions[b] > last[lanes[b]],
                 "dflash::attention_rows: a lane's rows must come at increasing positions");
     last[lanes[b]] = positions[b];
@@ -1116,6 +1147,10 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                  qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
                  static_cast<float>(norm_eps), gated, window, v_norm};
       if (run_of[b] >= 0) g.parents = local.data() + b;
+      if (listed) {
+        g.write_rows = wr.data_ptr<int64_t>() + b, g.key_rows = kr.data_ptr<int64_t>() + b * L;
+        g.key_counts = kcnt.data_ptr<int64_t>() + b, g.key_stride = L;
+      }
       steps.push_back(Step<CT, KT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
       first.push_back(first.back() + nh * T);
@@ -1161,9 +1196,10 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                              const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated,
-                             const c10::optional<at::Tensor>& tree) {
+                             const c10::optional<at::Tensor>& tree, const c10::optional<at::Tensor>& write_rows,
+                             const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts) {
   return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
-                        norm_eps, gated, 0, false, tree);
+                        norm_eps, gated, 0, false, tree, write_rows, key_rows, key_counts);
 }
 }  // namespace dflash
 
@@ -1176,7 +1212,7 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, "
-        "Tensor? tree=None) -> Tensor");
+        "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -41,5 +41,8 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                              const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated,
-                             const c10::optional<at::Tensor>& tree = c10::nullopt);
+                             const c10::optional<at::Tensor>& tree = c10::nullopt,
+                             const c10::optional<at::Tensor>& write_rows = c10::nullopt,
+                             const c10::optional<at::Tensor>& key_rows = c10::nullopt,
+                             const c10::optional<at::Tensor>& key_counts = c10::nullopt);
 }  // namespace dflash
