@@ -4,10 +4,15 @@ default model, in one run.
     python benchmarks/kvflash.py [--contexts 1024,2048,4096,8000] [--pool 1024] [--policy lru]
                                  [--decode 32] [--threads 2] [--out FILE]
     python benchmarks/kvflash.py --retrieval [--pool 512]
+    python benchmarks/kvflash.py --parallel 4 [--contexts 1024,2048] [--pool 512]
 
 The context is built from the evaluation prompts (../shared/eval/*.jsonl, concatenated
 and tokenized) and prefilled; then ``--decode`` greedy tokens are timed. Writes JSON
 (default benchmarks/results/kvflash.json) and prints a Markdown table.
+
+``--parallel N``: N sequence slots (a pool each), each prefilled with its own stretch of the
+text (offsets 97 tokens apart), then decoded together, one row per slot in each forward
+(``forward_rows``, as ``serve --parallel N`` steps them); decode tok/s is the aggregate.
 
 ``--retrieval``: a "secret code" sentence at 30% / 50% depth of ~1900 tokens of the same
 text, 5 facts, question at the end (~4x a 512-token pool); pass counts for full KV, lru
@@ -73,6 +78,7 @@ def main():
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parallel", type=int, default=1, help="sequence slots decoding together (default 1)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kvflash.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -92,25 +98,32 @@ def main():
     contexts = [int(x) for x in args.contexts.split(",")]
     max_ctx = max(contexts) + args.decode
     ids = src.tokenizer.encode(eval_text())
-    assert len(ids) >= max(contexts), f"only {len(ids)} tokens of evaluation text"
+    N = args.parallel
+    assert len(ids) >= max(contexts) + 97 * (N - 1), f"only {len(ids)} tokens of evaluation text"
     shards = plan_placement(src.config.num_layers, ["cpu"])
     results = []
     for mode in ("full KV", f"KV Flash {args.pool} ({args.policy})"):
         kv = None if mode == "full KV" else KvFlashConfig(args.pool, policy=args.policy)
         pipe = build_pipeline(src, shards, dtype=torch.bfloat16, max_ctx=max_ctx, quantize=quant, progress=False,
-                              kvflash=kv)
+                              kvflash=kv, lanes=N)
         for n in contexts:
-            pipe.reset()
+            toks = []
             t0 = time.perf_counter()
-            logits = pipe.prefill(ids[:n], chunk=512).logits
+            for lane in range(N):
+                pipe.select(lane)
+                pipe.reset()
+                toks.append(int(pipe.prefill(ids[97 * lane:97 * lane + n], chunk=512).logits[-1].argmax()))
             prefill_s = time.perf_counter() - t0
-            tok, pos = int(logits[-1].argmax()), n
+            pos = n
             t0 = time.perf_counter()
             for _ in range(args.decode):
-                tok = int(pipe.forward([tok], pos).logits[-1].argmax())
+                if N == 1:
+                    toks = [int(pipe.forward(toks, pos).logits[-1].argmax())]
+                else:
+                    toks = pipe.forward_rows(toks, list(range(N)), [pos] * N).logits.argmax(-1).tolist()
                 pos += 1
             dt = time.perf_counter() - t0
-            row = {"mode": mode, "context": n, "decode_tps": round(args.decode / dt, 2),
+            row = {"mode": mode, "context": n, "decode_tps": round(N * args.decode / dt, 2),
                    "prefill_s": round(prefill_s, 2), "device_kv_mib": round(pipe.kv_bytes() / 2**20, 2)}
             stats = pipe.kvflash_stats()
             if stats:
@@ -120,7 +133,7 @@ def main():
     short = {r["mode"]: r["decode_tps"] for r in results if r["context"] == contexts[0]}
     for r in results:
         r["vs_short_context"] = round(r["decode_tps"] / short[r["mode"]], 3)
-    meta = {"pool": args.pool, "policy": args.policy, "decode": args.decode, "threads": args.threads,
+    meta = {"pool": args.pool, "policy": args.policy, "decode": args.decode, "threads": args.threads, "parallel": N,
             "quantize": list(quant), "max_ctx": max_ctx, "torch": torch.__version__, "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))

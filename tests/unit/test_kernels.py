@@ -818,6 +818,29 @@ def test_attention_rows_take_trees_among_other_rows(portable):
                                         tree=torch.tensor([-1, 0, -1, 1, 3, 4]))   # the tree's rows apart
 
 
+@pytest.mark.parametrize("cache,hd", [(torch.float16, 64), (torch.float32, 128)])
+def test_attention_rows_long_and_short_rows_equal_their_steps(cache, hd):
+    """Rows past the grouped threshold (single rows from 512 keys, blocks always) and short
+    ones in one ``attention_rows`` call: each lane's rows bit-equal to its own step."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, max_ctx = 6, 2, 800
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    kb, vb = torch.randn(3, nkv, max_ctx, hd).to(cache), torch.randn(3, nkv, max_ctx, hd).to(cache)
+    lanes, positions = [0, 1, 1, 2], [600, 700, 701, 10]
+    qkv = torch.randn(1, 4, (nh + 2 * nkv) * hd).to(torch.bfloat16)
+    cos, sin = table.cos[positions], table.sin[positions]
+    k1, v1 = kb.clone(), vb.clone()
+    out = torch.ops.dflash.attention_rows(qkv, cos, sin, k1, v1, lanes, positions, nh, nkv, hd ** -0.5)
+    for lane, b, e in ((0, 0, 1), (1, 1, 3), (2, 3, 4)):
+        k2, v2 = kb[lane:lane + 1].clone(), vb[lane:lane + 1].clone()
+        for r in range(b, e):   # one-row steps (the block's rows: the same bits as its block step)
+            want = torch.ops.dflash.attention_step(qkv[:, r:r + 1], cos[r:r + 1], sin[r:r + 1], k2, v2, positions[r],
+                                                   nh, nkv, hd ** -0.5)
+            assert torch.equal(out[:, r], want[:, 0]), (lane, r)
+        assert torch.equal(k1[lane:lane + 1], k2) and torch.equal(v1[lane:lane + 1], v2)
+
+
 @pytest.mark.parametrize("portable", [False, True])
 def test_attention_rows_over_pools_equal_each_lanes_step(portable):
     """``attention_rows`` with key lists (KV Flash: a pool per lane): row b writes lane row

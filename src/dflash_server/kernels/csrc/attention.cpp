@@ -825,6 +825,29 @@ inline void sum_mass(const Geometry& g, std::vector<std::pair<int64_t, std::vect
     for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += part.second[r];
 }
 
+// Whether a step's queries take the grouped paths (group_avx512 / group_avx2): no window, head_dim
+// 64 or 128, more than one query per kv head, at most 16384 keys, and position-addressed KV or
+// key lists that are prefixes of the longest one (*list: that list, null for positions; *width:
+// the most keys a query sees).
+inline bool grouped_step(const Geometry& g, bool fast, const int64_t** list, int64_t* width) {
+  *width = g.start + g.T;
+  *list = g.key_rows != nullptr ? shared_key_list(g, width) : nullptr;
+  return fast && (g.key_rows == nullptr || *list != nullptr) && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
+         g.nh / g.nkv * g.T > 1 && *width <= 16384;
+}
+
+// queries [u0, u1) of kv head kvh's group on the grouped path of this CPU (AVX-512 or AVX2)
+template <typename T, typename KT>
+void run_group(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
+               const int64_t* list, int64_t width, float* mass, bool wide) {
+  if (wide)
+    s.g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
+                 : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
+  else
+    s.g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
+                 : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
+}
+
 template <typename T, typename KT>
 void run_step(const Step<T, KT>& s, bool fast) {
   const Geometry& g = s.g;
@@ -832,10 +855,9 @@ void run_step(const Step<T, KT>& s, bool fast) {
   // threads only when each chunk has ~32K multiply-adds to do (waking threads costs more)
   for (int64_t h = 0; h < g.nkv; ++h) fast ? write_kv_avx2(s, h) : write_kv_portable(s, h);
   const int64_t G = g.nh / g.nkv, per = G * g.T;
-  int64_t width = g.start + g.T;  // the longest key list
-  const int64_t* list = g.key_rows != nullptr ? shared_key_list(g, &width) : nullptr;
-  if (fast && (g.key_rows == nullptr || list != nullptr) && g.window == 0 && (g.hd == 64 || g.hd == 128) &&
-      per > 1 && width <= 16384) {
+  int64_t width;  // the longest key list
+  const int64_t* list;
+  if (grouped_step(g, fast, &list, &width)) {
     // each kv head's queries in a few chunks, so the threads have about two each (at most
     // 128 queries a chunk: group_avx2's per-query arrays), but at least MIN_QUERIES a chunk
     // where the group has that many: every chunk widens its kv head's 16-bit keys and values
@@ -856,13 +878,7 @@ void run_step(const Step<T, KT>& s, bool fast) {
       std::vector<float> buf;
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
-        float* mass = g.mass != nullptr ? shares.data() + w * g.max_ctx : nullptr;
-        if (wide)
-          g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
-                     : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
-        else
-          g.hd == 64 ? group_avx2<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
-                     : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
+        run_group(s, kvh, u0, u1, buf, list, width, g.mass != nullptr ? shares.data() + w * g.max_ctx : nullptr, wide);
       }
     });
     if (g.mass != nullptr)
@@ -1015,8 +1031,9 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
 // the sequence in lane lanes[b], at position positions[b]. A lane may take several rows (a
 // speculative verify block among other sequences' rows), at increasing positions: every row's
 // K/V is written before any row attends, and row b attends over [0, positions[b]] of its lane,
-// so its later rows stay out of its view. Each row runs exactly what attention_step runs for
-// that sequence's single-row step (the same Step with T = 1), so a sequence's output does not
+// so its later rows stay out of its view. A lane's rows at consecutive positions run as one
+// Step (what attention_step runs for that sequence's own block; a row's bits are those of its
+// single-row step, on the grouped and the per-row paths alike), so a sequence's output does not
 // depend on which others share the call.
 // tree (rows,): each row's parent row in this call, -1 for none. A lane with a row that has a
 // parent holds a DDTree verify: its rows (adjacent, at consecutive cache rows from the first,
@@ -1138,11 +1155,16 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     KT* kb = static_cast<KT*>(k_bank.data_ptr());
     KT* vb = static_cast<KT*>(v_bank.data_ptr());
     std::vector<Step<CT, KT>> steps;
-    std::vector<int64_t> first;  // each step's first work unit (step s: units first[s] .. first[s + 1])
     steps.reserve(B);
-    first.push_back(0);
     for (int64_t b = 0; b < B;) {
-      const int64_t T = run_of[b] < 0 ? 1 : [&] { int64_t e = b; while (e < B && run_of[e] == b) ++e; return e - b; }();
+      // a tree lane's rows; else a lane's rows at consecutive positions (a verify block: a causal
+      // step, as that sequence's own)
+      int64_t e = b + 1;
+      if (run_of[b] >= 0)
+        while (e < B && run_of[e] == b) ++e;
+      else
+        while (e < B && run_of[e] < 0 && lanes[e] == lanes[b] && positions[e] == positions[e - 1] + 1) ++e;
+      const int64_t T = e - b;
       Geometry g{T, nh, nkv, hd, rot, positions[b], max_ctx, static_cast<float>(scale),
                  qn.defined() ? qn.data_ptr<float>() : nullptr, kn.defined() ? kn.data_ptr<float>() : nullptr,
                  static_cast<float>(norm_eps), gated, window, v_norm};
@@ -1153,18 +1175,46 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
       }
       steps.push_back(Step<CT, KT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
-      first.push_back(first.back() + nh * T);
-      b += T;
+      b = e;
     }
     for (const auto& st : steps)
       for (int64_t h = 0; h < nkv; ++h) fast ? write_kv_avx2(st, h) : write_kv_portable(st, h);
+    // work items: a grouped step's kv heads (at most 128 queries each: group_*'s arrays), each
+    // reading its keys once for its group's queries; other steps' queries one by one, in runs of
+    // ~32K multiply-adds. The same bits as each step alone (attention_step). A single row takes
+    // the grouped path from ROWS_GROUPED_KEYS keys on: below, its few queries ran faster one by one
+    // (4 lanes' decode rows of 9 / 3 heads, fp16 bank, alternating builds: 100 keys 22.7 vs
+    // 20.1 us, 512 keys even, 1024 121-127 vs 122-139, 4096 484-533 vs 603-619).
+    constexpr int64_t ROWS_GROUPED_KEYS = 512;
+    struct Item {
+      int64_t step, a, b, kvh;  // grouped (kvh >= 0): queries [a, b) of kv head kvh; else query units [a, b)
+    };
+    std::vector<Item> items;
+    std::vector<const int64_t*> lists(steps.size());
+    std::vector<int64_t> widths(steps.size());
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));
-    at::parallel_for(0, first.back(), grain, [&](int64_t w0, int64_t w1) {
-      std::vector<float> scratch(longest + 2 * hd);
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t s = std::upper_bound(first.begin(), first.end(), w) - first.begin() - 1;
-        fast ? query_avx2(steps[s], w - first[s], scratch.data(), nullptr)
-             : query_portable(steps[s], w - first[s], scratch.data(), nullptr);
+    for (int64_t s = 0; s < static_cast<int64_t>(steps.size()); ++s) {
+      const Geometry& g = steps[s].g;
+      if (grouped_step(g, fast, &lists[s], &widths[s]) && (g.T > 1 || widths[s] >= ROWS_GROUPED_KEYS)) {
+        const int64_t per = g.nh / g.nkv * g.T;
+        for (int64_t kvh = 0; kvh < nkv; ++kvh)
+          for (int64_t u0 = 0; u0 < per; u0 += 128) items.push_back({s, u0, std::min(per, u0 + 128), kvh});
+      } else {
+        for (int64_t w0 = 0; w0 < nh * g.T; w0 += grain) items.push_back({s, w0, std::min(nh * g.T, w0 + grain), -1});
+      }
+    }
+    const bool wide = has_avx512();
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scratch(longest + 2 * hd), buf;
+      for (int64_t i = i0; i < i1; ++i) {
+        const Item& it = items[i];
+        const auto& st = steps[it.step];
+        if (it.kvh >= 0) {
+          run_group(st, it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], nullptr, wide);
+          continue;
+        }
+        for (int64_t w = it.a; w < it.b; ++w)
+          fast ? query_avx2(st, w, scratch.data(), nullptr) : query_portable(st, w, scratch.data(), nullptr);
       }
     });
   });
