@@ -225,9 +225,11 @@ def test_prefix_cache_hits_with_a_draft_in_the_batch(tiny_dir, trees):
         assert any(g.extra["spec"]["tree_steps"] > 0 for g in got)
 
 
-def test_kvflash_pools_per_slot(tiny_dir):
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_kvflash_pools_per_slot(tiny_dir, policy):
     """KV Flash with several slots: each has its own pool and page table; prompts longer
-    than the pool page chunks in and out next to each other and give each one's solo output."""
+    than the pool page chunks in and out next to each other and give each one's solo output
+    (the score policy: re-selecting every 8 tokens by what each slot's rows attended to)."""
     from dflash_server.runtime.kv_pager import KvFlashConfig
 
     path = tiny_dir("llama")
@@ -235,7 +237,8 @@ def test_kvflash_pools_per_slot(tiny_dir):
     def kv_pipe(lanes):
         src = open_model(path)
         return build_pipeline(src, plan_placement(src.config.num_layers, ["cpu"]), dtype=torch.float32,
-                              max_ctx=512, progress=False, lanes=lanes, kvflash=KvFlashConfig(96, chunk=16))
+                              max_ctx=512, progress=False, lanes=lanes,
+                              kvflash=KvFlashConfig(96, chunk=16, policy=policy, tau=8))
     alone, eng = Engine(kv_pipe(1), chunk=64), Engine(kv_pipe(3), chunk=64)
     reqs = [_req(prompt_ids(alone.pipeline, n, seed=n), 30) for n in (150, 40, 210)]
     want = [alone.generate(r) for r in reqs]
@@ -243,6 +246,8 @@ def test_kvflash_pools_per_slot(tiny_dir):
     got = [s.result for s in seqs]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert got[2].extra["kvflash"]["page_outs"] > 0       # its own pool paged
+    if policy == "score":
+        assert got[2].extra["kvflash"]["reselects"] > 0
     st = eng.pipeline.stages[0]
     assert len({id(lane.pool) for lane in st.lanes}) == 3 and st.kv_bytes() == 3 * alone.pipeline.stages[0].kv_bytes()
 

@@ -114,32 +114,50 @@ def _blocks(pipe, prompts, sizes):
     return [torch.randint(6, pipe.config.vocab_size, (n,), generator=g).tolist() for n in sizes]
 
 
-@pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
-                                                ("gemma4_e", 1, 0), ("laguna", 1, 0), ("llama", 1, 32), ("llama", 2, 32),
-                                                ("qwen3_5", 1, 32), ("gemma3", 1, 32)])
-def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
+def _score_states(pipe, lane: int) -> list:
+    """Each stage's KV Flash score-policy state of slot ``lane``: the policy's rows (chunk,
+    last use, score) and the pool's latest queries."""
+    return [(st.lanes[lane].pool.pager.policy.state(), [q.clone() for q in st.lanes[lane].pool.last_q or ()])
+            for st in pipe.stages]
+
+
+def _assert_same_scores(got: list, want: list) -> None:
+    for (rows, queries), (rows2, queries2) in zip(got, want, strict=True):
+        assert rows == rows2
+        assert len(queries) == len(queries2) and all(torch.equal(a, b) for a, b in zip(queries, queries2))
+
+
+@pytest.mark.parametrize("family,stages,pool,policy", [
+    ("llama", 1, 0, "lru"), ("llama", 2, 0, "lru"), ("qwen3_5", 1, 0, "lru"), ("gemma3", 1, 0, "lru"),
+    ("gemma4_e", 1, 0, "lru"), ("laguna", 1, 0, "lru"), ("llama", 1, 32, "lru"), ("llama", 2, 32, "lru"),
+    ("qwen3_5", 1, 32, "lru"), ("gemma3", 1, 32, "lru"), ("llama", 1, 32, "score"), ("llama", 2, 32, "score"),
+    ("qwen3_5", 1, 32, "score"), ("gemma3", 1, 32, "score")])
+def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages, pool, policy):
     """Ragged rows: verify blocks of several slots (a slot's rows at consecutive positions,
     the slot checkpointed; a block of one next to them) in one ``forward_rows`` give each row
     what that slot's own verify forward gives; rolling each slot back crops it, and the next
     rows continue as after the slot's own rollback. With KV Flash pools (``pool`` tokens a
     slot, chunks of 4: the longer prompts page; Gemma 3's sliding layers: windows in the key
-    lists) each slot's pool pages on its own and the rows run in one forward."""
+    lists) each slot's pool pages on its own and the rows run in one forward; with the score
+    policy each slot's observed masses and latest queries are its own forward's, bit for bit."""
     from dflash_server.runtime.kv_pager import KvFlashConfig
 
     path = tiny_dir(family)
-    kv = KvFlashConfig(pool=pool, chunk=4) if pool else None
+    kv = KvFlashConfig(pool=pool, chunk=4, policy=policy) if pool else None
     pipe, ref = _pipe(path, 3, stages=stages, kvflash=kv), _pipe(path, 1, stages=stages, kvflash=kv)
     assert pipe.supports_ragged
     prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (56, 6, 64))]
     blocks = _blocks(pipe, prompts, (4, 1, 3))
     keep = (2, 1, 3)                                   # positions kept of each block
-    want, after = [], []
+    want, after, scores = [], [], []
     for p, blk, k in zip(prompts, blocks, keep):       # each slot alone: verify, roll back, one more row
         ref.reset()
         ref.prefill(p)
         ref.checkpoint()
         out = ref.forward(blk, len(p), logits="all", capture=TAPS)
         want.append((out.logits, out.captures))
+        if policy == "score":
+            scores.append(_score_states(ref, 0))
         ref.rollback(len(p) + k)
         after.append(ref.forward([9], len(p) + k, capture=TAPS).logits[-1])
     for lane, p in enumerate(prompts):
@@ -154,6 +172,8 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages,
     assert [st.length for st in pipe.stages[-1].lanes] == [len(p) + len(b) for p, b in zip(prompts, blocks)]
     if pool:                                           # the long prompts' slots paged
         assert all(pipe.stages[0].lanes[lane].pool.pager.page_outs > 0 for lane in (0, 2))
+    for lane, want_scores in enumerate(scores):
+        _assert_same_scores(_score_states(pipe, lane), want_scores)
     check = _check()
     _assert_slot_rows(out, want, blocks, check)
     for lane, (p, blk, k) in enumerate(zip(prompts, blocks, keep)):
@@ -172,24 +192,26 @@ def test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, stages,
 TREES = {0: ((-1, 0, 0, 1, 2, 2, 4), [0, 2, 5]), 2: ((-1, 0, 1, 0, 2), [0, 1, 2, 4])}
 
 
-@pytest.mark.parametrize("family,stages,pool", [("llama", 1, 0), ("llama", 2, 0), ("qwen3_5", 1, 0), ("gemma3", 1, 0),
-                                                ("gemma4_e", 1, 0), ("llama", 1, 32), ("qwen3_5", 1, 32),
-                                                ("gemma3", 1, 32)])
-def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages, pool):
+@pytest.mark.parametrize("family,stages,pool,policy", [
+    ("llama", 1, 0, "lru"), ("llama", 2, 0, "lru"), ("qwen3_5", 1, 0, "lru"), ("gemma3", 1, 0, "lru"),
+    ("gemma4_e", 1, 0, "lru"), ("llama", 1, 32, "lru"), ("qwen3_5", 1, 32, "lru"), ("gemma3", 1, 32, "lru"),
+    ("llama", 1, 32, "score"), ("qwen3_5", 1, 32, "score")])
+def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages, pool, policy):
     """DDTree verifies of several slots among other slots' rows in one ``forward_rows``
     (``trees``) give each row what that slot's own tree forward gives (native kernels: bit for
     bit); ``rollback_tree`` per slot keeps its path (KV moved down, recurrent state of the
     path's last node) and the next rows continue as after the slot's own rollback. With KV
-    Flash pools a tree row's key list is its path."""
+    Flash pools a tree row's key list is its path (and the score policy observes each slot's
+    own tree forward)."""
     from dflash_server.runtime.kv_pager import KvFlashConfig
 
     path = tiny_dir(family)
-    kv = KvFlashConfig(pool=pool, chunk=8) if pool else None
+    kv = KvFlashConfig(pool=pool, chunk=8, policy=policy) if pool else None
     pipe, ref = _pipe(path, 3, stages=stages, kvflash=kv), _pipe(path, 1, stages=stages, kvflash=kv)
     assert pipe.supports_tree_rows
     prompts = [prompt_ids(pipe, n, seed=n) for n in ((11, 6, 20) if not pool else (72, 6, 80))]
     blocks = _blocks(pipe, prompts, [len(TREES[lane][0]) if lane in TREES else 1 for lane in range(3)])
-    want, after = [], []
+    want, after, scores = [], [], []
     for lane, (p, blk) in enumerate(zip(prompts, blocks)):   # each slot alone
         ref.reset()
         ref.prefill(p)
@@ -197,9 +219,11 @@ def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages,
             parents, keep = TREES[lane]
             ref.checkpoint()
             out = ref.forward(blk, len(p), logits="all", capture=TAPS, tree=parents)
+            scores.append(_score_states(ref, 0) if policy == "score" else None)
             ref.rollback_tree(keep)
         else:
             out, keep = ref.forward(blk, len(p), logits="all", capture=TAPS), [0]
+            scores.append(_score_states(ref, 0) if policy == "score" else None)
         want.append((out.logits, out.captures))
         after.append(ref.forward([9], len(p) + len(keep), capture=TAPS).logits[-1])
     for lane, p in enumerate(prompts):
@@ -214,6 +238,9 @@ def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages,
                             trees={lane: parents for lane, (parents, _) in TREES.items()})
     if pool:                                           # the long prompts' slots paged
         assert all(pipe.stages[0].lanes[lane].pool.pager.page_outs > 0 for lane in (0, 2))
+    for lane, want_scores in enumerate(scores):
+        if want_scores is not None:
+            _assert_same_scores(_score_states(pipe, lane), want_scores)
     check = _check()
     _assert_slot_rows(out, want, blocks, check)
     for lane in TREES:
@@ -229,10 +256,12 @@ def test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, stages,
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_pools_in_rows_on_aten(tiny_dir, family, monkeypatch):
     """KV Flash pools in a rows forward without the native kernels: each slot's rows attend
-    as its own block forward over its pool (aten), verify blocks and trees alike."""
+    as its own block forward over its pool (aten), verify blocks and trees alike, LRU and the
+    score policy."""
     monkeypatch.setenv("DFLASH_KERNELS", "0")
-    test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, 1, 32)
-    test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, 1, 32)
+    for policy in ("lru", "score"):
+        test_verify_blocks_of_several_slots_in_one_forward(tiny_dir, family, 1, 32, policy)
+        test_tree_verifies_of_several_slots_in_one_forward(tiny_dir, family, 1, 32, policy)
 
 
 def test_tree_rows_validate(tiny_dir):

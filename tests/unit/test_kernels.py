@@ -894,6 +894,22 @@ def test_attention_rows_over_pools_equal_each_lanes_step(portable):
         assert torch.equal(out[:, b:b + T], want), lane
         assert torch.equal(k1[lane:lane + 1], k2) and torch.equal(v1[lane:lane + 1], v2), lane
         b += T
+    # KV Flash's score policy: each lane's masses and every row's rotated queries, the same bits
+    # as the lane's own step gives (lane 0's decode row runs per-row here, grouped alone)
+    mass, q_out = torch.zeros(3, P), torch.empty(len(lanes), nh, hd, dtype=torch.bfloat16)
+    scored = torch.ops.dflash.attention_rows(qkv, cos, sin, kb.clone(), vb.clone(), lanes, positions, nh, nkv,
+                                             hd ** -0.5, portable, **pools, mass=mass, q_out=q_out)
+    assert torch.equal(scored, out)
+    b = 0
+    for lane, start, T, _, _ in spans:
+        m2, q2 = torch.zeros(P), torch.empty(1, T, nh, hd, dtype=torch.bfloat16)
+        torch.ops.dflash.attention_step(qkv[:, b:b + T], cos[b:b + T], sin[b:b + T], kb[lane:lane + 1].clone(),
+                                        vb[lane:lane + 1].clone(), start, nh, nkv, hd ** -0.5, portable,
+                                        write_rows=write_rows[b:b + T], key_rows=key_rows[b:b + T],
+                                        key_counts=key_counts[b:b + T], mass=m2, q_out=q2)
+        assert torch.equal(mass[lane], m2) and torch.equal(q_out[b:b + T], q2[0]), lane
+        assert abs(m2.sum().item() - nh * T) < 1e-3
+        b += T
     one = key_counts.clone()
     one[0] = positions[0] + 2
     bad = [dict(pools, write_rows=torch.where(write_rows == write[1], P, write_rows)),   # a write past the lane
@@ -903,7 +919,12 @@ def test_attention_rows_over_pools_equal_each_lanes_step(portable):
            dict(write_rows=write_rows, key_rows=key_rows),                       # not together
            dict(pools, key_rows=key_rows[:-1]),
            dict(pools, tree=torch.tensor([-1] * len(lanes))),                    # trees are in the lists
-           dict(pools, window=4)]
+           dict(pools, window=4),
+           dict(pools, mass=torch.zeros(2, P)), dict(pools, mass=torch.zeros(3, P + 1)),   # masses: (lanes, P)
+           dict(pools, mass=torch.zeros(3, P, dtype=torch.float64)),
+           dict(mass=torch.zeros(3, P)),                                         # masses need key lists
+           dict(pools, q_out=torch.empty(len(lanes) - 1, nh, hd, dtype=torch.bfloat16)),
+           dict(pools, q_out=torch.empty(len(lanes), nh, hd))]                  # qkv's type
     for kw in bad:
         k4, v4 = kb.clone(), vb.clone()
         with pytest.raises(RuntimeError, match="attention_rows"):
@@ -1015,6 +1036,49 @@ def test_attention_step_reports_masses_and_queries(hd, cache, start, T):
     with pytest.raises(RuntimeError, match="key lists"):   # masses are for KV Flash pools
         torch.ops.dflash.attention_step(qkv, *args, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5,
                                         mass=torch.zeros(max_ctx))
+
+
+@pytest.mark.parametrize("nh,nkv,T", [(4, 2, 5), (16, 1, 12)])
+def test_masses_do_not_depend_on_threads_or_the_call(nh, nkv, T):
+    """The score policy's masses are summed in one order (mass units of a kv head's queries):
+    the same bits on 1 and 2 threads, and for a lane inside ``attention_rows`` beside another
+    lane as alone; 16 query heads on one kv head x 12 rows is more than one unit (128 queries)."""
+    from dflash_server.layers.rope import RotaryTable
+
+    hd, P, start = 64, 96, 60
+    g = torch.Generator().manual_seed(5)
+    table = RotaryTable(hd, hd, 10000.0, 256, None, torch.device("cpu"), torch.float32)
+    kb = torch.randn(2, nkv, P, hd, generator=g).to(torch.float16)
+    vb = torch.randn(2, nkv, P, hd, generator=g).to(torch.float16)
+    perm = torch.randperm(P, generator=g)
+    lists = [perm[:start + t + 1].tolist() for t in range(T)]
+    key_rows = torch.tensor([k + [0] * (start + T - len(k)) for k in lists])
+    key_counts = torch.tensor([len(k) for k in lists])
+    pool = dict(write_rows=perm[start:start + T], key_rows=key_rows, key_counts=key_counts)
+    qkv = torch.randn(1, T + 1, (nh + 2 * nkv) * hd, generator=g).to(torch.bfloat16)
+    cos, sin = table.cos[start:start + T + 1], table.sin[start:start + T + 1]
+    keep = torch.get_num_threads()
+    masses = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            m = torch.zeros(P)
+            torch.ops.dflash.attention_step(qkv[:, :T], cos[:T], sin[:T], kb[:1].clone(), vb[:1].clone(), start, nh,
+                                            nkv, hd ** -0.5, mass=m, **pool)
+            masses.append(m)
+            rows = torch.zeros(2, P)   # lane 1 takes a decode row after lane 0's block
+            other = torch.tensor([[int(perm[0])] + [0] * (start + T - 1)])
+            torch.ops.dflash.attention_rows(qkv, cos, sin, kb.clone(), vb.clone(), [0] * T + [1],
+                                            list(range(start, start + T)) + [start], nh, nkv, hd ** -0.5,
+                                            write_rows=torch.cat([pool["write_rows"], perm[1:2]]),
+                                            key_rows=torch.cat([key_rows, other]),
+                                            key_counts=torch.cat([key_counts, torch.tensor([1])]), mass=rows)
+            masses.append(rows[0])
+    finally:
+        torch.set_num_threads(keep)
+    for m in masses[1:]:
+        assert torch.equal(m, masses[0])
+    assert abs(masses[0].sum().item() - nh * T) < 1e-2
 
 
 def test_argmax_is_torchs():

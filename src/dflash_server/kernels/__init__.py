@@ -201,7 +201,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::attention_rows")
     def _attention_rows_fake(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable=False,
                              q_norm=None, k_norm=None, norm_eps=1e-6, gated=False, window=0, v_norm=False,
-                             tree=None, write_rows=None, key_rows=None, key_counts=None):
+                             tree=None, write_rows=None, key_rows=None, key_counts=None, mass=None, q_out=None):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_bank.shape[-1]))
 
     @torch.library.register_fake("dflash::gdn_step")

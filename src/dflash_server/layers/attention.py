@@ -39,6 +39,27 @@ def pool_step_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype, window:
         shape = (1, min(rows, SCORE_QUERY_ROWS), nh, hd)
         queries = args["q_out"] = torch.empty(((layers,) if layers else ()) + shape, dtype=dtype)
     return args, queries
+
+
+def pool_rows_args(ctx, nh: int, hd: int, dtype: torch.dtype, layers: int = 0) -> tuple[dict, torch.Tensor | None]:
+    """The score policy's outputs on the native rows ops (KV Flash pools in a rows forward):
+    ``mass`` (``ctx.rows_mass``, (slots, P): a slot's row is its block's ``attn_mass``, summed
+    as its own forward's) and ``q_out`` (every row's rotated queries, (rows, nh, hd), or one per
+    layer, (layers, rows, nh, hd), for the stack; ``keep_row_queries`` hands each slot's latest
+    ones to its block). ({}, None) without the score policy."""
+    if ctx.rows_mass is None:
+        return {}, None
+    queries = torch.empty(((layers,) if layers else ()) + (len(ctx.lanes), nh, hd), dtype=dtype)
+    return {"mass": ctx.rows_mass, "q_out": queries}, queries
+
+
+def keep_row_queries(ctx, queries: torch.Tensor) -> None:
+    """One layer's rotated queries of a rows forward (rows, nh, hd) into each slot's block
+    ``last_q``: its last rows, up to SCORE_QUERY_ROWS, as (1, R, nh, hd) as its own forward's."""
+    for b, e in ctx.row_pools:
+        block = ctx.block(b, e)
+        if block.last_q is not None:
+            block.last_q.append(queries[max(b, e - SCORE_QUERY_ROWS):e][None])
 # Prefill chunks (over 64 rows) ending at most here take the native attention step, whose
 # rows are computed alike however the prompt is cut into chunks (exact prefix-cache hits, and
 # a prompt prefilled beside other sequences, in pieces the step budget sets, equals the same
@@ -261,10 +282,14 @@ class Attention(nn.Module):
         if self.native_rows_ok(x, bank) and kernels.inference(qkv):
             cos, sin = ctx.rope_f32(self.local_rope)
             args = self.native_args
+            score, queries = {}, None
             if ctx.row_pools is not None:   # KV Flash pools: windows are in each row's key list
                 args = {k: v for k, v in args.items() if k != "window"}
+                score, queries = pool_rows_args(ctx, self.nh, self.hd, qkv.dtype)
             out = torch.ops.dflash.attention_rows(qkv, cos, sin, bank.k, bank.v, ctx.lanes, ctx.positions, self.nh,
-                                                  self.nkv, self.scale, **args, **ctx.rows_args(self.window))
+                                                  self.nkv, self.scale, **args, **ctx.rows_args(self.window), **score)
+            if queries is not None:
+                keep_row_queries(ctx, queries)
             return self.o(self._gated(out, x))
         outs, trees = [], ctx.row_trees or {}
         for b, e in runs(list(ctx.lanes)):

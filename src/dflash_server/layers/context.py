@@ -58,6 +58,8 @@ class ForwardContext:
     # KV Flash pools in a rows forward: each slot's adjacent rows (b, e), whose ``block(b, e)``
     # its pool prepared (slots, visible keys) as for that sequence's own block forward
     row_pools: tuple[tuple[int, int], ...] | None = None
+    # ... and their score policy: (slots, P) float32, slot s's row the ``attn_mass`` of its block
+    rows_mass: torch.Tensor | None = None
     # a CUDA-graph step (runtime.cuda_graph): the rows' positions as a (T,) device tensor,
     # and how many cache rows the step attends over (masked past each row's position)
     graph_pos: torch.Tensor | None = None

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .attention import Attention, pool_step_args
+from .attention import Attention, keep_row_queries, pool_rows_args, pool_step_args
 from .context import ForwardContext
 from .gdn import GatedDeltaNet
 from .mlp import SwiGLU
@@ -99,9 +99,13 @@ class DecoderLayer(nn.Module):
         if self._native_layer() and self.mixer.native_rows_ok(x, state) and kernels.inference(x):
             m, f = self.mixer, self.mlp
             cos, sin = ctx.rope_f32(m.local_rope)
-            return torch.ops.dflash.decoder_layer_rows(
+            score, queries = pool_rows_args(ctx, m.nh, m.hd, x.dtype)   # (KV Flash's score policy)
+            out = torch.ops.dflash.decoder_layer_rows(
                 x, self.input_norm.weight, self.input_norm.eps, m.qkv.weight, m.qkv.qtype, m.qkv.out_features,
                 cos, sin, state.k, state.v, ctx.lanes, ctx.positions, m.nh, m.nkv, m.scale, m.o.weight, m.o.qtype,
                 self.post_norm.weight, self.post_norm.eps, f.gate_up.weight, f.gate_up.qtype, f.inter,
-                f.down.weight, f.down.qtype, **m.native_args, **ctx.rows_args())
+                f.down.weight, f.down.qtype, **m.native_args, **ctx.rows_args(), **score)
+            if queries is not None:
+                keep_row_queries(ctx, queries)
+            return out
         return self._mlp(x + self._out(self.mixer.forward_rows(self.input_norm(x), ctx, state), self.mixer_out_norm))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import pool_step_args
+from .attention import keep_row_queries, pool_rows_args, pool_step_args
 from .context import ForwardContext
 
 
@@ -68,16 +68,20 @@ class NativeStack:
         want = [i for i in capture if i in self.position]
         cos, sin = ctx.rope_f32(False)
         kw, queries = {}, None
-        if ctx.lanes is not None:
-            kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_args()}
+        m = self.layers[0].mixer
+        if ctx.lanes is not None:   # (with KV Flash's score policy: one queries tensor per layer)
+            score, queries = pool_rows_args(ctx, m.nh, m.hd, h.dtype, layers=len(self.layers))
+            kw = {"lanes": list(ctx.lanes), "positions": list(ctx.positions), **ctx.rows_args(), **score}
         elif ctx.slots is not None:   # a KV Flash pool (and its score policy: one queries tensor per layer)
-            m = self.layers[0].mixer
             kw, queries = pool_step_args(ctx, h.shape[1], m.nh, m.hd, h.dtype, layers=len(self.layers))
         elif ctx.tree is not None:
             kw = {"tree": ctx.tree_parents}
         outs = torch.ops.dflash.decoder_stack(h, self.weights, [s.k for s in states], [s.v for s in states],
                                               self.ints, self.floats, cos, sin, ctx.start,
                                               [self.position[i] for i in want], **kw)
-        if queries is not None:
+        if queries is not None and ctx.lanes is not None:
+            for q in queries.unbind(0):
+                keep_row_queries(ctx, q)
+        elif queries is not None:
             ctx.last_q.extend(queries.unbind(0))
         return outs[0], dict(zip(want, outs[1:]))

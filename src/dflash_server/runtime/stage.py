@@ -66,32 +66,6 @@ class StageOutput:
         return self._logits
 
 
-def _carry_rows(carry: dict | None, b: int, e: int) -> dict | None:
-    """Rows ``b`` to ``e`` of a rows forward's carry (per-layer inputs (1, B, ...), K/V rows
-    (1, nkv, B, hd))."""
-    if not carry:
-        return None
-    out = {}
-    if carry.get("per_layer") is not None:
-        out["per_layer"] = carry["per_layer"][:, b:e]
-    if carry.get("kv"):
-        out["kv"] = {key: (k[:, :, b:e], v[:, :, b:e]) for key, (k, v) in carry["kv"].items()}
-    return out
-
-
-def _carry_cat(carries: list[dict]) -> dict:
-    """The carries of single-row forwards as one rows carry."""
-    if not carries or not carries[0]:
-        return {}
-    out = {}
-    if carries[0].get("per_layer") is not None:
-        out["per_layer"] = torch.cat([c["per_layer"] for c in carries], dim=1)
-    if carries[0].get("kv"):
-        out["kv"] = {key: (torch.cat([c["kv"][key][0] for c in carries], dim=2),
-                           torch.cat([c["kv"][key][1] for c in carries], dim=2)) for key in carries[0]["kv"]}
-    return out
-
-
 class _Weights:
     """Adapts a ModelSource to the family's Weights protocol for one device/dtype."""
 
@@ -475,8 +449,6 @@ class LocalStage:
             nxt[lane] = pos + 1
         trees = self._row_trees(trees or {}, lanes, positions) if trees else None
         pooled = self.lanes[0].pool is not None
-        if pooled and self.lanes[0].pool.scoring:
-            return self._rows_one_by_one(x, lanes, positions, capture, carry, trees)
         x = x.to(self.device)
         if self._graphs is not None and not carry and not trees and not pooled and \
                 (out := self._graph_rows(x, lanes, positions, capture)):
@@ -522,12 +494,21 @@ class LocalStage:
         """KV Flash pools in a rows forward: each slot's pool makes its rows' positions
         resident and fills the slot's block context (``ctx.block``) as for that sequence's own
         block forward (its checkpoint marking the rows speculative); the layers then read each
-        row's write slot and visible keys from it (``ctx.rows_args``)."""
+        row's write slot and visible keys from it (``ctx.rows_args``). With the score policy each
+        slot's masses are a row of ``ctx.rows_mass``, which the rows ops add to as the slot's
+        own forward adds to its ``attn_mass`` (the same sums), and each layer hands every slot
+        its latest queries (``keep_row_queries``)."""
         spans = tuple(runs(list(ctx.lanes)))
+        scoring = self.lanes[0].pool.scoring
+        if scoring:
+            ctx.rows_mass = torch.zeros(len(self.lanes), self.lanes[0].pool.pager.pool_tokens, device=self.device)
         for b, e in spans:
             lane = self.lanes[ctx.lanes[b]]
             start = ctx.positions[b]
-            lane.pool.prepare(start, start + e - b, ctx.block(b, e), speculative=lane.ckpt_length is not None)
+            block = ctx.block(b, e)
+            lane.pool.prepare(start, start + e - b, block, speculative=lane.ckpt_length is not None)
+            if block.attn_mass is not None:
+                block.attn_mass = ctx.rows_mass[ctx.lanes[b]]
         ctx.row_pools = spans
 
     def _native_stack(self) -> NativeStack | None:
@@ -557,27 +538,6 @@ class LocalStage:
                 raise ValueError(f"forward_rows: slot {lane}'s tree starts at its checkpoint")
             out[lane] = tree
         return out
-
-    def _rows_one_by_one(self, x: torch.Tensor, lanes: list[int], positions: list[int],
-                         capture: tuple[int, ...] = (), carry: dict | None = None,
-                         trees: dict | None = None) -> StageOutput:
-        """``forward_rows`` as one forward per slot (KV Flash's score policy, whose pools
-        observe each forward's attention): a slot's adjacent rows (a verify block, or its
-        tree) are that sequence's own block forward, under its checkpoint when it holds one."""
-        keep, outs = self.lane, []
-        try:
-            for b, e in runs(lanes):
-                self.select(lanes[b])
-                outs.append(self.forward(x[:, b:e], positions[b], logits="all", capture=capture,
-                                         carry=_carry_rows(carry, b, e), tree=(trees or {}).get(lanes[b])))
-        finally:
-            self.select(keep)
-        caps = {c: torch.cat([o.captures[c] for o in outs], dim=1) for c in outs[0].captures}
-        if self.is_last:
-            return StageOutput(hidden=None, head_logits=torch.cat([o.head_logits for o in outs], dim=0),
-                               captures=caps)
-        return StageOutput(hidden=torch.cat([o.hidden for o in outs], dim=1), captures=caps,
-                           carry=_carry_cat([o.carry for o in outs]))
 
     # --- KV Flash ---------------------------------------------------------------------------
     def _kv_budget_tokens(self, kvflash, lanes: int = 1) -> int | None:
@@ -688,8 +648,7 @@ class LocalStage:
         checkpoint (a batch of speculative verify blocks; attention rolls back by a crop,
         recurrent layers record the block as a single sequence's verify does): one sequence per
         slot. With KV Flash pools each slot's pool pages on its own before the forward
-        (``_prepare_pools``; the score policy, which observes each forward's attention per
-        pool: a forward per slot, ``_rows_one_by_one``)."""
+        (``_prepare_pools``, the score policy's masses per slot too)."""
         return self.batch == 1
 
     @property

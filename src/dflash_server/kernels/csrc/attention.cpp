@@ -28,7 +28,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <type_traits>
 #include <immintrin.h>
 #include <utility>
@@ -817,14 +816,6 @@ void query_portable(const Step<T, KT>& s, int64_t w, float* scratch, float* mass
   query<T, KT, false>(s, w, scratch, mass);
 }
 
-// Geometry::mass from the shares of a call's work items (w0: where each began), summed in
-// their order whatever the threads (the same bits run to run)
-inline void sum_mass(const Geometry& g, std::vector<std::pair<int64_t, std::vector<float>>>& parts) {
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (const auto& part : parts)
-    for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += part.second[r];
-}
-
 // Whether a step's queries take the grouped paths (group_avx512 / group_avx2): no window, head_dim
 // 64 or 128, more than one query per kv head, at most 16384 keys, and position-addressed KV or
 // key lists that are prefixes of the longest one (*list: that list, null for positions; *width:
@@ -848,6 +839,30 @@ void run_group(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::v
                  : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
 }
 
+// KV Flash's score policy sums the attention each cache row receives in one fixed order, whatever
+// the threads, the path (grouped or per-row) or the other rows of a call: a share per mass unit
+// (kv head kvh's queries u in [MASS_UNIT k, MASS_UNIT (k + 1)), u = head-in-group * T + row, i.e.
+// the per-row work items w = kvh * G * T + u), each unit's queries added to its share in order
+// from zero, and the shares added to Geometry::mass in unit order. So a sequence's masses from
+// attention_rows equal its own attention_step's bit for bit (a query's probabilities are the same
+// bits on every path, as its output is). A unit is at most group_*'s 128 queries.
+constexpr int64_t MASS_UNIT = 128;
+inline int64_t mass_pieces(const Geometry& g) { return (g.nh / g.nkv * g.T + MASS_UNIT - 1) / MASS_UNIT; }
+
+// mass unit i of a step (i = kvh * mass_pieces + piece) into share (max_ctx floats, zeroed):
+// on the grouped path when ``grouped`` (list / width: grouped_step's), else query by query
+template <typename T, typename KT>
+void run_mass_unit(const Step<T, KT>& s, int64_t i, bool grouped, const int64_t* list, int64_t width, bool fast,
+                   bool wide, std::vector<float>& buf, std::vector<float>& scratch, float* share) {
+  const Geometry& g = s.g;
+  const int64_t per = g.nh / g.nkv * g.T, pieces = mass_pieces(g);
+  const int64_t kvh = i / pieces, u0 = (i % pieces) * MASS_UNIT, u1 = std::min(per, u0 + MASS_UNIT);
+  if (grouped) return run_group(s, kvh, u0, u1, buf, list, width, share, wide);
+  scratch.resize(static_cast<size_t>(g.start + g.T + 2 * g.hd));
+  for (int64_t u = u0; u < u1; ++u)
+    fast ? query_avx2(s, kvh * per + u, scratch.data(), share) : query_portable(s, kvh * per + u, scratch.data(), share);
+}
+
 template <typename T, typename KT>
 void run_step(const Step<T, KT>& s, bool fast) {
   const Geometry& g = s.g;
@@ -857,7 +872,20 @@ void run_step(const Step<T, KT>& s, bool fast) {
   const int64_t G = g.nh / g.nkv, per = G * g.T;
   int64_t width;  // the longest key list
   const int64_t* list;
-  if (grouped_step(g, fast, &list, &width)) {
+  const bool grouped = grouped_step(g, fast, &list, &width), wide = has_avx512();
+  if (g.mass != nullptr) {  // the score policy's masses: the work items are the mass units
+    const int64_t units = g.nkv * mass_pieces(g);
+    std::vector<float> shares(static_cast<size_t>(units * g.max_ctx), 0.f);
+    at::parallel_for(0, units, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> buf, scratch;
+      for (int64_t i = i0; i < i1; ++i)
+        run_mass_unit(s, i, grouped, list, width, fast, wide, buf, scratch, shares.data() + i * g.max_ctx);
+    });
+    for (int64_t i = 0; i < units; ++i)
+      for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += shares[i * g.max_ctx + r];
+    return;
+  }
+  if (grouped) {
     // each kv head's queries in a few chunks, so the threads have about two each (at most
     // 128 queries a chunk: group_avx2's per-query arrays), but at least MIN_QUERIES a chunk
     // where the group has that many: every chunk widens its kv head's 16-bit keys and values
@@ -871,36 +899,21 @@ void run_step(const Step<T, KT>& s, bool fast) {
                                              std::max<int64_t>(1, (2 * at::get_num_threads() + g.nkv - 1) / g.nkv));
     const int64_t size = std::min<int64_t>(128, (per + chunks - 1) / chunks);
     const int64_t pieces = (per + size - 1) / size;
-    const bool wide = has_avx512();
-    // the masses: one share per work item (a few), summed in item order after
-    std::vector<float> shares(g.mass != nullptr ? g.nkv * pieces * g.max_ctx : 0, 0.f);
     at::parallel_for(0, g.nkv * pieces, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> buf;
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
-        run_group(s, kvh, u0, u1, buf, list, width, g.mass != nullptr ? shares.data() + w * g.max_ctx : nullptr, wide);
+        run_group(s, kvh, u0, u1, buf, list, width, nullptr, wide);
       }
     });
-    if (g.mass != nullptr)
-      for (int64_t w = 0; w < g.nkv * pieces; ++w)
-        for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += shares[w * g.max_ctx + r];
     return;
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, (g.start + g.T) * g.hd));
-  std::vector<std::pair<int64_t, std::vector<float>>> parts;  // the masses: a share per range of work items
-  std::mutex parts_lock;
   at::parallel_for(0, g.nh * g.T, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(g.start + g.T + 2 * g.hd);
-    std::vector<float> mass(g.mass != nullptr ? g.max_ctx : 0, 0.f);
-    float* m = g.mass != nullptr ? mass.data() : nullptr;
     for (int64_t w = w0; w < w1; ++w)
-      fast ? query_avx2(s, w, scratch.data(), m) : query_portable(s, w, scratch.data(), m);
-    if (m != nullptr) {
-      std::lock_guard<std::mutex> hold(parts_lock);
-      parts.emplace_back(w0, std::move(mass));
-    }
+      fast ? query_avx2(s, w, scratch.data(), nullptr) : query_portable(s, w, scratch.data(), nullptr);
   });
-  if (g.mass != nullptr) sum_mass(g, parts);
 }
 
 // the caches' element type: fp32, fp16 or bf16, both caches alike
@@ -1052,7 +1065,8 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                           double norm_eps, bool gated, int64_t window, bool v_norm,
                           const c10::optional<at::Tensor>& tree, const c10::optional<at::Tensor>& write_rows,
-                          const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts) {
+                          const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts,
+                          const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
@@ -1145,10 +1159,19 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == B && sin_in.sizes() == cos_in.sizes(),
               "dflash::attention_rows: cos/sin must be (rows, rotary_dim)");
   auto qkv = qkv_in.contiguous();
+  if (mass.has_value())  // KV Flash's score policy: each lane's attention per cache row, as attention_step's
+    TORCH_CHECK(listed && mass->scalar_type() == at::kFloat && mass->dim() == 2 && mass->size(0) == n_lanes &&
+                    mass->size(1) == max_ctx && mass->is_contiguous(),
+                "dflash::attention_rows: mass must be a contiguous float32 (lanes, cache rows) tensor, with key lists");
+  if (q_out.has_value())  // ... and every row's rotated queries
+    TORCH_CHECK(q_out->scalar_type() == qkv.scalar_type() && q_out->dim() == 3 && q_out->size(0) == B &&
+                    q_out->size(1) == nh && q_out->size(2) == hd && q_out->is_contiguous(),
+                "dflash::attention_rows: q_out must be a contiguous (rows, nh, head_dim) tensor of qkv's type");
   auto cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   auto out = at::empty({1, B, nh * hd}, qkv.options());
   const bool fast = !portable && dflash::simd::has_avx2();
   const int64_t rot = cos.size(1), width = qkv.size(2), lane_elems = nkv * max_ctx * hd;
+  float* mass_p = mass.has_value() ? mass->data_ptr<float>() : nullptr;
   dispatch_types(qkv, out, k_bank, "dflash::attention_rows", [&](auto* qp, auto* op, auto* tag) {
     using CT = std::remove_pointer_t<decltype(qp)>;
     using KT = std::remove_pointer_t<decltype(tag)>;
@@ -1173,8 +1196,11 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
         g.write_rows = wr.data_ptr<int64_t>() + b, g.key_rows = kr.data_ptr<int64_t>() + b * L;
         g.key_counts = kcnt.data_ptr<int64_t>() + b, g.key_stride = L;
       }
+      if (mass_p != nullptr) g.mass = mass_p + lanes[b] * max_ctx;
+      if (q_out.has_value()) g.q_rows = T;
       steps.push_back(Step<CT, KT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
+      if (q_out.has_value()) steps.back().q_out = static_cast<CT*>(q_out->data_ptr()) + b * nh * hd;
       b = e;
     }
     for (const auto& st : steps)
@@ -1186,37 +1212,55 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     // (4 lanes' decode rows of 9 / 3 heads, fp16 bank, alternating builds: 100 keys 22.7 vs
     // 20.1 us, 512 keys even, 1024 121-127 vs 122-139, 4096 484-533 vs 603-619).
     constexpr int64_t ROWS_GROUPED_KEYS = 512;
+    // With masses (the score policy) a step's work items are its mass units, each into its own
+    // share, the shares then added to its lane's masses in unit order: attention_step's sums.
     struct Item {
-      int64_t step, a, b, kvh;  // grouped (kvh >= 0): queries [a, b) of kv head kvh; else query units [a, b)
+      // grouped (kvh >= 0): queries [a, b) of kv head kvh; else query units [a, b); share: the
+      // item's mass share (a mass unit), -1 for none
+      int64_t step, a, b, kvh, share;
     };
     std::vector<Item> items;
     std::vector<const int64_t*> lists(steps.size());
     std::vector<int64_t> widths(steps.size());
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));
+    int64_t shares_n = 0;
     for (int64_t s = 0; s < static_cast<int64_t>(steps.size()); ++s) {
       const Geometry& g = steps[s].g;
-      if (grouped_step(g, fast, &lists[s], &widths[s]) && (g.T > 1 || widths[s] >= ROWS_GROUPED_KEYS)) {
-        const int64_t per = g.nh / g.nkv * g.T;
+      const int64_t per = g.nh / g.nkv * g.T;
+      const bool grouped = grouped_step(g, fast, &lists[s], &widths[s]) && (g.T > 1 || widths[s] >= ROWS_GROUPED_KEYS);
+      if (grouped || g.mass != nullptr) {  // (a unit is at most 128 queries: MASS_UNIT)
         for (int64_t kvh = 0; kvh < nkv; ++kvh)
-          for (int64_t u0 = 0; u0 < per; u0 += 128) items.push_back({s, u0, std::min(per, u0 + 128), kvh});
+          for (int64_t u0 = 0; u0 < per; u0 += MASS_UNIT) {
+            const int64_t u1 = std::min(per, u0 + MASS_UNIT), share = g.mass != nullptr ? shares_n++ : -1;
+            items.push_back(grouped ? Item{s, u0, u1, kvh, share} : Item{s, kvh * per + u0, kvh * per + u1, -1, share});
+          }
       } else {
-        for (int64_t w0 = 0; w0 < nh * g.T; w0 += grain) items.push_back({s, w0, std::min(nh * g.T, w0 + grain), -1});
+        for (int64_t w0 = 0; w0 < nh * g.T; w0 += grain)
+          items.push_back({s, w0, std::min(nh * g.T, w0 + grain), -1, -1});
       }
     }
+    std::vector<float> shares(static_cast<size_t>(shares_n * max_ctx), 0.f);
     const bool wide = has_avx512();
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scratch(longest + 2 * hd), buf;
       for (int64_t i = i0; i < i1; ++i) {
         const Item& it = items[i];
         const auto& st = steps[it.step];
+        float* share = it.share >= 0 ? shares.data() + it.share * max_ctx : nullptr;
         if (it.kvh >= 0) {
-          run_group(st, it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], nullptr, wide);
+          run_group(st, it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], share, wide);
           continue;
         }
         for (int64_t w = it.a; w < it.b; ++w)
-          fast ? query_avx2(st, w, scratch.data(), nullptr) : query_portable(st, w, scratch.data(), nullptr);
+          fast ? query_avx2(st, w, scratch.data(), share) : query_portable(st, w, scratch.data(), share);
       }
     });
+    for (const Item& it : items)  // (items in step order, a step's units in unit order)
+      if (it.share >= 0) {
+        float* m = steps[it.step].g.mass;
+        const float* sh = shares.data() + it.share * max_ctx;
+        for (int64_t r = 0; r < max_ctx; ++r) m[r] += sh[r];
+      }
   });
   return out;
 }
@@ -1247,9 +1291,10 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              int64_t nkv, double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
                              const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated,
                              const c10::optional<at::Tensor>& tree, const c10::optional<at::Tensor>& write_rows,
-                             const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts) {
+                             const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts,
+                             const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out) {
   return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
-                        norm_eps, gated, 0, false, tree, write_rows, key_rows, key_counts);
+                        norm_eps, gated, 0, false, tree, write_rows, key_rows, key_counts, mass, q_out);
 }
 }  // namespace dflash
 
@@ -1262,7 +1307,8 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, "
-        "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None) -> Tensor");
+        "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, "
+        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -41,7 +41,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
 // The same layer over decode rows of several sequences (row b: the sequence in KV-bank lane
 // lanes[b] at position positions[b]); the matmuls take all rows at once (row-invariant), the
 // attention each row over its own lane (dflash::attention_rows; ``tree``: its DDTree lanes;
-// write_rows / key_rows / key_counts: lanes that are KV Flash pools, as attention_rows takes them).
+// write_rows / key_rows / key_counts: lanes that are KV Flash pools, as attention_rows takes them,
+// and mass / q_out their score policy's outputs).
 at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double eps1, const at::Tensor& qkv_w,
                               int64_t qkv_t, int64_t qkv_n, const at::Tensor& cos, const at::Tensor& sin,
                               at::Tensor& k_bank, at::Tensor& v_bank, at::IntArrayRef lanes,
@@ -51,7 +52,8 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
                               const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                               double norm_eps, bool gated, const c10::optional<at::Tensor>& tree,
                               const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
-                              const c10::optional<at::Tensor>& key_counts) {
+                              const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
+                              const c10::optional<at::Tensor>& q_out) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer_rows: x must be (1, rows, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer_rows: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_bank.size(-1);
@@ -59,7 +61,7 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
   const c10::optional<at::Tensor> none;
   auto qkv = qmm_fused_op(x, qkv_w, qkv_t, qkv_n, hidden, n1, eps1, false, none);  // rms_norm(x) @ QKV
   auto a = dflash::attention_rows_op(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, false, q_norm,
-                                     k_norm, norm_eps, gated, tree, write_rows, key_rows, key_counts);
+                                     k_norm, norm_eps, gated, tree, write_rows, key_rows, key_counts, mass, q_out);
   auto x1 = qmm_fused_op(a, o_w, o_t, hidden, attn, none, 0., false, x);  // x + O(a)
   auto gu = qmm_fused_op(x1, gu_w, gu_t, 2 * inter, hidden, n2, eps2, false, none);
   return qmm_fused_op(gu, d_w, d_t, hidden, inter, none, 0., true, x1);  // x1 + down(silu(g) * u)
@@ -71,8 +73,9 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
 // (n1, qkv_w, o_w, n2, gu_w, d_w[, q_norm, k_norm]), 9 ints (qkv_t, qkv_n, nh, nkv, o_t, gu_t,
 // inter, d_t, gated), 4 floats (eps1, scale, eps2, norm_eps) and its K/V cache (or bank, with
 // lanes / positions: the rows form; write_rows / key_rows / key_counts: a KV Flash pool's slots,
-// the same for every layer, as attention_step takes them, or with lanes as attention_rows does). Returns the last layer's output, then the outputs of the
-// layers named in ``capture`` (stack positions), in that order. Each layer is decoder_layer /
+// the same for every layer, as attention_step takes them, or with lanes as attention_rows does;
+// mass / q_out: the score policy's, mass shared by the layers, q_out one per layer). Returns the
+// last layer's output, then the outputs of the layers named in ``capture`` (stack positions), in that order. Each layer is decoder_layer /
 // decoder_layer_rows, so the result is bit-identical to calling them one by one.
 constexpr int64_t STACK_INTS = 9, STACK_FLOATS = 4;
 
@@ -93,11 +96,10 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weight
                   static_cast<int64_t>(floats.size()) == STACK_FLOATS * L,
               "dflash::decoder_stack: 6 or 8 tensors, ", STACK_INTS, " ints and ", STACK_FLOATS, " floats per layer");
   TORCH_CHECK(lanes.has_value() == positions.has_value(), "dflash::decoder_stack: lanes and positions go together");
-  TORCH_CHECK(!lanes.has_value() || (!mass.has_value() && !q_out.has_value()),
-              "dflash::decoder_stack: the score policy's outputs are for one sequence's pool, not with lanes");
   for (int64_t c : capture) TORCH_CHECK(c >= 0 && c < L, "dflash::decoder_stack: capture ", c, " outside the stack");
-  TORCH_CHECK(!q_out.has_value() || (q_out->dim() == 5 && q_out->size(0) == L),
-              "dflash::decoder_stack: q_out must be (layers, 1, rows, nh, head_dim)");
+  TORCH_CHECK(!q_out.has_value() || (q_out->dim() == (lanes.has_value() ? 4 : 5) && q_out->size(0) == L),
+              "dflash::decoder_stack: q_out must be (layers, 1, rows, nh, head_dim), with lanes (layers, rows, nh, "
+              "head_dim)");
   std::vector<at::Tensor> caps(capture.size());
   at::Tensor h = x;
   for (int64_t l = 0; l < L; ++l) {
@@ -110,7 +112,8 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weight
     h = lanes.has_value()
             ? decoder_layer_rows(h, w[0], f[0], w[1], i[0], i[1], cos, sin, k, v, *lanes, *positions, i[2], i[3], f[1],
                                  w[2], i[4], w[3], f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0, tree,
-                                 write_rows, key_rows, key_counts)
+                                 write_rows, key_rows, key_counts, mass,
+                                 q_out.has_value() ? c10::optional<at::Tensor>(q_out->select(0, l)) : c10::nullopt)
             : decoder_layer(h, w[0], f[0], w[1], i[0], i[1], cos, sin, k, v, start, i[2], i[3], f[1], w[2], i[4], w[3],
                             f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0, tree, write_rows, key_rows,
                             key_counts, mass,
@@ -138,7 +141,8 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
         "Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, int[] positions, int nh, int nkv, "
         "float scale, Tensor o_w, int o_t, Tensor n2, float eps2, Tensor gu_w, int gu_t, int inter, Tensor d_w, "
         "int d_t, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, "
-        "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None) -> Tensor");
+        "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, "
+        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -44,5 +44,7 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& tree = c10::nullopt,
                              const c10::optional<at::Tensor>& write_rows = c10::nullopt,
                              const c10::optional<at::Tensor>& key_rows = c10::nullopt,
-                             const c10::optional<at::Tensor>& key_counts = c10::nullopt);
+                             const c10::optional<at::Tensor>& key_counts = c10::nullopt,
+                             const c10::optional<at::Tensor>& mass = c10::nullopt,
+                             const c10::optional<at::Tensor>& q_out = c10::nullopt);
 }  // namespace dflash
