@@ -93,22 +93,30 @@ class KvPool:
         chunks = sorted(pager.resident.keys() | pager.paged)
         if not chunks or not self.last_q:
             return {}
-        valid = torch.tensor([c * C + i < length for c in chunks for i in range(C)])
-        best = torch.empty(0, len(chunks))
+        # keys in one tensor per layer: the resident chunks gathered from the pool in one index,
+        # then the paged ones; columns in that order, scores put back in chunk order at the end
+        resident = [c for c in chunks if c in pager.resident]
+        paged = [c for c in chunks if c not in pager.resident]
+        order = resident + paged
+        slots = torch.tensor([pager.resident[c] * C + i for c in resident for i in range(C)], dtype=torch.long)
+        pos = (torch.tensor(order)[:, None] * C + torch.arange(C)).flatten()
+        valid = pos < length
+        keep = None if bool(valid.all()) else valid
+        best = torch.empty(0, len(order))
         for j, (s, q) in enumerate(zip(self.states, self.last_q)):
-            keys = []
-            for c in chunks:
-                if c in pager.resident:
-                    p = pager.resident[c]
-                    keys.append(s.k[:, :, p * C:(p + 1) * C].float().cpu())
-                else:
-                    keys.append(self.host[c][j][0].float())
-            k = torch.cat(keys, dim=2)                       # (B, nkv, N, hd)
-            qh = q.transpose(1, 2).float().cpu()            # (B, nh, R, hd)
-            k = k.repeat_interleave(qh.shape[1] // k.shape[1], dim=1)
-            w = (qh @ k.transpose(-1, -2) * qh.shape[-1] ** -0.5).masked_fill(~valid, float("-inf")).softmax(-1)  # (B, nh, R, N)
-            per_chunk = w.reshape(-1, len(chunks), C).sum(-1)  # (B*nh*R, chunks)
+            parts = [s.k[:, :, slots.to(s.k.device)].cpu()] if resident else []
+            parts += [self.host[c][j][0] for c in paged]
+            k = torch.cat(parts, dim=2).float()              # (B, nkv, N, hd)
+            B, nkv = k.shape[:2]
+            qg = q.transpose(1, 2).float().cpu()             # (B, nh, R, hd): a kv head's query heads adjacent
+            qg = qg.reshape(B, nkv, -1, qg.shape[-1]) * qg.shape[-1] ** -0.5   # (B, nkv, G * R, hd)
+            w = qg @ k.transpose(-1, -2)
+            if keep is not None:
+                w = w.masked_fill(~keep, float("-inf"))
+            per_chunk = w.softmax(-1).reshape(-1, len(order), C).sum(-1)  # (B * nh * R, chunks)
             best = torch.cat([best, per_chunk]).topk(min(SCORE_TOP, best.shape[0] + per_chunk.shape[0]), dim=0).values
+        column = {c: i for i, c in enumerate(order)}
+        best = best[:, torch.tensor([column[c] for c in chunks])]   # chunk order
         scores = best.mean(0)
         # (not from the sink, whose mass is where heads park attention, not content)
         heir = torch.tensor([b == a + 1 and a >= pager.sink for a, b in zip(chunks, chunks[1:])])
