@@ -173,10 +173,14 @@ def test_the_op_rejects_malformed_stacks():
     with pytest.raises(RuntimeError, match="outside the stack"):
         torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [1])
     one = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="not with lanes"):   # the score policy's outputs: one sequence's pool
-        torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [], lanes=[0],
-                                       positions=[0], write_rows=one, key_rows=one[None], key_counts=one + 1,
-                                       mass=torch.zeros(8))
+    for q_out, lanes in ((torch.zeros(1, 1, 1, 1, 64), [0]),    # with lanes: (layers, rows, nh, head_dim)
+                         (torch.zeros(1, 1, 1, 64), None),        # one sequence: (layers, 1, rows, nh, head_dim)
+                         (torch.zeros(2, 1, 1, 64), [0])):        # one per layer
+        pos = None if lanes is None else [0]
+        with pytest.raises(RuntimeError, match="q_out must be"):   # the score policy's queries
+            torch.ops.dflash.decoder_stack(x, [x] * 6, [k], [k], [0] * 9, [0.0] * 4, x, x, 0, [], lanes=lanes,
+                                           positions=pos, write_rows=one, key_rows=one[None], key_counts=one + 1,
+                                           mass=torch.zeros(8), q_out=q_out)
 
 
 def _stack_call(tiny_dir, rows: int, capture: list[int]) -> tuple:
