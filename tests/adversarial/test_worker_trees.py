@@ -90,3 +90,15 @@ def test_paths_must_follow_the_tree_and_trees_end_their_checkpoint(worker):
     assert _call(worker, "rollback_tree", {"path": [0, 1]})[0]["result"]["length"] == 7
     h, _ = _call(worker, "rollback_tree", {"path": [0]})      # no tree since: nothing to keep
     assert not h["ok"], h
+
+
+@pytest.mark.parametrize("observe", [0, 1, "false", None, [False]])
+def test_observe_must_be_a_boolean(worker, observe):
+    """``forward``'s ``observe`` (False: KV Flash's score policy sits out a prompt's body) is a
+    boolean or absent; anything else is a value error before the forward writes anything."""
+    assert _call(worker, "reset")[0]["ok"]
+    assert _call(worker, "forward", {"start": 0}, _x(worker, 5))[0]["ok"]
+    h, _ = _call(worker, "forward", {"start": 5, "observe": observe}, _x(worker, 2))
+    assert not h["ok"] and h["error"]["kind"] == "value" and "observe" in h["error"]["message"], h
+    h, _ = _call(worker, "forward", {"start": 5, "observe": False}, _x(worker, 2))
+    assert h["ok"], h   # (the position right after the refused forward: nothing was written)

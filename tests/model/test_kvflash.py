@@ -249,6 +249,29 @@ def test_prefix_cache_hit_equals_miss_with_a_paged_pool(tiny_dir, family):
         assert (a.cached_tokens > 0) == (turn > 0) and b.cached_tokens == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_score_policy_state_does_not_depend_on_how_the_prompt_was_cut(tiny_dir, family):
+    """The score policy sits out a prompt's body (it re-selects on the prompt's last tokens):
+    a prompt four times the pool prefilled in chunks of 5, 7, 16 or 100 tokens (serving's step
+    budget and prefix-cache hits cut it at other places) leaves the same residency, policy
+    state and latest queries, and the same greedy continuation (which re-selects every 8)."""
+    path = tiny_dir(family)
+    got = []
+    for chunk in (5, 7, 16, 100):   # (past the pool's filling, forwards also stop at its 16-token chunks)
+        pipe = kv_pipeline(path, 128, chunk=16, policy="score", tau=8, dtype=torch.bfloat16, quantize="int8")
+        ids = prompt_ids(pipe, 500, seed=4)
+        res = Engine(pipe, chunk=chunk).generate(GenerationRequest(tuple(ids), max_tokens=20, ignore_eos=True))
+        pool = pipe.stages[0].pool
+        assert res.extra["kvflash"]["page_outs"] > 0 and pool.reselects > 1
+        rows = pool.pager.policy.state()[0]   # (chunk, last use, score); the use clock counts forwards
+        evict = sorted(rows, key=lambda r: r[2] + 1e-9 * r[1])   # the policy's eviction order
+        got.append((res.token_ids, dict(pool.pager.resident), [(c, v) for c, _, v in rows],
+                    [c for c, _, _ in evict], pool.last_q))
+    for token_ids, resident, scores, evict, last_q in got[1:]:
+        assert token_ids == got[0][0] and resident == got[0][1] and scores == got[0][2] and evict == got[0][3]
+        assert all(torch.equal(a, b) for a, b in zip(last_q, got[0][4], strict=True))
+
+
 def test_retrieval_beyond_the_pool_with_the_score_policy():
     """A fact early in a ~2K-token prompt (4x the 512-token pool) is answered by the default
     model with the score policy as with full KV; LRU (which keeps only the sink and the

@@ -48,11 +48,17 @@ class KvPool:
                     s.k[:, :, rows] = k.to(self.device)
                     s.v[:, :, rows] = v.to(self.device)
 
-    def prepare(self, start: int, end: int, ctx, speculative: bool) -> None:
+    def prepare(self, start: int, end: int, ctx, speculative: bool, observe: bool = True) -> None:
         """Make positions [start, end) resident and fill ``ctx`` for slot-space attention.
-        ``speculative``: a verify block that may be rolled back (no re-selection then)."""
+        ``speculative``: a verify block that may be rolled back (no re-selection then).
+        ``observe``: the score policy re-selects before this forward when due and observes its
+        attention and queries; False for a prompt's body (Pipeline.prefill_steps), which then
+        does neither, so where the body's forwards begin and end (the chunk size, a step's
+        token budget beside other sequences, a prefix-cache hit inside it) cannot move what
+        the policy chooses, and a long prompt is not re-scored every ``tau`` tokens."""
         pager = self.pager
-        if not speculative and self.scoring and self.last_q is not None and self.since_select >= self.tau:
+        if observe and not speculative and self.scoring and self.last_q is not None and \
+                self.since_select >= self.tau:
             self.reselect(start)
         self.apply(pager.plan_write(start, end, speculative))
         ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
@@ -61,7 +67,7 @@ class KvPool:
             self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device),
                               torch.tensor(until, device=self.device) if until is not None else None)
         ctx.slot_pos, ctx.slot_until = self._slot_pos[1], self._slot_pos[2]
-        if self.scoring:
+        if self.scoring and observe:
             ctx.last_q = []
             if end - start <= SCORE_MAX_ROWS:
                 ctx.attn_mass = torch.zeros(pager.pool_tokens, device=self.device)

@@ -130,18 +130,19 @@ class TargetPipeline:
         return all(st.can_tree for st in self.stages)
 
     def forward(self, ids, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
-                tree: tuple[int, ...] | None = None) -> PipelineOutput:
+                tree: tuple[int, ...] | None = None, observe: bool = True) -> PipelineOutput:
         """Run ids (list or (1, T) tensor) at positions [start, start+T) through every stage
-        (``tree``: the rows form a DDTree, see Stage.forward)."""
+        (``tree``: the rows form a DDTree; ``observe``: False keeps KV Flash's score policy out
+        of it; see Stage.forward)."""
         if not torch.is_tensor(ids):
             ids = torch.tensor([list(ids)], dtype=torch.long)
         if ids.shape[0] != self.stages[0].batch:  # one prompt for a whole batch
             ids = ids.expand(self.stages[0].batch, -1)
-        out = self.run(ids, start, logits=logits, capture=capture, tree=tree)
+        out = self.run(ids, start, logits=logits, capture=capture, tree=tree, observe=observe)
         return PipelineOutput(out.logits, out.captures)
 
     def run(self, x: torch.Tensor, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
-            carry: dict | None = None, tree: tuple[int, ...] | None = None) -> StageOutput:
+            carry: dict | None = None, tree: tuple[int, ...] | None = None, observe: bool = True) -> StageOutput:
         """``forward`` on any input: token ids (1, T) where the first stage embeds, else the
         previous stage's hidden state and ``carry`` (a shard worker's stages). Returns the
         last stage's output (hidden state, logits in the head's dtype, carry) with every
@@ -150,7 +151,7 @@ class TargetPipeline:
         for st in self.stages:
             # the per-layer inputs of Gemma 4 E2B / E4B travel between in-process stages
             out = st.forward(x, start, logits=logits, capture=capture, **({"carry": carry} if carry else {}),
-                             **({"tree": tree} if tree is not None else {}))
+                             **({"tree": tree} if tree is not None else {}), **({} if observe else {"observe": False}))
             caps.update(out.captures)
             x, carry = out.hidden, out.carry
         return StageOutput(out.hidden, out.head_logits, caps, out.carry)
@@ -174,14 +175,16 @@ class TargetPipeline:
         caps: dict[int, list[torch.Tensor]] = {}
         # KV Flash score policy: the prompt's last tokens run as their own forward so that their
         # queries can re-select which chunks are resident (e.g. page back the one a question
-        # refers to); if anything moved, that forward is redone on the new residency
-        tail = min(SCORE_TAIL, len(ids) - 1, chunk) if self._scoring() else 0
+        # refers to); if anything moved, that forward is redone on the new residency. The body
+        # before them runs unobserved (KvPool.prepare): however it is cut into forwards, the
+        # policy starts the tail from the same state
+        tail = min(SCORE_TAIL, len(ids) - 1, self.max_forward) if self._scoring() else 0  # (not the chunk's)
         body = ids[:len(ids) - tail]
         out, off = None, 0
         while off < len(body):
             budget = yield
             n = self._piece(start + off, min(chunk, max(1, budget or chunk), len(body) - off))
-            out = self.forward(body[off:off + n], start + off, logits="last", capture=capture)
+            out = self.forward(body[off:off + n], start + off, logits="last", capture=capture, observe=False)
             for k, v in out.captures.items():
                 caps.setdefault(k, []).append(v)
             off += n

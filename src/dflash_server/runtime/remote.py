@@ -158,11 +158,13 @@ class RemoteStage:
 
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
                 capture: tuple[int, ...] = (), carry: dict | None = None,
-                tree: tuple[int, ...] | None = None) -> StageOutput:
+                tree: tuple[int, ...] | None = None, observe: bool = True) -> StageOutput:
         if x.shape[0] != 1:
             raise ValueError("a remote stage runs batch 1")
         mine = [c for c in capture if self.begin <= c < self.end]
         args = {"start": start, "logits": logits, "capture": mine}
+        if not observe:
+            args["observe"] = False
         if tree is not None:
             args["tree"] = [int(p) for p in tree]
         self._live([self.lane])

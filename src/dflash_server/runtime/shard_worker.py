@@ -193,8 +193,11 @@ class ShardWorker:
             raise ValueError("forward: logits must be last|all|none and capture a list of layer ids")
         capture, out_t, carry = tuple(capture), {}, carry_from_tensors(t)
         tree = {"tree": _ints(a, "tree")} if a.get("tree") is not None else {}
+        observe = a.get("observe", True)
+        if not isinstance(observe, bool):
+            raise ValueError("forward: observe must be a boolean")
         t0 = time.perf_counter()
-        out = pipe.run(x, start, logits=mode, capture=capture, carry=carry, **tree)
+        out = pipe.run(x, start, logits=mode, capture=capture, carry=carry, observe=observe, **tree)
         out_t.update({f"cap.{k}": v for k, v in out.captures.items()})
         if out.head_logits is not None:
             # in the head's dtype (bf16: half the bytes of fp32, and not widened here); the

@@ -347,13 +347,14 @@ class LocalStage:
 
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last",
                 capture: tuple[int, ...] = (), carry: dict | None = None,
-                tree: tuple[int, ...] | None = None) -> StageOutput:
+                tree: tuple[int, ...] | None = None, observe: bool = True) -> StageOutput:
         """x: token ids (1, T) on the first stage, else hidden (1, T, H). Writes state for
         positions [start, start+T) and sets ``length = start + T``. ``logits``: "last",
         "all" or "none" (last stage only). ``capture``: global layer ids whose outputs to return.
         ``tree``: the rows are a DDTree (row t's parent row, -1 for the root) verified after a
         ``checkpoint``; each row attends to the cache and its ancestors at position start +
-        its depth; ``rollback_tree`` then keeps one path."""
+        its depth; ``rollback_tree`` then keeps one path. ``observe``: False keeps KV Flash's
+        score policy out of this forward (a prompt's body; KvPool.prepare)."""
         if start > self.length:
             raise ValueError(f"forward at {start} leaves a gap after cached length {self.length}")
         T = x.shape[1]
@@ -384,7 +385,7 @@ class LocalStage:
             ctx.cos_local, ctx.sin_local = (self.rope_local.rows(start, T) if tree is None else
                                             (self.rope_local.cos[at], self.rope_local.sin[at]))
         if self.pool is not None:
-            self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None)
+            self.pool.prepare(start, start + T, ctx, speculative=self._ckpt_length is not None, observe=observe)
         caps = {}
         if self._decode_fn is not None and ctx.slots is None and tree is None and (
                 (T == 1 and not ctx.record) or (ctx.record and T <= self._compiled_verify_rows)):
