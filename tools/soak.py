@@ -58,6 +58,7 @@ class Soak:
         for _ in range(1200):
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
                     return proc
             except httpx.HTTPError:
                 pass
@@ -89,13 +90,33 @@ class Soak:
         with self.lock:
             self.results.setdefault(json.dumps(b, sort_keys=True), []).append(text)
 
+    def other_endpoint(self, b: dict, endpoint: str) -> None:
+        """``b`` (a chat body) as an Anthropic message or a raw completion, non-streamed."""
+        if endpoint == "messages":
+            body = {"model": self.model, "max_tokens": b["max_tokens"], "messages": b["messages"],
+                    "temperature": b.get("temperature", 0), **({"stop_sequences": b["stop"]} if "stop" in b else {})}
+        else:
+            body = {"prompt": b["messages"][0]["content"], "max_tokens": b["max_tokens"],
+                    "temperature": b.get("temperature", 0), **({"seed": b["seed"]} if "seed" in b else {})}
+        r = httpx.post(f"{self.url}/v1/{endpoint}", json=body, timeout=600)
+        if r.status_code != 200:
+            return self.failed(endpoint, r.status_code, r.text)
+        j = r.json()
+        text = "".join(c.get("text", "") for c in j["content"]) if endpoint == "messages" else j["choices"][0]["text"]
+        if endpoint == "completions" or "seed" not in b:   # (Anthropic requests take no seed)
+            self.keep({**body, "endpoint": endpoint}, text)
+
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
         for _ in range(self.args.per_thread):
             b = self.body(rng)
             stream = rng.random() < 0.5
             drop = stream and rng.random() < 0.25
+            endpoint = rng.choice(["messages", "completions"]) if self.args.variety and rng.random() < 0.3 else None
             try:
+                if endpoint is not None:
+                    self.other_endpoint(b, endpoint)
+                    continue
                 if not stream:
                     r = httpx.post(self.url + "/v1/chat/completions", json=b, timeout=600)
                     if r.status_code != 200:
@@ -141,7 +162,7 @@ class Soak:
             bad += 1
         for key, outs in self.results.items():
             b = json.loads(key)
-            if (b.get("temperature") == 0 or "seed" in b) and len(set(outs)) > 1:
+            if (not b.get("temperature") or "seed" in b) and len(set(outs)) > 1:
                 bad += 1
                 print("DIVERGED", {k: v for k, v in b.items() if k != "messages"}, [o[:70] for o in outs])
         print(f"{len(self.results)} distinct requests, {sum(len(v) > 1 for v in self.results.values())} repeated")
@@ -159,7 +180,7 @@ class Soak:
             replayed = 0
             for key, outs in list(self.results.items()):
                 b = json.loads(key)
-                if not (b.get("temperature") == 0 or "seed" in b) or replayed >= 25:
+                if not (not b.get("temperature") or "seed" in b) or "endpoint" in b or replayed >= 25:
                     continue
                 replayed += 1
                 r = httpx.post(self.url + "/v1/chat/completions", json=b, timeout=600)

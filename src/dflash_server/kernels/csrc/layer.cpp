@@ -75,8 +75,9 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
 // lanes / positions: the rows form; write_rows / key_rows / key_counts: a KV Flash pool's slots,
 // the same for every layer, as attention_step takes them, or with lanes as attention_rows does;
 // mass / q_out: the score policy's, mass shared by the layers, q_out one per layer). Returns the
-// last layer's output, then the outputs of the layers named in ``capture`` (stack positions), in that order. Each layer is decoder_layer /
-// decoder_layer_rows, so the result is bit-identical to calling them one by one.
+// last layer's output, then the outputs of the layers named in ``capture`` (stack positions), in
+// that order. Each layer is decoder_layer / decoder_layer_rows, so the result is bit-identical to
+// calling them one by one.
 constexpr int64_t STACK_INTS = 9, STACK_FLOATS = 4;
 
 std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weights, at::TensorList k_caches,
