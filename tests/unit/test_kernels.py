@@ -994,6 +994,84 @@ def test_attention_over_slots_equals_positions(hd, cache, start, T):
             torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5, **kw)
 
 
+@pytest.mark.parametrize("hd,cache,start", [(64, torch.float16, 150), (128, torch.float32, 40),
+                                           (64, torch.bfloat16, 600)])
+def test_tree_over_key_lists_equals_the_position_tree(hd, cache, start):
+    """A DDTree block over a KV Flash pool (row t's key list: the pool keys before the block, then
+    its path's slots root first) runs on the group paths' tree form (tree_lists), bit-equal to the
+    same tree over position-addressed KV and to the portable per-row path over the lists (K/V at
+    the same slots); the score policy's masses match an fp64 reference and ``attention_rows``'s;
+    lists that are not a tree's (a path's slot swapped) still give the per-row path's bits."""
+    from dflash_server.layers.rope import RotaryTable
+
+    nh, nkv, T = 4, 2, 7
+    parents = (-1, 0, 0, 1, 1, 2, 5)
+    depth = [0] * T
+    for t in range(1, T):
+        depth[t] = depth[parents[t]] + 1
+    max_ctx = start + T + 40
+    g = torch.Generator().manual_seed(11)
+    table = RotaryTable(hd, hd, 10000.0, max_ctx, None, torch.device("cpu"), torch.float32)
+    at = torch.tensor([start + d for d in depth])
+    cos, sin = table.cos[at], table.sin[at]
+    qkv = torch.randn(1, T, (nh + 2 * nkv) * hd, generator=g).to(torch.bfloat16)
+    kc = torch.randn(1, nkv, max_ctx, hd, generator=g).to(cache)
+    vc = torch.randn(1, nkv, max_ctx, hd, generator=g).to(cache)
+    ref = torch.ops.dflash.attention_step(qkv, cos, sin, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5,
+                                          tree=torch.tensor(parents))
+    perm = torch.randperm(max_ctx, generator=g)
+    k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    k2[:, :, perm], v2[:, :, perm] = kc, vc
+    paths = []
+    for t in range(T):
+        path, r = [], t
+        while r >= 0:
+            path.insert(0, r)
+            r = parents[r]
+        paths.append(path)
+    lists = [perm[:start].tolist() + [int(perm[start + r]) for r in path] for path in paths]
+    width = max(map(len, lists))
+    keys = torch.tensor([k + [0] * (width - len(k)) for k in lists])
+    counts = torch.tensor([len(k) for k in lists])
+    pool = dict(write_rows=perm[start:start + T], key_rows=keys, key_counts=counts)
+    outs, masses = [], []
+    for portable in (False, True):
+        m = torch.zeros(max_ctx)
+        outs.append(torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv,
+                                                    hd ** -0.5, portable, mass=m, **pool))
+        masses.append(m)
+    assert torch.equal(outs[0], ref)
+    if cache != torch.bfloat16:
+        assert torch.equal(outs[1], outs[0])
+    # fp64 reference: each row's softmax over its own list, with the cache's block keys as written
+    from dflash_server.layers.rope import apply_rope
+
+    written = k2.clone()
+    torch.ops.dflash.attention_step(qkv, cos, sin, written, v2.clone(), start, nh, nkv, hd ** -0.5, **pool)
+    qd = apply_rope(qkv.double()[0, :, :nh * hd].reshape(T, nh, hd), cos.double()[:, None], sin.double()[:, None])
+    kd, want = written[0].double(), torch.zeros(max_ctx, dtype=torch.float64)
+    for t in range(T):
+        rows = torch.tensor(lists[t])
+        for h in range(nh):
+            p = (kd[h // (nh // nkv), rows] @ qd[t, h] * hd ** -0.5).softmax(0)
+            want.index_add_(0, rows, p)
+    torch.testing.assert_close(masses[0].double(), want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(masses[0], masses[1]) or cache == torch.bfloat16
+    rows_mass = torch.zeros(1, max_ctx)
+    rows_out = torch.ops.dflash.attention_rows(qkv, cos, sin, k2.clone(), v2.clone(), [0] * T,
+                                               list(range(start, start + T)), nh, nkv, hd ** -0.5, mass=rows_mass,
+                                               **pool)
+    assert torch.equal(rows_out, outs[0]) and torch.equal(rows_mass[0], masses[0])
+    bent = keys.clone()   # row 3's path with its parent's slot swapped for a prefix key: no tree
+    bent[3, start] = perm[0]
+    got = [torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5,
+                                           portable, write_rows=perm[start:start + T], key_rows=bent,
+                                           key_counts=counts) for portable in (False, True)]
+    if cache != torch.bfloat16:
+        assert torch.equal(got[0], got[1])
+    assert not torch.equal(got[0][:, 3], outs[0][:, 3]) and torch.equal(got[0][:, :3], outs[0][:, :3])
+
+
 @pytest.mark.parametrize("hd,cache,start,T", [(64, torch.bfloat16, 301, 1), (64, torch.float32, 40, 5),
                                                (128, torch.float16, 77, 3), (16, torch.float32, 20, 2)])
 def test_attention_step_reports_masses_and_queries(hd, cache, start, T):

@@ -88,7 +88,16 @@ struct Geometry {
   // last q_rows rows (Step::q_out, (q_rows, nh, hd) in the activations' type). null / 0: none.
   float* mass = nullptr;
   int64_t q_rows = 0;
+  // the group paths' tree form over key lists (tree_lists): the list is the rows' common prefix of
+  // tree_base keys, then every block row's cache row (tree_rows[r]); -1: the tree of a
+  // position-addressed block (list-space start = start, block row r at cache row start + r)
+  int64_t tree_base = -1;
+  const int64_t* tree_rows = nullptr;
 };
+
+// where a tree's block rows begin in its key list, and block row r's cache row
+DFLASH_INLINE int64_t tree_start(const Geometry& g) { return g.tree_base >= 0 ? g.tree_base : g.start; }
+DFLASH_INLINE int64_t tree_row(const Geometry& g, int64_t r) { return g.tree_rows ? g.tree_rows[r] : g.start + r; }
 
 // p_j = scores[j] * inv of one query's keys into mass at the keys' cache rows
 template <typename Rows>
@@ -533,7 +542,7 @@ DFLASH_INLINE void group_queries(const Step<T, KT>& s, int64_t kvh, int64_t u0, 
     rotate(head_norm(src, g.q_norm, g.norm_eps, g.hd, tmp.data()), s.cos + t * g.rot, s.sin + t * g.rot, g.hd, g.rot,
            base + u * stride);
     write_query(s, h, t, base + u * stride);
-    n[u] = g.key_counts != nullptr ? g.key_counts[t] : g.start + t + 1;
+    n[u] = g.tree_base >= 0 ? g.tree_base + t + 1 : g.key_counts != nullptr ? g.key_counts[t] : g.start + t + 1;
   }
 }
 
@@ -553,8 +562,21 @@ DFLASH_INLINE int64_t tree_path(const Geometry& g, int64_t t, int64_t* path) {
 DFLASH_INLINE int64_t tree_compact(const Geometry& g, int64_t t, float* scores) {
   int64_t path[64];
   const int64_t d = tree_path(g, t, path);
-  for (int64_t i = 0; i < d; ++i) scores[g.start + i] = scores[g.start + path[i]];
-  return g.start + d;
+  const int64_t b = tree_start(g);
+  for (int64_t i = 0; i < d; ++i) scores[b + i] = scores[b + path[i]];
+  return b + d;
+}
+
+// a group query's probabilities into the score policy's masses, at its keys' cache rows in list
+// order (a tree's: the list's prefix, then its path's rows, as the per-row path over its own list)
+DFLASH_INLINE void group_mass(const Geometry& g, int64_t t, const float* scores, float inv, int64_t n,
+                              const int64_t* list, float* mass) {
+  if (g.parents == nullptr) return add_mass(scores, inv, n, ListRows{list}, mass);
+  const int64_t b = tree_start(g);
+  add_mass(scores, inv, b, ListRows{list}, mass);
+  int64_t path[64];
+  const int64_t d = tree_path(g, t, path);
+  for (int64_t i = 0; i < d; ++i) mass[tree_row(g, path[i])] += scores[b + i] * inv;
 }
 
 // The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
@@ -589,9 +611,9 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
   int64_t cont[128];  // keys [0, cont[u]) of query u's list are cache rows [0, cont[u])
   for (int64_t u = 0; u < Q; ++u) {
     if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, base + u * stride + 2 * hd);
-    cont[u] = g.parents != nullptr ? g.start : n[u];
+    cont[u] = g.parents != nullptr ? tree_start(g) : n[u];
     inv[u] = softmax_avx2(base + u * stride + 2 * hd, n[u]);
-    if (mass != nullptr) add_mass(base + u * stride + 2 * hd, inv[u], n[u], ListRows{list}, mass);
+    if (mass != nullptr) group_mass(g, (u0 + u) % g.T, base + u * stride + 2 * hd, inv[u], n[u], list, mass);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
@@ -607,9 +629,9 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
       int64_t path[64];
       const int64_t d = tree_path(g, (u0 + u) % g.T, path);
       const float* sc = base + u * stride + 2 * hd;
-      for (int64_t i = 0; i < d; ++i) {  // list key start + i is cache row start + path[i]
-        const int64_t r = g.start + path[i];
-        values_block_avx2<NV>(sc + (g.start + i) - r, inv[u], vc, r, r + 1, base + u * stride + hd);
+      for (int64_t i = 0; i < d; ++i) {  // list key tree_start + i is block row path[i]'s cache row
+        const int64_t r = tree_row(g, path[i]);
+        values_block_avx2<NV>(sc + (tree_start(g) + i) - r, inv[u], vc, r, r + 1, base + u * stride + hd);
       }
     }
   for (int64_t u = 0; u < Q; ++u)
@@ -757,9 +779,9 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
   int64_t cont[128];  // keys [0, cont[u]) of query u's list are cache rows [0, cont[u])
   for (int64_t u = 0; u < Q; ++u) {
     if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, scores(u));
-    cont[u] = g.parents != nullptr ? g.start : n[u];
+    cont[u] = g.parents != nullptr ? tree_start(g) : n[u];
     inv[u] = softmax_avx2(scores(u), n[u]);
-    if (mass != nullptr) add_mass(scores(u), inv[u], n[u], ListRows{list}, mass);
+    if (mass != nullptr) group_mass(g, (u0 + u) % g.T, scores(u), inv[u], n[u], list, mass);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
@@ -793,8 +815,8 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
       const int64_t d = tree_path(g, (u0 + u) % g.T, path);
       const float* sc = scores(u);
       float* acc = base + u * stride + hd;
-      for (int64_t i = 0; i < d; ++i) {  // list key j = start + i is cache row start + path[i]
-        const int64_t j = g.start + i, r = g.start + path[i];
+      for (int64_t i = 0; i < d; ++i) {  // list key j = tree_start + i is block row path[i]'s cache row
+        const int64_t j = tree_start(g) + i, r = tree_row(g, path[i]);
         values_avx512<1, NV / 2>(block_f32(vc, r, r + 1, hd, blk), j, j, j + 1, &sc, inv + u, &acc);
       }
     }
@@ -827,6 +849,64 @@ inline bool grouped_step(const Geometry& g, bool fast, const int64_t** list, int
          g.nh / g.nkv * g.T > 1 && *width <= 16384;
 }
 
+// A DDTree block over key lists (a KV Flash pool's tree verify: row t's list is the pool keys
+// before the block, then its ancestors' write rows root first, ending with its own), which are
+// not prefixes of one another: the group paths' tree form takes it as one list, that common prefix
+// of n0 keys and then every block row's write row, with each row's parent read off the lists
+// (tree_base n0, tree_rows the write rows), so a tree row's keys and their order are its own
+// list's. tree: the list and parents it builds (alive while the step runs). False when the lists
+// are not of that shape.
+struct TreeLists {
+  std::vector<int64_t> list, parents;
+};
+inline bool tree_lists(const Geometry& g, TreeLists& tree) {
+  if (g.key_rows == nullptr || g.parents != nullptr || g.window != 0 || g.T < 2 || g.T > 64) return false;
+  const int64_t T = g.T, n0 = g.key_counts[0] - 1;
+  const int64_t* first = g.key_rows;
+  if (n0 < 0 || first[n0] != g.write_rows[0]) return false;
+  tree.parents.assign(static_cast<size_t>(T), -1);
+  std::vector<int64_t> depth(static_cast<size_t>(T), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* own = g.key_rows + t * g.key_stride;
+    const int64_t d = g.key_counts[t] - n0;  // the rows of its path
+    if (d < 1 || d > t + 1 || own[n0 + d - 1] != g.write_rows[t] ||
+        std::memcmp(own, first, static_cast<size_t>(n0) * sizeof(int64_t)) != 0)
+      return false;
+    if (d > 1) {
+      int64_t p = -1;
+      for (int64_t r = 0; r < t && p < 0; ++r)
+        if (g.write_rows[r] == own[n0 + d - 2]) p = r;
+      if (p < 0 || depth[p] != d - 2 ||
+          std::memcmp(own + n0, g.key_rows + p * g.key_stride + n0, static_cast<size_t>(d - 1) * sizeof(int64_t)) != 0)
+        return false;
+      tree.parents[t] = p;
+    }
+    depth[t] = d - 1;
+  }
+  tree.list.assign(first, first + n0);
+  tree.list.insert(tree.list.end(), g.write_rows, g.write_rows + T);
+  return true;
+}
+
+// grouped_step, and for a tree over key lists (tree_lists) the step as the group paths take it:
+// gs is s, or s with the tree form's geometry (list and width then its one list)
+template <typename T, typename KT>
+bool group_form(const Step<T, KT>& s, bool fast, Step<T, KT>& gs, TreeLists& tree, const int64_t** list,
+                int64_t* width) {
+  gs = s;
+  if (grouped_step(s.g, fast, list, width)) return true;
+  const Geometry& g = s.g;
+  if (!fast || g.key_rows == nullptr || (g.hd != 64 && g.hd != 128) || !tree_lists(g, tree)) return false;
+  const int64_t n0 = static_cast<int64_t>(tree.list.size()) - g.T;
+  if (n0 + g.T > 16384) return false;
+  gs.g.parents = tree.parents.data();
+  gs.g.tree_base = n0;
+  gs.g.tree_rows = g.write_rows;
+  *list = tree.list.data();
+  *width = n0 + g.T;
+  return true;
+}
+
 // queries [u0, u1) of kv head kvh's group on the grouped path of this CPU (AVX-512 or AVX2)
 template <typename T, typename KT>
 void run_group(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
@@ -850,14 +930,15 @@ constexpr int64_t MASS_UNIT = 128;
 inline int64_t mass_pieces(const Geometry& g) { return (g.nh / g.nkv * g.T + MASS_UNIT - 1) / MASS_UNIT; }
 
 // mass unit i of a step (i = kvh * mass_pieces + piece) into share (max_ctx floats, zeroed):
-// on the grouped path when ``grouped`` (list / width: grouped_step's), else query by query
+// on the grouped path when ``grouped`` (gs, list, width: group_form's), else query by query
 template <typename T, typename KT>
-void run_mass_unit(const Step<T, KT>& s, int64_t i, bool grouped, const int64_t* list, int64_t width, bool fast,
-                   bool wide, std::vector<float>& buf, std::vector<float>& scratch, float* share) {
+void run_mass_unit(const Step<T, KT>& s, const Step<T, KT>& gs, int64_t i, bool grouped, const int64_t* list,
+                   int64_t width, bool fast, bool wide, std::vector<float>& buf, std::vector<float>& scratch,
+                   float* share) {
   const Geometry& g = s.g;
   const int64_t per = g.nh / g.nkv * g.T, pieces = mass_pieces(g);
   const int64_t kvh = i / pieces, u0 = (i % pieces) * MASS_UNIT, u1 = std::min(per, u0 + MASS_UNIT);
-  if (grouped) return run_group(s, kvh, u0, u1, buf, list, width, share, wide);
+  if (grouped) return run_group(gs, kvh, u0, u1, buf, list, width, share, wide);
   scratch.resize(static_cast<size_t>(g.start + g.T + 2 * g.hd));
   for (int64_t u = u0; u < u1; ++u)
     fast ? query_avx2(s, kvh * per + u, scratch.data(), share) : query_portable(s, kvh * per + u, scratch.data(), share);
@@ -872,14 +953,16 @@ void run_step(const Step<T, KT>& s, bool fast) {
   const int64_t G = g.nh / g.nkv, per = G * g.T;
   int64_t width;  // the longest key list
   const int64_t* list;
-  const bool grouped = grouped_step(g, fast, &list, &width), wide = has_avx512();
+  Step<T, KT> gs = s;   // the step as the group paths take it (a tree over key lists: tree_lists)
+  TreeLists tree;
+  const bool grouped = group_form(s, fast, gs, tree, &list, &width), wide = has_avx512();
   if (g.mass != nullptr) {  // the score policy's masses: the work items are the mass units
     const int64_t units = g.nkv * mass_pieces(g);
     std::vector<float> shares(static_cast<size_t>(units * g.max_ctx), 0.f);
     at::parallel_for(0, units, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> buf, scratch;
       for (int64_t i = i0; i < i1; ++i)
-        run_mass_unit(s, i, grouped, list, width, fast, wide, buf, scratch, shares.data() + i * g.max_ctx);
+        run_mass_unit(s, gs, i, grouped, list, width, fast, wide, buf, scratch, shares.data() + i * g.max_ctx);
     });
     for (int64_t i = 0; i < units; ++i)
       for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += shares[i * g.max_ctx + r];
@@ -903,7 +986,7 @@ void run_step(const Step<T, KT>& s, bool fast) {
       std::vector<float> buf;
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
-        run_group(s, kvh, u0, u1, buf, list, width, nullptr, wide);
+        run_group(gs, kvh, u0, u1, buf, list, width, nullptr, wide);
       }
     });
     return;
@@ -1222,12 +1305,15 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     std::vector<Item> items;
     std::vector<const int64_t*> lists(steps.size());
     std::vector<int64_t> widths(steps.size());
+    std::vector<Step<CT, KT>> gsteps(steps);   // each step as the group paths take it (group_form)
+    std::vector<TreeLists> trees(steps.size());
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));
     int64_t shares_n = 0;
     for (int64_t s = 0; s < static_cast<int64_t>(steps.size()); ++s) {
       const Geometry& g = steps[s].g;
       const int64_t per = g.nh / g.nkv * g.T;
-      const bool grouped = grouped_step(g, fast, &lists[s], &widths[s]) && (g.T > 1 || widths[s] >= ROWS_GROUPED_KEYS);
+      const bool grouped = group_form(steps[s], fast, gsteps[s], trees[s], &lists[s], &widths[s]) &&
+                           (g.T > 1 || widths[s] >= ROWS_GROUPED_KEYS);
       if (grouped || g.mass != nullptr) {  // (a unit is at most 128 queries: MASS_UNIT)
         for (int64_t kvh = 0; kvh < nkv; ++kvh)
           for (int64_t u0 = 0; u0 < per; u0 += MASS_UNIT) {
@@ -1248,7 +1334,7 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
         const auto& st = steps[it.step];
         float* share = it.share >= 0 ? shares.data() + it.share * max_ctx : nullptr;
         if (it.kvh >= 0) {
-          run_group(st, it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], share, wide);
+          run_group(gsteps[it.step], it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], share, wide);
           continue;
         }
         for (int64_t w = it.a; w < it.b; ++w)
