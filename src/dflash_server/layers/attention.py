@@ -225,8 +225,7 @@ class Attention(nn.Module):
             raise ValueError(f"carried K/V rows of shape {tuple(k.shape)} / {tuple(v.shape)}, expected {want}")
         k, v = k.to(state.k.device, state.k.dtype), v.to(state.v.device, state.v.dtype)
         if ctx.lanes is not None:
-            for b, lane in enumerate(ctx.lanes):
-                at = ctx.row_write(b)
+            for b, (lane, at) in enumerate(zip(ctx.lanes, ctx.row_writes())):
                 state.k[lane, :, at], state.v[lane, :, at] = k[0, :, b], v[0, :, b]
         elif ctx.slots is not None:
             state.k.index_copy_(2, ctx.slots, k)
@@ -239,7 +238,7 @@ class Attention(nn.Module):
         """The K/V rows this forward wrote into ``state`` (B, nkv, T, hd): what a later stage's
         mirror of this layer needs."""
         if ctx.lanes is not None:
-            lanes, pos = list(ctx.lanes), [ctx.row_write(b) for b in range(len(ctx.lanes))]
+            lanes, pos = list(ctx.lanes), ctx.row_writes()
             return state.k[lanes, :, pos].transpose(0, 1)[None], state.v[lanes, :, pos].transpose(0, 1)[None]
         if ctx.slots is not None:
             return state.k[:, :, ctx.slots], state.v[:, :, ctx.slots]

@@ -115,12 +115,12 @@ class ForwardContext:
                 "key_counts": torch.cat([p["key_counts"] for p in parts])}
         return got
 
-    def row_write(self, b: int) -> int:
-        """The cache row (of its slot's lane) where row b of a rows forward writes: its
+    def row_writes(self) -> list[int]:
+        """The cache row (of its slot's lane) where each row of a rows forward writes: its
         position, or its KV Flash pool slot."""
         if self.row_pools is None:
-            return self.positions[b]
-        return int(self.rows_args()["write_rows"][b])
+            return list(self.positions)
+        return self.rows_args()["write_rows"].tolist()
 
     @property
     def end(self) -> int:

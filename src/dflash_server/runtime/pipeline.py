@@ -151,7 +151,7 @@ class TargetPipeline:
         for st in self.stages:
             # the per-layer inputs of Gemma 4 E2B / E4B travel between in-process stages
             out = st.forward(x, start, logits=logits, capture=capture, **({"carry": carry} if carry else {}),
-                             **({"tree": tree} if tree is not None else {}), **({} if observe else {"observe": False}))
+                             **({"tree": tree} if tree is not None else {}), observe=observe)
             caps.update(out.captures)
             x, carry = out.hidden, out.carry
         return StageOutput(out.hidden, out.head_logits, caps, out.carry)
