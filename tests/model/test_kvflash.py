@@ -18,11 +18,11 @@ from .test_dflash import random_draft
 
 
 def kv_pipeline(path, pool, stages=1, chunk=16, policy="lru", max_ctx=512, tau=64, dtype=torch.float32,
-                quantize="dense"):
+                quantize="dense", lanes=1):
     src = open_model(path)
     shards = plan_placement(src.config.num_layers, ["cpu"] * stages, together=src.config.kv_groups())
     return build_pipeline(src, shards, dtype=dtype, max_ctx=max_ctx, progress=False, quantize=quantize,
-                          kvflash=KvFlashConfig(pool, chunk=chunk, policy=policy, tau=tau))
+                          kvflash=KvFlashConfig(pool, chunk=chunk, policy=policy, tau=tau), lanes=lanes)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3", "laguna"])
@@ -264,7 +264,7 @@ def test_score_policy_state_does_not_depend_on_how_the_prompt_was_cut(tiny_dir, 
         pool = pipe.stages[0].pool
         assert res.extra["kvflash"]["page_outs"] > 0 and pool.reselects > 1
         rows = pool.pager.policy.state()[0]   # (chunk, last use, score); the use clock counts forwards
-        evict = sorted(rows, key=lambda r: r[2] + 1e-9 * r[1])   # the policy's eviction order
+        evict = sorted(rows, key=lambda r: (r[2], r[1]))   # the policy's eviction order
         got.append((res.token_ids, dict(pool.pager.resident), [(c, v) for c, _, v in rows],
                     [c for c, _, _ in evict], pool.last_q))
     for token_ids, resident, scores, evict, last_q in got[1:]:
@@ -322,6 +322,80 @@ def test_dflash_equals_plain_decoding_while_paging(tiny_dir, family):
         res = gen(pipe, ids, n=150, proposer=prop)
         assert res.token_ids == ref.token_ids, block
         pipe.stages[0].pager.check_integrity()
+
+
+class _Oracle(DFlashProposer):
+    """Drafts from a known continuation ``text`` (prompt + answer): whole blocks accepted,
+    but every third draft's second token wrong (a block cut short); a tree has the right token
+    second at its first depth (a likelier wrong one first), so the accepted path's rows come
+    after rows of the other branch (rows at other places than their positions)."""
+
+    def __init__(self, draft, pipe, text, **kw):
+        super().__init__(draft, pipe, **kw)
+        self.text, self.calls = text, 0
+
+    def _right(self, start, block):
+        self.calls += 1
+        out = [self.text[start + 1 + i] if start + 1 + i < len(self.text) else 0 for i in range(block - 1)]
+        if self.calls % 3 == 0 and len(out) > 1:
+            out[1] = (out[1] + 1) % self.pipeline.config.vocab_size
+        return out
+
+    def propose(self, anchor, start, block):
+        return self._right(start, block)
+
+    def _draft_logits(self, anchor, start, block):
+        out = torch.full((block - 1, self.pipeline.config.vocab_size), -30.0)
+        right = self._right(start, block)
+        for i, t in enumerate(right):
+            out[i, t] = 10.0
+        out[0, right[0]], out[0, (right[0] + 1) % out.shape[1]] = 4.9, 5.0
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_score_policy_pages_a_drafted_sequence_as_its_plain_decoding(tiny_dir, family):
+    """The score policy observes a row only once its position is committed (one at a time, as
+    a plain decode step), and a speculative block commits no further than where plain decoding
+    re-selects or evicts next (Pipeline.spec_room). So in the serving configuration (bf16, int8:
+    a row's masses are the same bits in any forward) a sequence far past its pool (128 tokens,
+    16-token chunks, a re-selection every 8 tokens) gives its plain decoding's tokens, and ends
+    with the same resident chunks (in other pool places), scores and counts, drafted in blocks of 8 and 3 (accepted whole or
+    cut short), with DDTrees, and in a step loop beside a plainly decoded sequence."""
+    path = tiny_dir(family)
+    kv = dict(chunk=16, policy="score", tau=8, dtype=torch.bfloat16, quantize="int8")
+    ids = prompt_ids(pipeline(path), 60, seed=3)
+    req = GenerationRequest(tuple(ids), max_tokens=110, ignore_eos=True)
+
+    def outcome(pipe, res):
+        st = pipe.stages[0]
+        st.select(0)
+        st.pool.commit(st.length)
+        pager = st.pager
+        return (res.token_ids, st.length, sorted(pager.resident), sorted(pager.paged), dict(pager.policy.score),
+                pager.page_outs, pager.page_ins, st.pool.reselects, [q.clone() for q in st.pool.last_q])
+
+    plain = kv_pipeline(path, 128, **kv)
+    want = outcome(plain, Engine(plain, chunk=64).generate(req))
+    assert want[5] > 0 and want[7] > 10
+    text = list(ids) + want[0]
+    for block, budget in ((8, 0), (3, 0), (8, 6)):
+        pipe = kv_pipeline(path, 128, **kv)
+        prop = _Oracle(random_draft(pipe, block_size=8), pipe, text, block_size=block, tree_budget=budget)
+        res = Engine(pipe, proposer=prop, chunk=64).generate(req)
+        got = outcome(pipe, res)
+        assert res.extra["spec"]["accept_histogram"][2:] != [0] * (block - 2), block   # blocks of several rows
+        assert got[:8] == want[:8], (block, budget)
+        assert all(torch.equal(a, b) for a, b in zip(got[8], want[8], strict=True))
+    # two slots in one step loop: this sequence's rows among another's (batched plain rows)
+    pipe = kv_pipeline(path, 128, lanes=2, **kv)
+    eng = Engine(pipe, proposer=_Oracle(random_draft(pipe, block_size=8), pipe, text, block_size=8), chunk=64)
+    other = GenerationRequest(tuple(prompt_ids(pipe, 30, seed=9)), max_tokens=60, ignore_eos=True, speculate=False)
+    seqs = [eng.submit(req), eng.submit(other)]
+    while eng.has_work:
+        eng.step()
+    got = outcome(pipe, seqs[0].result)
+    assert got[:8] == want[:8] and all(torch.equal(a, b) for a, b in zip(got[8], want[8], strict=True))
 
 
 def test_sliding_layers_keep_their_window_resident(tiny_dir):
@@ -401,6 +475,8 @@ def test_score_policy_through_the_stack(tiny_dir):
     assert sa.keys() == sb.keys() and max(sb.values()) > 0
     assert all(abs(sa[c] - sb[c]) <= 0.05 * max(1.0, abs(sb[c])) for c in sa), (sa, sb)
     assert len(qa.last_q) == len(qb.last_q) == native.config.num_layers
-    for a, b in zip(qa.last_q, qb.last_q):
-        assert a.shape == b.shape == (1, 1, native.config.num_heads, native.config.head_dim) and a.dtype == b.dtype
+    for a, b in zip(qa.last_q, qb.last_q):   # the committed rows: the prompt's tail (16: the pool's
+        # largest forward), 2 decode rows (the third waits for its position to be committed)
+        assert a.shape == b.shape == (1, 16 + 2, native.config.num_heads, native.config.head_dim)
+        assert a.dtype == b.dtype
         assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)

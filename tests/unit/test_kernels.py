@@ -894,21 +894,24 @@ def test_attention_rows_over_pools_equal_each_lanes_step(portable):
         assert torch.equal(out[:, b:b + T], want), lane
         assert torch.equal(k1[lane:lane + 1], k2) and torch.equal(v1[lane:lane + 1], v2), lane
         b += T
-    # KV Flash's score policy: each lane's masses and every row's rotated queries, the same bits
-    # as the lane's own step gives (lane 0's decode row runs per-row here, grouped alone)
-    mass, q_out = torch.zeros(3, P), torch.empty(len(lanes), nh, hd, dtype=torch.bfloat16)
+    # KV Flash's score policy: every row's masses (here one bucket per lane row: mass_keys = the
+    # key rows) and rotated queries, the same bits as the lane's own step gives (lane 0's decode
+    # row runs per-row here, grouped alone)
+    mass, q_out = _masses(len(lanes), P), torch.empty(len(lanes), nh, hd, dtype=torch.bfloat16)
     scored = torch.ops.dflash.attention_rows(qkv, cos, sin, kb.clone(), vb.clone(), lanes, positions, nh, nkv,
-                                             hd ** -0.5, portable, **pools, mass=mass, q_out=q_out)
+                                             hd ** -0.5, portable, **pools, mass=mass, q_out=q_out,
+                                             mass_keys=key_rows)
     assert torch.equal(scored, out)
     b = 0
     for lane, start, T, _, _ in spans:
-        m2, q2 = torch.zeros(P), torch.empty(1, T, nh, hd, dtype=torch.bfloat16)
+        m2, q2 = _masses(T, P), torch.empty(1, T, nh, hd, dtype=torch.bfloat16)
         torch.ops.dflash.attention_step(qkv[:, b:b + T], cos[b:b + T], sin[b:b + T], kb[lane:lane + 1].clone(),
                                         vb[lane:lane + 1].clone(), start, nh, nkv, hd ** -0.5, portable,
                                         write_rows=write_rows[b:b + T], key_rows=key_rows[b:b + T],
-                                        key_counts=key_counts[b:b + T], mass=m2, q_out=q2)
-        assert torch.equal(mass[lane], m2) and torch.equal(q_out[b:b + T], q2[0]), lane
-        assert abs(m2.sum().item() - nh * T) < 1e-3
+                                        key_counts=key_counts[b:b + T], mass=m2, q_out=q2,
+                                        mass_keys=key_rows[b:b + T])
+        assert torch.equal(mass[b:b + T], m2) and torch.equal(q_out[b:b + T], q2[0]), lane
+        _assert_rows_sum_to(m2, nh)
         b += T
     one = key_counts.clone()
     one[0] = positions[0] + 2
@@ -920,9 +923,12 @@ def test_attention_rows_over_pools_equal_each_lanes_step(portable):
            dict(pools, key_rows=key_rows[:-1]),
            dict(pools, tree=torch.tensor([-1] * len(lanes))),                    # trees are in the lists
            dict(pools, window=4),
-           dict(pools, mass=torch.zeros(2, P)), dict(pools, mass=torch.zeros(3, P + 1)),   # masses: (lanes, P)
-           dict(pools, mass=torch.zeros(3, P, dtype=torch.float64)),
-           dict(mass=torch.zeros(3, P)),                                         # masses need key lists
+           dict(pools, mass=_masses(2, P), mass_keys=key_rows),                   # masses: (rows, buckets)
+           dict(pools, mass=torch.zeros(len(lanes), P), mass_keys=key_rows),      # ... int64
+           dict(pools, mass=_masses(len(lanes), P)),                              # ... with their keys
+           dict(pools, mass=_masses(len(lanes), P), mass_keys=key_rows[:, :-1]),
+           dict(pools, mass=_masses(len(lanes), 8), mass_keys=key_rows),          # a key past the buckets
+           dict(mass=_masses(len(lanes), P), mass_keys=key_rows),                 # masses need key lists
            dict(pools, q_out=torch.empty(len(lanes) - 1, nh, hd, dtype=torch.bfloat16)),
            dict(pools, q_out=torch.empty(len(lanes), nh, hd))]                  # qkv's type
     for kw in bad:
@@ -931,6 +937,17 @@ def test_attention_rows_over_pools_equal_each_lanes_step(portable):
             torch.ops.dflash.attention_rows(qkv, cos, sin, k4, v4, lanes, positions, nh, nkv, hd ** -0.5, portable,
                                             **kw)
         assert torch.equal(k4, kb) and torch.equal(v4, vb)
+
+
+def _masses(rows: int, buckets: int) -> torch.Tensor:
+    """The score policy's (rows, buckets) int64 masses, zeroed (the ops add to them)."""
+    return torch.zeros(rows, buckets, dtype=torch.int64)
+
+
+def _assert_rows_sum_to(mass: torch.Tensor, nh: int) -> None:
+    """Each row's masses (fixed point, 2^32 a probability of 1) add up to one per head."""
+    got = mass.sum(1).double() / 2 ** 32
+    assert torch.allclose(got, torch.full_like(got, float(nh)), atol=1e-6), got
 
 
 def _slot_step_inputs(hd: int, cache: torch.dtype, start: int, T: int) -> tuple:
@@ -1000,7 +1017,8 @@ def test_tree_over_key_lists_equals_the_position_tree(hd, cache, start):
     """A DDTree block over a KV Flash pool (row t's key list: the pool keys before the block, then
     its path's slots root first) runs on the group paths' tree form (tree_lists), bit-equal to the
     same tree over position-addressed KV and to the portable per-row path over the lists (K/V at
-    the same slots); the score policy's masses match an fp64 reference and ``attention_rows``'s;
+    the same slots); the score policy's masses (a bucket per list place of each row: each row's
+    probabilities in its list's order) match an fp64 reference and ``attention_rows``'s;
     lists that are not a tree's (a path's slot swapped) still give the per-row path's bits."""
     from dflash_server.layers.rope import RotaryTable
 
@@ -1034,11 +1052,12 @@ def test_tree_over_key_lists_equals_the_position_tree(hd, cache, start):
     keys = torch.tensor([k + [0] * (width - len(k)) for k in lists])
     counts = torch.tensor([len(k) for k in lists])
     pool = dict(write_rows=perm[start:start + T], key_rows=keys, key_counts=counts)
+    places = torch.arange(width).expand(T, -1).contiguous()   # bucket j: key j of the row's list
     outs, masses = [], []
     for portable in (False, True):
-        m = torch.zeros(max_ctx)
+        m = _masses(T, width)
         outs.append(torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv,
-                                                    hd ** -0.5, portable, mass=m, **pool))
+                                                    hd ** -0.5, portable, mass=m, mass_keys=places, **pool))
         masses.append(m)
     assert torch.equal(outs[0], ref)
     if cache != torch.bfloat16:
@@ -1049,19 +1068,18 @@ def test_tree_over_key_lists_equals_the_position_tree(hd, cache, start):
     written = k2.clone()
     torch.ops.dflash.attention_step(qkv, cos, sin, written, v2.clone(), start, nh, nkv, hd ** -0.5, **pool)
     qd = apply_rope(qkv.double()[0, :, :nh * hd].reshape(T, nh, hd), cos.double()[:, None], sin.double()[:, None])
-    kd, want = written[0].double(), torch.zeros(max_ctx, dtype=torch.float64)
+    kd, want = written[0].double(), torch.zeros(T, width, dtype=torch.float64)
     for t in range(T):
         rows = torch.tensor(lists[t])
         for h in range(nh):
-            p = (kd[h // (nh // nkv), rows] @ qd[t, h] * hd ** -0.5).softmax(0)
-            want.index_add_(0, rows, p)
-    torch.testing.assert_close(masses[0].double(), want, rtol=1e-4, atol=1e-5)
+            want[t, :len(rows)] += (kd[h // (nh // nkv), rows] @ qd[t, h] * hd ** -0.5).softmax(0)
+    torch.testing.assert_close(masses[0].double() / 2 ** 32, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(masses[0], masses[1]) or cache == torch.bfloat16
-    rows_mass = torch.zeros(1, max_ctx)
+    rows_mass = _masses(T, width)
     rows_out = torch.ops.dflash.attention_rows(qkv, cos, sin, k2.clone(), v2.clone(), [0] * T,
                                                list(range(start, start + T)), nh, nkv, hd ** -0.5, mass=rows_mass,
-                                               **pool)
-    assert torch.equal(rows_out, outs[0]) and torch.equal(rows_mass[0], masses[0])
+                                               mass_keys=places, **pool)
+    assert torch.equal(rows_out, outs[0]) and torch.equal(rows_mass, masses[0])
     bent = keys.clone()   # row 3's path with its parent's slot swapped for a prefix key: no tree
     bent[3, start] = perm[0]
     got = [torch.ops.dflash.attention_step(qkv, cos, sin, k2.clone(), v2.clone(), start, nh, nkv, hd ** -0.5,
@@ -1075,10 +1093,11 @@ def test_tree_over_key_lists_equals_the_position_tree(hd, cache, start):
 @pytest.mark.parametrize("hd,cache,start,T", [(64, torch.bfloat16, 301, 1), (64, torch.float32, 40, 5),
                                                (128, torch.float16, 77, 3), (16, torch.float32, 20, 2)])
 def test_attention_step_reports_masses_and_queries(hd, cache, start, T):
-    """KV Flash's score policy on the native step: ``mass`` receives each cache row's attention
-    summed over heads and rows, ``q_out`` the rotated queries of the last rows, on the grouped
-    paths (head_dim 64 / 128) and the per-row one (16, and ``portable``), against fp64; the
-    output is the same as without them; bad arguments are refused."""
+    """KV Flash's score policy on the native step: ``mass`` receives each row's attention per
+    bucket (``mass_keys``: here 5-row buckets of cache rows) summed over heads, in fixed point,
+    ``q_out`` the rotated queries of the last rows, on the grouped paths (head_dim 64 / 128) and
+    the per-row one (16, and ``portable``), against fp64; the output is the same as without
+    them; bad arguments are refused."""
     from dflash_server.layers.rope import apply_rope
 
     nh, nkv, max_ctx, cos, sin, qkv, kc, vc = _slot_step_inputs(hd, cache, start, T)
@@ -1089,23 +1108,27 @@ def test_attention_step_reports_masses_and_queries(hd, cache, start, T):
     plain = torch.ops.dflash.attention_step(qkv, *args, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5, **slots)
     q = apply_rope(qkv.double()[0, :, :nh * hd].reshape(T, nh, hd), cos.double()[:, None], sin.double()[:, None])
     R = min(T, 2)
+    buckets = -(-max_ctx // 5)
     for portable in (False, True):
         k2, v2 = kc.clone(), vc.clone()
-        mass, q_out = torch.zeros(max_ctx), torch.empty(1, R, nh, hd, dtype=torch.bfloat16)
+        mass, q_out = _masses(T, buckets), torch.empty(1, R, nh, hd, dtype=torch.bfloat16)
         out = torch.ops.dflash.attention_step(qkv, *args, k2, v2, start, nh, nkv, hd ** -0.5, portable, mass=mass,
-                                              q_out=q_out, **slots)
+                                              q_out=q_out, mass_keys=keys // 5, **slots)
         assert torch.equal(out, plain) if not portable else torch.allclose(out.float(), plain.float(), atol=1e-2)
-        ref = torch.zeros(max_ctx, dtype=torch.float64)
+        ref = torch.zeros(T, buckets, dtype=torch.float64)
         kd = k2[0].double()
         for t in range(T):
             rows = keys[t, :start + t + 1]
             for h in range(nh):
                 p = (kd[h // (nh // nkv), rows] @ q[t, h] * hd ** -0.5).softmax(0)
-                ref.index_add_(0, rows, p)
-        torch.testing.assert_close(mass.double(), ref, rtol=1e-4, atol=1e-5)
-        assert abs(mass.sum().item() - nh * T) < 1e-3
+                ref[t].index_add_(0, rows // 5, p)
+        torch.testing.assert_close(mass.double() / 2 ** 32, ref, rtol=1e-4, atol=1e-5)
+        _assert_rows_sum_to(mass, nh)
         torch.testing.assert_close(q_out[0].double(), q[T - R:], rtol=0, atol=2e-2)
-    for bad in (dict(mass=torch.zeros(max_ctx - 1)), dict(mass=torch.zeros(max_ctx, dtype=torch.float64)),
+    mk = keys // 5
+    for bad in (dict(mass=_masses(T - 1 or 2, buckets), mass_keys=mk), dict(mass=torch.zeros(T, buckets), mass_keys=mk),
+                dict(mass=_masses(T, buckets)), dict(mass=_masses(T, buckets), mass_keys=mk[:, 1:]),
+                dict(mass=_masses(T, 3), mass_keys=mk),
                 dict(q_out=torch.empty(1, T + 1, nh, hd, dtype=torch.bfloat16)),
                 dict(q_out=torch.empty(1, T, nh, hd, dtype=torch.float32))):
         with pytest.raises(RuntimeError, match="attention_step"):
@@ -1113,14 +1136,15 @@ def test_attention_step_reports_masses_and_queries(hd, cache, start, T):
                                             **slots)
     with pytest.raises(RuntimeError, match="key lists"):   # masses are for KV Flash pools
         torch.ops.dflash.attention_step(qkv, *args, kc.clone(), vc.clone(), start, nh, nkv, hd ** -0.5,
-                                        mass=torch.zeros(max_ctx))
+                                        mass=_masses(T, buckets), mass_keys=mk)
 
 
 @pytest.mark.parametrize("nh,nkv,T", [(4, 2, 5), (16, 1, 12)])
 def test_masses_do_not_depend_on_threads_or_the_call(nh, nkv, T):
-    """The score policy's masses are summed in one order (mass units of a kv head's queries):
-    the same bits on 1 and 2 threads, and for a lane inside ``attention_rows`` beside another
-    lane as alone; 16 query heads on one kv head x 12 rows is more than one unit (128 queries)."""
+    """The score policy's masses are exact fixed-point sums: a row's are the same bits on 1 and 2
+    threads, for a lane inside ``attention_rows`` beside another lane as alone, and as the
+    one-row step at its position gives (what plain decoding would have observed); 16 query heads
+    on one kv head x 12 rows is more than one grouped work item (128 queries)."""
     from dflash_server.layers.rope import RotaryTable
 
     hd, P, start = 64, 96, 60
@@ -1135,28 +1159,40 @@ def test_masses_do_not_depend_on_threads_or_the_call(nh, nkv, T):
     pool = dict(write_rows=perm[start:start + T], key_rows=key_rows, key_counts=key_counts)
     qkv = torch.randn(1, T + 1, (nh + 2 * nkv) * hd, generator=g).to(torch.bfloat16)
     cos, sin = table.cos[start:start + T + 1], table.sin[start:start + T + 1]
+    chunk = 8
+    keys = key_rows // chunk   # buckets: 8-row chunks of the lane
     keep = torch.get_num_threads()
     masses = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            m = torch.zeros(P)
-            torch.ops.dflash.attention_step(qkv[:, :T], cos[:T], sin[:T], kb[:1].clone(), vb[:1].clone(), start, nh,
-                                            nkv, hd ** -0.5, mass=m, **pool)
+            m, k1 = _masses(T, P // chunk), kb[:1].clone()
+            torch.ops.dflash.attention_step(qkv[:, :T], cos[:T], sin[:T], k1, vb[:1].clone(), start, nh,
+                                            nkv, hd ** -0.5, mass=m, mass_keys=keys, **pool)
             masses.append(m)
-            rows = torch.zeros(2, P)   # lane 1 takes a decode row after lane 0's block
+            rows = _masses(T + 1, P // chunk)   # lane 1 takes a decode row after lane 0's block
             other = torch.tensor([[int(perm[0])] + [0] * (start + T - 1)])
             torch.ops.dflash.attention_rows(qkv, cos, sin, kb.clone(), vb.clone(), [0] * T + [1],
                                             list(range(start, start + T)) + [start], nh, nkv, hd ** -0.5,
                                             write_rows=torch.cat([pool["write_rows"], perm[1:2]]),
                                             key_rows=torch.cat([key_rows, other]),
-                                            key_counts=torch.cat([key_counts, torch.tensor([1])]), mass=rows)
-            masses.append(rows[0])
+                                            key_counts=torch.cat([key_counts, torch.tensor([1])]), mass=rows,
+                                            mass_keys=torch.cat([keys, other // chunk]))
+            masses.append(rows[:T])
+            if threads == 2:   # each row alone, at its position, over the cache the block wrote
+                alone = _masses(T, P // chunk)
+                for t in range(T):
+                    torch.ops.dflash.attention_step(qkv[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], k1.clone(),
+                                                    vb[:1].clone(), start + t, nh, nkv, hd ** -0.5,
+                                                    mass=alone[t:t + 1], mass_keys=keys[t:t + 1],
+                                                    write_rows=pool["write_rows"][t:t + 1],
+                                                    key_rows=key_rows[t:t + 1], key_counts=key_counts[t:t + 1])
+                masses.append(alone)
     finally:
         torch.set_num_threads(keep)
     for m in masses[1:]:
         assert torch.equal(m, masses[0])
-    assert abs(masses[0].sum().item() - nh * T) < 1e-2
+    _assert_rows_sum_to(masses[0], nh)
 
 
 def test_argmax_is_torchs():

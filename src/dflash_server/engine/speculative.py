@@ -207,8 +207,8 @@ def block_room(pipe, seq) -> int:
     """The most rows ``seq``'s next verify block may take: its tokens left, the context's
     room after its position (a block of B rows commits up to B tokens, the last at pos + B,
     which must lie inside the context as plain decoding's last token does), the pipeline's
-    limit on a speculative forward."""
-    return min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - seq.pos - 1, pipe.max_spec_rows)
+    limit on a speculative forward at its position (Pipeline.spec_room)."""
+    return min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - seq.pos - 1, pipe.spec_room(seq.pos))
 
 
 def lookup_drafts(proposer: Proposer, seq, room: int) -> list[int]:
@@ -278,8 +278,9 @@ def tree_step(pipe, proposer: Proposer, seq) -> str | None:
     sizer = proposer.sizer
     spec_begin(proposer, seq)
     anchor, pos = seq.last, seq.pos
-    # depth: at most the draft's block, the tokens left, and the room in the context
-    room = min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos - 1)
+    # depth: at most the draft's block, the tokens left, the room in the context and what a
+    # speculative forward here may commit (Pipeline.spec_room)
+    room = min(seq.req.max_tokens - len(seq.out.tokens), pipe.max_ctx - pos - 1, pipe.spec_room(pos))
     block = min(proposer.block_size, room)
     if block < 1:
         return "length"
@@ -416,7 +417,8 @@ def tree_budgets(pipe, proposer: Proposer, seqs: list) -> tuple[list[int], list[
     cannot draft; the batch sizer's joint choice (adaptive), else the proposer's budget."""
     depths, caps = [], []
     for s in seqs:
-        depth = max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos - 1))
+        depth = max(1, min(proposer.block_size, s.req.max_tokens - len(s.out.tokens), pipe.max_ctx - s.pos - 1,
+                           pipe.spec_room(s.pos)))
         room = min(proposer.tree_budget, pipe.max_ctx - s.pos - 1, pipe.max_spec_rows - 1)
         depths.append(depth)
         caps.append(max(0, room) if s.req.speculate and depth > 1 else 0)

@@ -195,13 +195,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::attention_step")
     def _attention_step_fake(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable=False, q_norm=None,
                              k_norm=None, norm_eps=1e-6, gated=False, window=0, v_norm=False, tree=None,
-                             write_rows=None, key_rows=None, key_counts=None, mass=None, q_out=None):
+                             write_rows=None, key_rows=None, key_counts=None, mass=None, q_out=None,
+                             mass_keys=None):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_cache.shape[-1]))
 
     @torch.library.register_fake("dflash::attention_rows")
     def _attention_rows_fake(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable=False,
                              q_norm=None, k_norm=None, norm_eps=1e-6, gated=False, window=0, v_norm=False,
-                             tree=None, write_rows=None, key_rows=None, key_counts=None, mass=None, q_out=None):
+                             tree=None, write_rows=None, key_rows=None, key_counts=None, mass=None, q_out=None,
+                             mass_keys=None):
         return qkv.new_empty((qkv.shape[0], qkv.shape[1], nh * k_bank.shape[-1]))
 
     @torch.library.register_fake("dflash::gdn_step")
@@ -220,7 +222,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("dflash::decoder_stack")
     def _decoder_stack_fake(x, weights, k_caches, v_caches, ints, floats, cos, sin, start, capture, tree=None,
                             lanes=None, positions=None, write_rows=None, key_rows=None, key_counts=None, mass=None,
-                            q_out=None):
+                            q_out=None, mass_keys=None):
         return [x.new_empty(x.shape) for _ in range(1 + len(capture))]
 
     @torch.library.register_fake("dflash::draft_pass")

@@ -20,33 +20,36 @@ from .norms import RMSNorm
 from .rope import apply_rope
 from .sdpa import sdpa
 
+MASS_ONE = 2.0 ** 32  # the score policy's masses in fixed point: an attention probability of 1
 
-SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with up to this many latest queries
+
+SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with the latest this many committed rows' queries
 
 
 def pool_step_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype, window: int | None = None,
                    layers: int = 0) -> tuple[dict, torch.Tensor | None]:
     """A KV Flash pool on the native attention ops: (their arguments, the queries tensor they
     fill or None). The pool's slots (``ctx.pool_args``), and for the score policy ``mass``
-    (``ctx.attn_mass``, which the op adds each slot's attention to, over heads and rows, as the
-    aten path does) and ``q_out`` (the rotated queries of the forward's last rows, up to
-    SCORE_QUERY_ROWS: (1, R, nh, hd), or one per layer, (layers, 1, R, nh, hd), for the stack;
-    the caller appends them to ``ctx.last_q``)."""
+    (``ctx.attn_mass``, which the op adds each row's attention per pool chunk to, over heads,
+    at the chunks ``ctx.mass_keys`` gives its keys) and ``q_out`` (every row's rotated queries:
+    (1, T, nh, hd), or one per layer, (layers, 1, T, nh, hd), for the stack; the caller appends
+    them to ``ctx.last_q``)."""
     args, queries = dict(ctx.pool_args(window)), None
     if ctx.attn_mass is not None:
-        args["mass"] = ctx.attn_mass
+        args["mass"], args["mass_keys"] = ctx.attn_mass, ctx.mass_keys(window)
     if ctx.last_q is not None:
-        shape = (1, min(rows, SCORE_QUERY_ROWS), nh, hd)
+        shape = (1, rows, nh, hd)
         queries = args["q_out"] = torch.empty(((layers,) if layers else ()) + shape, dtype=dtype)
     return args, queries
 
 
 def pool_rows_args(ctx, nh: int, hd: int, dtype: torch.dtype, layers: int = 0) -> tuple[dict, torch.Tensor | None]:
     """The score policy's outputs on the native rows ops (KV Flash pools in a rows forward):
-    ``mass`` (``ctx.rows_mass``, (slots, P): a slot's row is its block's ``attn_mass``, summed
-    as its own forward's) and ``q_out`` (every row's rotated queries, (rows, nh, hd), or one per
-    layer, (layers, rows, nh, hd), for the stack; ``keep_row_queries`` hands each slot's latest
-    ones to its block). ({}, None) without the score policy."""
+    ``mass`` (``ctx.rows_mass``, (rows, pool chunks): a slot's rows are its block's ``attn_mass``,
+    summed as its own forward's; ``ctx.rows_args`` carries the keys' chunks) and ``q_out``
+    (every row's rotated queries, (rows, nh, hd), or one per layer, (layers, rows, nh, hd), for
+    the stack; ``keep_row_queries`` hands each slot's to its block). ({}, None) without the
+    score policy."""
     if ctx.rows_mass is None:
         return {}, None
     queries = torch.empty(((layers,) if layers else ()) + (len(ctx.lanes), nh, hd), dtype=dtype)
@@ -55,11 +58,11 @@ def pool_rows_args(ctx, nh: int, hd: int, dtype: torch.dtype, layers: int = 0) -
 
 def keep_row_queries(ctx, queries: torch.Tensor) -> None:
     """One layer's rotated queries of a rows forward (rows, nh, hd) into each slot's block
-    ``last_q``: its last rows, up to SCORE_QUERY_ROWS, as (1, R, nh, hd) as its own forward's."""
+    ``last_q``, as (1, T, nh, hd) as its own forward's."""
     for b, e in ctx.row_pools:
         block = ctx.block(b, e)
         if block.last_q is not None:
-            block.last_q.append(queries[max(b, e - SCORE_QUERY_ROWS):e][None])
+            block.last_q.append(queries[b:e][None])
 # Prefill chunks (over 64 rows) ending at most here take the native attention step, whose
 # rows are computed alike however the prompt is cut into chunks (exact prefix-cache hits, and
 # a prompt prefilled beside other sequences, in pieces the step budget sets, equals the same
@@ -425,12 +428,14 @@ class Attention(nn.Module):
             if mask is not None:
                 w = w.view(B, self.nkv, g, T, P).masked_fill(~mask, float("-inf")).view(B, self.nkv, g * T, P)
             w = w.softmax(-1)
-            ctx.attn_mass[:P] += w.float().sum(dim=(0, 1, 2))
+            per_row = w.view(B, self.nkv, g, T, P).double().sum(dim=(0, 1, 2))     # (T, P)
+            fixed = (per_row * MASS_ONE).round().long()
+            ctx.attn_mass.scatter_add_(1, ctx.slot_mass_keys(self.window)[:, :P], fixed)
             out = (w @ values).view(B, self.nh, T, self.hd)
         else:
             out = sdpa(q.transpose(1, 2).to(keys.dtype), keys, values, mask, self.scale, self.nh != self.nkv)
         if ctx.last_q is not None and k is not None:  # KV Flash re-selection scores chunks against these
-            ctx.last_q.append(q[:, -SCORE_QUERY_ROWS:].detach())
+            ctx.last_q.append(q.detach())
         if ctx.tail_attn is not None:  # PFlash: what the prompt's last rows attend to
             self._tail_attention(q, keys, mask, ctx.tail_attn)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd).to(dtype)

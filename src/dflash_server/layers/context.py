@@ -26,8 +26,13 @@ class ForwardContext:
     slots: torch.Tensor | None = None
     slot_pos: torch.Tensor | None = None
     slot_until: torch.Tensor | None = None  # (P,): first query position that no longer sees a slot
-    attn_mass: torch.Tensor | None = None  # (P,) float32: attention each slot received (score policy)
-    last_q: list | None = None             # score policy: each attention layer appends its last query row
+    pool_chunk: int = 0                    # ... the pool's chunk (tokens)
+    # the score policy: (T, pool chunks) int64, the attention each row paid to each pool chunk,
+    # in fixed point (kv_pool.MASS_ONE), over layers and heads (a key counted in the chunk its
+    # position occupies once committed: a tree row's ancestors at their depths); and each
+    # attention layer's rotated queries of every row, (1, T, nh, hd)
+    attn_mass: torch.Tensor | None = None
+    last_q: list | None = None
     # PFlash scoring: (L, end) float32, the running max over attention layers and heads of
     # the attention the last L rows of this forward pay to each position
     tail_attn: torch.Tensor | None = None
@@ -58,7 +63,7 @@ class ForwardContext:
     # KV Flash pools in a rows forward: each slot's adjacent rows (b, e), whose ``block(b, e)``
     # its pool prepared (slots, visible keys) as for that sequence's own block forward
     row_pools: tuple[tuple[int, int], ...] | None = None
-    # ... and their score policy: (slots, P) float32, slot s's row the ``attn_mass`` of its block
+    # ... and their score policy: (rows, pool chunks) int64, a slot's rows its block's ``attn_mass``
     rows_mass: torch.Tensor | None = None
     # a CUDA-graph step (runtime.cuda_graph): the rows' positions as a (T,) device tensor,
     # and how many cache rows the step attends over (masked past each row's position)
@@ -113,6 +118,9 @@ class ForwardContext:
                 "write_rows": torch.cat([p["write_rows"] for p in parts]),
                 "key_rows": torch.cat([F.pad(p["key_rows"], (0, width - p["key_rows"].shape[1])) for p in parts]),
                 "key_counts": torch.cat([p["key_counts"] for p in parts])}
+            if self.rows_mass is not None:   # the score policy: each listed key's chunk (``mass_keys``)
+                keys = [self.block(b, e).mass_keys(window) for b, e in self.row_pools]
+                got["mass_keys"] = torch.cat([F.pad(k, (0, width - k.shape[1])) for k in keys])
         return got
 
     def row_writes(self) -> list[int]:
@@ -194,6 +202,32 @@ class ForwardContext:
             order = torch.where(ok, key_pos, 1 << 62).argsort(dim=1, stable=True)[:, :L]
             got = self._masks[key] = (order.clamp(max=P - 1), counts)
         return got
+
+    def mass_keys(self, window: int | None = None) -> torch.Tensor:
+        """The score policy's (T, L) int64, as ``pool_keys``' key rows: the pool chunk of each
+        listed key's position once committed (its slot's chunk; a block row's, which a tree row
+        sees at its depth, the chunk of the slot that position is written to), so a row's masses
+        per chunk are those of the plain decode step at its position."""
+        key = ("mass_keys", window)
+        got = self._masks.get(key)
+        if got is None:
+            rows, _ = self.pool_keys(window)
+            got = self._masks[key] = self._chunk_of(rows, self._pool_view(window)[1].gather(1, rows))
+        return got
+
+    def slot_mass_keys(self, window: int | None = None) -> torch.Tensor:
+        """``mass_keys`` for every pool slot (T, P): the aten path's masses, in slot space."""
+        key = ("slot_mass_keys", window)
+        got = self._masks.get(key)
+        if got is None:
+            key_pos = self._pool_view(window)[1]
+            got = self._masks[key] = self._chunk_of(torch.arange(key_pos.shape[1]).expand_as(key_pos), key_pos)
+        return got
+
+    def _chunk_of(self, slots: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        block = key_pos >= self.start
+        rows = (key_pos - self.start).clamp(0, self.length - 1)
+        return torch.where(block, self.slots.cpu()[rows], slots) // self.pool_chunk
 
     def pool_args(self, window: int | None = None) -> dict:
         """The native attention ops' KV Flash arguments (write_rows, key_rows, key_counts),

@@ -119,8 +119,9 @@ class ScorePolicy(LruPolicy):
         super().forget(logical)
         self.score.pop(logical, None)
 
-    def value(self, logical: int) -> float:
-        return self.score.get(logical, 0.0) + 1e-9 * self.last_use.get(logical, 0)
+    def value(self, logical: int) -> tuple[float, int]:
+        # ties by recency: only the order of uses counts, which a sequence's forwards do not move
+        return self.score.get(logical, 0.0), self.last_use.get(logical, 0)
 
     def state(self) -> tuple[list[tuple[int, int, float]], int]:
         rows = sorted(self.last_use.keys() | self.score.keys())
@@ -132,6 +133,20 @@ class ScorePolicy(LruPolicy):
 
 
 POLICIES = {"lru": LruPolicy, "score": ScorePolicy}
+
+
+def score_room(pos: int, chunk: int, tau: int, capacity: int | None) -> int:
+    """The score policy's limit on a speculative forward at ``pos`` (the most positions it may
+    commit): up to the next multiple of ``tau`` (a re-selection: KvPool.prepare) and, where
+    the next chunk's first position evicts (its index reaches ``capacity``, the chunks the pool
+    holds; None: unknown, assume it does), up to that position. Plain decoding re-selects and
+    evicts there with the state of every position before it; a block that stopped short of
+    neither would choose with fewer positions observed, or commit rows computed before the
+    choice."""
+    room = tau - pos % tau
+    if capacity is None or pos // chunk + 1 >= capacity:
+        room = min(room, chunk - pos % chunk)
+    return room
 
 
 class KvPager:

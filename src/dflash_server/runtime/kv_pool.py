@@ -2,18 +2,41 @@
 
 Moves chunk rows between the pool (the attention layers' K/V tensors, allocated at pool
 size) and host memory, gives each forward its write slots and the slot -> position map
-(cached per residency epoch), feeds the score policy, and re-selects residency every
-``tau`` tokens by scoring every chunk (resident or paged out) against the latest queries.
+(cached per residency epoch), feeds the score policy, and re-selects residency at every
+multiple of ``tau`` positions by scoring every chunk (resident or paged out) against the
+latest queries.
+
+The score policy's state depends only on the committed tokens, not on which forwards
+computed them (plain decode rows, verify blocks, trees, rows batched with other sequences):
+an observed forward leaves each row's attention per chunk (exact fixed-point sums, the same
+bits for a row on every path) and its queries *pending*; a row is observed, one by one in
+position order as a plain decode step would be, only once its position is committed (the
+next forward's start, a rollback's length, a tree's accepted path), and dropped if rolled
+back. Re-selection and eviction read committed state only, and the engine keeps speculative
+blocks from committing past a position where plain decoding would re-select or evict
+(``spec_room``), so a drafted sequence pages as the same sequence decoded plainly would.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .kv_pager import KvPager, Move
+from ..layers.attention import MASS_ONE, SCORE_QUERY_ROWS
+from .kv_pager import KvPager, Move, score_room
 
-SCORE_MAX_ROWS = 16  # the score policy observes decode and verify forwards, not prefill chunks
 SCORE_TOP = 4        # re-selection: a chunk's score is the mean of its largest attention masses
 SCORE_NEXT = 0.5     # ... and at least this share of its predecessor's
+
+
+@dataclass
+class _Observed:
+    """An observed forward's rows, waiting for their positions to be committed."""
+    start: int
+    rows: list[int]                 # the forward's rows in position order (start, start + 1, ...)
+    mass: torch.Tensor | None       # (T, pool chunks) int64: each row's attention per physical chunk
+    chunks: list[int]               # physical chunk -> logical chunk at the forward (-1: none)
+    queries: list[torch.Tensor]     # per attention layer (1, T, nh, hd)
 
 
 def merge_stats(stats: list[dict]) -> dict:
@@ -27,8 +50,11 @@ class KvPool:
         self.states = [s for s in states if s.kind == "kv"]   # one per attention layer, in order
         self.host: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # paged-out chunks
         self._slot_pos: tuple[int, torch.Tensor] | None = None
-        self.last_q: list[torch.Tensor] | None = None  # per attention layer: (B, <=32, nh, hd) latest queries
-        self.since_select = 0
+        self.pending: list[_Observed] = []
+        # the latest committed rows' queries (at most SCORE_QUERY_ROWS), in pieces: per piece one
+        # (1, R, nh, hd) per attention layer
+        self.recent: list[list[torch.Tensor]] = []
+        self.due = tau          # the position of the next re-selection (a multiple of tau)
         self.reselects = 0
 
     @property
@@ -50,16 +76,22 @@ class KvPool:
 
     def prepare(self, start: int, end: int, ctx, speculative: bool, observe: bool = True) -> None:
         """Make positions [start, end) resident and fill ``ctx`` for slot-space attention.
-        ``speculative``: a verify block that may be rolled back (no re-selection then).
+        ``speculative``: a verify block that may be rolled back. Positions before ``start``
+        are committed (pending observations there are taken, later ones dropped).
         ``observe``: the score policy re-selects before this forward when due and observes its
         attention and queries; False for a prompt's body (Pipeline.prefill_steps), which then
         does neither, so where the body's forwards begin and end (the chunk size, a step's
         token budget beside other sequences, a prefix-cache hit inside it) cannot move what
         the policy chooses, and a long prompt is not re-scored every ``tau`` tokens."""
         pager = self.pager
-        if observe and not speculative and self.scoring and self.last_q is not None and \
-                self.since_select >= self.tau:
-            self.reselect(start)
+        if self.scoring:
+            self.commit(start)
+            if observe and start >= self.due:
+                if self.recent:
+                    self.apply(pager.settle(start))
+                    self.reselect(start)
+                else:
+                    self.due = (start // self.tau + 1) * self.tau
         self.apply(pager.plan_write(start, end, speculative))
         ctx.slots = torch.tensor(pager.slots(start, end), device=self.device)
         if self._slot_pos is None or self._slot_pos[0] != pager.epoch:
@@ -67,19 +99,71 @@ class KvPool:
             self._slot_pos = (pager.epoch, torch.tensor(pager.slot_positions(), device=self.device),
                               torch.tensor(until, device=self.device) if until is not None else None)
         ctx.slot_pos, ctx.slot_until = self._slot_pos[1], self._slot_pos[2]
+        ctx.pool_chunk = pager.chunk
         if self.scoring and observe:
             ctx.last_q = []
-            if end - start <= SCORE_MAX_ROWS:
-                ctx.attn_mass = torch.zeros(pager.pool_tokens, device=self.device)
+            ctx.attn_mass = torch.zeros(end - start, pager.num_physical, dtype=torch.int64)
 
-    def finish(self, ctx, rows: int) -> None:
-        """After the forward: feed the score policy, remember the latest queries."""
-        if ctx.attn_mass is not None:
-            per_phys = ctx.attn_mass.view(-1, self.pager.chunk).sum(-1).tolist()
-            self.pager.policy.observe({c: per_phys[p] for c, p in self.pager.resident.items()})
-        if ctx.last_q:
-            self.last_q = ctx.last_q
-            self.since_select += rows
+    def finish(self, ctx) -> None:
+        """After the forward: its rows' masses and queries wait for their positions to be
+        committed (``commit``)."""
+        if ctx.last_q is None:
+            return
+        chunks = [-1] * self.pager.num_physical
+        for c, p in self.pager.resident.items():
+            chunks[p] = c
+        self.pending.append(_Observed(ctx.start, list(range(ctx.length)), ctx.attn_mass, chunks, list(ctx.last_q)))
+
+    def keep_path(self, path: list[int]) -> None:
+        """After a tree forward: its rows ``path`` (root first) hold the committed positions
+        from the tree's start on; the other rows are dropped."""
+        if self.pending:
+            self.pending[-1].rows = list(path)
+
+    def commit(self, length: int) -> None:
+        """Observe the pending rows at positions before ``length``, one by one in position
+        order (each as a plain decode step's forward would: ScorePolicy.observe), their queries
+        joining the latest committed ones; drop the rest."""
+        policy = self.pager.policy
+        for rec in self.pending:
+            keep = [r for k, r in enumerate(rec.rows) if rec.start + k < length]
+            if not keep:
+                continue
+            if rec.mass is not None:
+                for row in rec.mass[keep].tolist():
+                    policy.observe({rec.chunks[p]: m / MASS_ONE for p, m in enumerate(row) if m and rec.chunks[p] >= 0})
+            if rec.queries:
+                idx = torch.tensor(keep)
+                self.recent.append([q[:, idx] for q in rec.queries])
+                while len(self.recent) > 1 and \
+                        sum(p[0].shape[1] for p in self.recent[1:]) >= SCORE_QUERY_ROWS:
+                    self.recent.pop(0)
+        self.pending.clear()
+
+    @property
+    def last_q(self) -> list[torch.Tensor] | None:
+        """Per attention layer, the latest committed rows' queries (1, R <= SCORE_QUERY_ROWS,
+        nh, hd), or None before any."""
+        if not self.recent or not self.recent[0]:
+            return None
+        if len(self.recent) > 1:
+            self.recent = [[torch.cat(qs, dim=1) for qs in zip(*self.recent)]]
+        if self.recent[0][0].shape[1] > SCORE_QUERY_ROWS:
+            self.recent = [[q[:, -SCORE_QUERY_ROWS:] for q in self.recent[0]]]
+        return self.recent[0]
+
+    @last_q.setter
+    def last_q(self, queries: list[torch.Tensor] | None) -> None:
+        self.recent = [list(queries)] if queries else []
+
+    def spec_room(self, pos: int) -> int:
+        """The most positions a speculative forward at ``pos`` may commit (a verify block's
+        rows, a tree's depth): a chunk (KvPager's spare chunk covers one new chunk), and with
+        the score policy no further than the next re-selection or eviction (score_room)."""
+        room = self.pager.chunk
+        if self.scoring:
+            room = min(room, score_room(pos, self.pager.chunk, self.tau, self.pager.capacity))
+        return room
 
     # --- re-selection ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -97,7 +181,8 @@ class KvPool:
         cases, against 19 of 30 for the sum over layers of each layer's maximum)."""
         pager, C = self.pager, self.pager.chunk
         chunks = sorted(pager.resident.keys() | pager.paged)
-        if not chunks or not self.last_q:
+        last_q = self.last_q
+        if not chunks or not last_q:
             return {}
         # keys in one tensor per layer: the resident chunks gathered from the pool in one index,
         # then the paged ones; columns in that order, scores put back in chunk order at the end
@@ -109,7 +194,7 @@ class KvPool:
         valid = pos < length
         keep = None if bool(valid.all()) else valid
         best = torch.empty(0, len(order))
-        for j, (s, q) in enumerate(zip(self.states, self.last_q)):
+        for j, (s, q) in enumerate(zip(self.states, last_q)):
             parts = [s.k[:, :, slots.to(s.k.device)].cpu()] if resident else []
             parts += [self.host[c][j][0] for c in paged]
             k = torch.cat(parts, dim=2).float()              # (B, nkv, N, hd)
@@ -131,9 +216,11 @@ class KvPool:
 
     def reselect(self, length: int) -> bool:
         """Page in the highest-scoring chunks (out go the lowest) by the attention of the
-        latest queries on positions [0, length); True if residency changed."""
+        latest committed queries on positions [0, length) (committed: ``commit``); True if
+        residency changed. The next one is due at the next multiple of tau."""
         pager = self.pager
-        self.since_select = 0
+        self.commit(length)
+        self.due = (length // self.tau + 1) * self.tau
         scores = self.chunk_scores(length)
         if not scores:
             return False
@@ -162,13 +249,15 @@ class KvPool:
             return s.k[:, :, :0].cpu(), s.v[:, :, :0].cpu()
         return torch.cat(ks, dim=2)[:, :, :length].clone(), torch.cat(vs, dim=2)[:, :, :length].clone()
 
-    def policy_tensors(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """The residency policy's state for a snapshot: (chunk, last use, score) rows as
-        float64 (N, 3), [clock, tokens since the last re-selection] as int64 (2,), and the
-        latest queries per attention layer ((B, R, nh, hd); R = 0 before any)."""
+    def policy_tensors(self, length: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The residency policy's state at ``length`` committed positions, for a snapshot:
+        (chunk, last use, score) rows as float64 (N, 3), [clock, the next re-selection's
+        position] as int64 (2,), and the latest committed queries per attention layer
+        ((B, R, nh, hd); R = 0 before any)."""
+        self.commit(length)
         rows, clock = self.pager.policy.state()
         pol = torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
-        counters = torch.tensor([clock, self.since_select], dtype=torch.int64)
+        counters = torch.tensor([clock, self.due], dtype=torch.int64)
         return pol, counters, list(self.last_q or [])  # snapshot_save copies what it keeps
 
     def check_policy_tensors(self, pol: torch.Tensor, counters: torch.Tensor, num_chunks: int) -> None:
@@ -190,7 +279,7 @@ class KvPool:
         if policy is not None:
             pol, counters, last_q = policy
             pager.policy.load([(int(c), int(u), float(v)) for c, u, v in pol.tolist()], int(counters[0]))
-            self.since_select = int(counters[1])
+            self.due = int(counters[1])
             self.last_q = [q.to(self.device).clone() for q in last_q] if last_q and last_q[0].shape[1] else None
         for c in range(n):
             for j, (s, (k, v)) in enumerate(zip(self.states, rows)):
@@ -207,7 +296,9 @@ class KvPool:
 
     # --- bookkeeping ------------------------------------------------------------------------
     def truncate(self, length: int) -> None:
-        """Rollback / commit to ``length``: settle a deferred eviction, drop later chunks."""
+        """Rollback / commit to ``length``: observe the committed rows, settle a deferred
+        eviction, drop later chunks."""
+        self.commit(length)
         self.apply(self.pager.settle(length))
         self.pager.truncate(length)
         for c in [c for c in self.host if c not in self.pager.paged]:
@@ -216,7 +307,7 @@ class KvPool:
     def reset(self) -> None:
         self.pager.reset()
         self.host.clear()
-        self.last_q, self.since_select = None, 0
+        self.pending, self.recent, self.due = [], [], self.tau
 
     def stats(self) -> dict:
         # every page holds one chunk of K and V per attention layer: host bytes follow from the count

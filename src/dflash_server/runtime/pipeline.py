@@ -112,6 +112,13 @@ class TargetPipeline:
         (its one spare chunk covers one new chunk per speculative forward)."""
         return min(st.max_spec_rows for st in self.stages)
 
+    def spec_room(self, pos: int) -> int:
+        """The most positions a speculative forward (chain or tree) of the selected sequence
+        at ``pos`` may commit: ``max_spec_rows``, and with KV Flash's score policy no further
+        than where plain decoding would re-select or evict next (kv_pager.score_room), so a
+        drafted sequence's paging equals its plain decoding's."""
+        return min([self.max_spec_rows] + [st.spec_room(pos) for st in self.stages])
+
     @property
     def supports_ragged(self) -> bool:
         """Whether ``forward_rows`` takes several rows of a slot at consecutive positions and
@@ -175,9 +182,10 @@ class TargetPipeline:
         caps: dict[int, list[torch.Tensor]] = {}
         # KV Flash score policy: the prompt's last tokens run as their own forward so that their
         # queries can re-select which chunks are resident (e.g. page back the one a question
-        # refers to); if anything moved, that forward is redone on the new residency. The body
-        # before them runs unobserved (KvPool.prepare): however it is cut into forwards, the
-        # policy starts the tail from the same state
+        # refers to); if anything moved, that forward is redone on the new residency, unobserved
+        # (its rows were observed by the re-selection). The body before them runs unobserved
+        # (KvPool.prepare): however it is cut into forwards, the policy starts the tail from the
+        # same state
         tail = min(SCORE_TAIL, len(ids) - 1, self.max_forward) if self._scoring() else 0  # (not the chunk's)
         body = ids[:len(ids) - tail]
         out, off = None, 0
@@ -195,7 +203,7 @@ class TargetPipeline:
             out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
             if any([st.reselect() for st in self.stages]):
                 self.rollback(pos)
-                out = self.forward(ids[len(body):], pos, logits="last", capture=capture)
+                out = self.forward(ids[len(body):], pos, logits="last", capture=capture, observe=False)
             else:
                 self.commit()
             for k, v in out.captures.items():

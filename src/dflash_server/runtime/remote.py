@@ -13,6 +13,7 @@ import torch
 
 from .carry import carry_tensors
 from .ipc_codec import DTYPE_NAMES
+from .kv_pager import score_room
 from .kv_pool import merge_stats
 from .stage import StageOutput
 from ..errors import ShardError
@@ -137,6 +138,16 @@ class RemoteStage:
     def max_spec_rows(self) -> int:
         kv = self._load["kvflash"]
         return int(kv["chunk"]) if kv else 1 << 30
+
+    def spec_room(self, pos: int) -> int:
+        """As LocalStage.spec_room for the worker's pools, from their configuration (the pool's
+        size there is the worker's to choose: with the score policy every chunk boundary counts
+        as an eviction, score_room's capacity None)."""
+        kv = self._load["kvflash"]
+        if not kv:
+            return 1 << 30
+        room = int(kv["chunk"])
+        return min(room, score_room(pos, room, int(kv["tau"]), None)) if kv.get("policy") == "score" else room
 
     @property
     def can_ragged(self) -> bool:

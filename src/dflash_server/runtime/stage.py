@@ -403,7 +403,7 @@ class LocalStage:
                     caps[layer.index] = h
         self.length = start + T
         if self.pool is not None:
-            self.pool.finish(ctx, T)
+            self.pool.finish(ctx)
         out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.states))
         if self.is_last and logits != "none":
             hs = h[:, -1:] if logits == "last" else h
@@ -484,7 +484,7 @@ class LocalStage:
         for lane, tree in (trees or {}).items():
             self.lanes[lane].tree = tree
         for b, e in ctx.row_pools or ():
-            self.lanes[lanes[b]].pool.finish(ctx.block(b, e), e - b)
+            self.lanes[lanes[b]].pool.finish(ctx.block(b, e))
         out = StageOutput(hidden=h, captures=caps, carry=self._carry(ctx, self.banks))
         if self.is_last:
             out.head_logits = self._head(self.final_norm(h))[0]
@@ -495,21 +495,21 @@ class LocalStage:
         """KV Flash pools in a rows forward: each slot's pool makes its rows' positions
         resident and fills the slot's block context (``ctx.block``) as for that sequence's own
         block forward (its checkpoint marking the rows speculative); the layers then read each
-        row's write slot and visible keys from it (``ctx.rows_args``). With the score policy each
-        slot's masses are a row of ``ctx.rows_mass``, which the rows ops add to as the slot's
-        own forward adds to its ``attn_mass`` (the same sums), and each layer hands every slot
-        its latest queries (``keep_row_queries``)."""
+        row's write slot and visible keys from it (``ctx.rows_args``). With the score policy a
+        slot's rows' masses are its rows of ``ctx.rows_mass``, which the rows ops add to as the
+        slot's own forward adds to its ``attn_mass`` (the same sums), and each layer hands every
+        slot its rows' queries (``keep_row_queries``)."""
         spans = tuple(runs(list(ctx.lanes)))
         scoring = self.lanes[0].pool.scoring
         if scoring:
-            ctx.rows_mass = torch.zeros(len(self.lanes), self.lanes[0].pool.pager.pool_tokens, device=self.device)
+            ctx.rows_mass = torch.zeros(len(ctx.lanes), self.lanes[0].pool.pager.num_physical, dtype=torch.int64)
         for b, e in spans:
             lane = self.lanes[ctx.lanes[b]]
             start = ctx.positions[b]
             block = ctx.block(b, e)
             lane.pool.prepare(start, start + e - b, block, speculative=lane.ckpt_length is not None)
             if block.attn_mass is not None:
-                block.attn_mass = ctx.rows_mass[ctx.lanes[b]]
+                block.attn_mass = ctx.rows_mass[b:e]
         ctx.row_pools = spans
 
     def _native_stack(self) -> NativeStack | None:
@@ -643,6 +643,11 @@ class LocalStage:
         block that enters two new chunks would evict before its rows' positions)."""
         return self.pool.pager.chunk if self.pool is not None else 1 << 30
 
+    def spec_room(self, pos: int) -> int:
+        """The most positions a speculative forward of the selected slot at ``pos`` may commit
+        (KvPool.spec_room; unbounded without a pool)."""
+        return self.pool.spec_room(pos) if self.pool is not None else 1 << 30
+
     @property
     def can_ragged(self) -> bool:
         """Whether ``forward_rows`` takes several rows of one slot and slots holding a
@@ -691,6 +696,7 @@ class LocalStage:
                 s.v[:, :, dest] = s.v[:, :, rows]
         self.length = start + n
         if self.pool is not None:
+            self.pool.keep_path(path)
             self.pool.truncate(self.length)
         self._ckpt_length = None
         self.lanes[self.lane].tree = None
@@ -729,7 +735,7 @@ class LocalStage:
             table, free = self.pool.pager.table()
             out[self._table_key] = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
             out[self._free_key] = torch.tensor(free, dtype=torch.int64)
-            pol, counters, last_q = self.pool.policy_tensors()
+            pol, counters, last_q = self.pool.policy_tensors(length)
             out[self._policy_key], out[self._counters_key] = pol, counters
             for k, layer in enumerate(self._attention_layers()):
                 out[f"kvflash_q.{layer.index}"] = last_q[k] if last_q else self._no_queries(layer)

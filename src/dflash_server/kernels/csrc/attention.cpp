@@ -83,10 +83,15 @@ struct Geometry {
   const int64_t* key_rows = nullptr;
   const int64_t* key_counts = nullptr;
   int64_t key_stride = 0;
-  // KV Flash's score policy (with key lists only): mass[r] += the attention probability of
-  // cache row r, summed over every (head, row) of the call; and the rotated queries of the
-  // last q_rows rows (Step::q_out, (q_rows, nh, hd) in the activations' type). null / 0: none.
-  float* mass = nullptr;
+  // KV Flash's score policy (with key lists only): the attention each row's keys receive, per
+  // bucket (a pool chunk): mass[t * mass_stride + mass_keys[t * key_stride + j]] += row t's
+  // probability of key j of its list, summed over the heads in fixed point (MASS_ONE), so the
+  // sums are exact and do not depend on the order of the additions (threads, paths, other rows);
+  // and the rotated queries of the last q_rows rows (Step::q_out, (q_rows, nh, hd) in the
+  // activations' type). null / 0: none.
+  int64_t* mass = nullptr;
+  const int64_t* mass_keys = nullptr;
+  int64_t mass_stride = 0;
   int64_t q_rows = 0;
   // the group paths' tree form over key lists (tree_lists): the list is the rows' common prefix of
   // tree_base keys, then every block row's cache row (tree_rows[r]); -1: the tree of a
@@ -99,10 +104,18 @@ struct Geometry {
 DFLASH_INLINE int64_t tree_start(const Geometry& g) { return g.tree_base >= 0 ? g.tree_base : g.start; }
 DFLASH_INLINE int64_t tree_row(const Geometry& g, int64_t r) { return g.tree_rows ? g.tree_rows[r] : g.start + r; }
 
-// p_j = scores[j] * inv of one query's keys into mass at the keys' cache rows
-template <typename Rows>
-DFLASH_INLINE void add_mass(const float* scores, float inv, int64_t n, Rows at, float* mass) {
-  for (int64_t j = 0; j < n; ++j) mass[at(j)] += scores[j] * inv;
+// one row's score-policy masses: its buckets (out) and the bucket of each key of its list
+struct MassRow {
+  int64_t* out;
+  const int64_t* keys;
+};
+constexpr float MASS_ONE = 4294967296.f;  // a probability of 1 in the masses' fixed point (2^32)
+DFLASH_INLINE MassRow mass_row(const Geometry& g, int64_t* mass, int64_t t) {
+  return {mass + t * g.mass_stride, g.mass_keys + t * g.key_stride};
+}
+// p_j = scores[j] * inv of one query's keys [0, n) (its list's order) into its row's buckets
+DFLASH_INLINE void add_mass(const float* scores, float inv, int64_t n, MassRow m) {
+  for (int64_t j = 0; j < n; ++j) m.out[m.keys[j]] += static_cast<int64_t>(scores[j] * inv * MASS_ONE + 0.5f);
 }
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
@@ -157,7 +170,7 @@ struct Contiguous {  // rows j (a causal block's row: no index to read)
 // keys in order with one fused multiply-add per element.
 template <typename KT, typename Rows>
 DFLASH_INLINE void attend_row(const float* q, const KT* kc, const KT* vc, int64_t n, int64_t hd, float scale,
-                              float* scores, float* out, Rows at, float* mass = nullptr) {
+                              float* scores, float* out, Rows at, const MassRow* mass = nullptr) {
   // four keys at a time: four independent accumulation chains (each key's own arithmetic
   // is the same as alone)
   int64_t j = 0;
@@ -192,7 +205,7 @@ DFLASH_INLINE void attend_row(const float* q, const KT* kc, const KT* vc, int64_
     part[j % 8] += scores[j];
   }
   const float inv = 1.f / sum8(part);
-  if (mass != nullptr) add_mass(scores, inv, n, at, mass);
+  if (mass != nullptr) add_mass(scores, inv, n, *mass);
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (j = 0; j < n; ++j) {
     const float p = scores[j] * inv;
@@ -314,10 +327,10 @@ DFLASH_AVX2 inline float softmax_avx2(float* scores, int64_t n) {
 
 template <typename KT, typename Rows>
 DFLASH_AVX2 void attend_row_avx2(const float* q, const KT* kc, const KT* vc, int64_t n, int64_t hd,
-                                 float scale, float* scores, float* out, Rows at, float* mass = nullptr) {
+                                 float scale, float* scores, float* out, Rows at, const MassRow* mass = nullptr) {
   scores_avx2(q, kc, 0, n, hd, scale, scores, at);
   const float inv = softmax_avx2(scores, n);
-  if (mass != nullptr) add_mass(scores, inv, n, at, mass);
+  if (mass != nullptr) add_mass(scores, inv, n, *mass);
   if (hd == 64) return weighted_values_avx2<8>(scores, inv, vc, n, out, at);
   if (hd == 128) return weighted_values_avx2<16>(scores, inv, vc, n, out, at);
   for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
@@ -432,9 +445,9 @@ DFLASH_INLINE void write_query(const Step<T, KT>& s, int64_t h, int64_t t, const
 }
 
 // query row t of head h (w = h * T + t); scratch: start + T scores, then 2 * head_dim;
-// mass: this call's share of Geometry::mass (key lists only), or null
+// mass: where this thread adds the call's masses (laid out as Geometry::mass; key lists only), or null
 template <typename T, typename KT, bool AVX2>
-DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch, float* mass) {
+DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch, int64_t* mass) {
   const Geometry& g = s.g;
   const int64_t h = w / g.T, t = w % g.T, kvh = h / (g.nh / g.nkv);
   float* scores = scratch;
@@ -452,10 +465,12 @@ DFLASH_INLINE void query(const Step<T, KT>& s, int64_t w, float* scratch, float*
   if (g.key_rows != nullptr) {  // the caller's key list (logical order)
     at.tail = g.key_rows + t * g.key_stride;
     n = g.key_counts[t];
+    MassRow m{};
+    if (mass != nullptr) m = mass_row(g, mass, t);
     if constexpr (AVX2)
-      attend_row_avx2(q, kc, vc, n, g.hd, g.scale, scores, o, at, mass);
+      attend_row_avx2(q, kc, vc, n, g.hd, g.scale, scores, o, at, mass != nullptr ? &m : nullptr);
     else
-      attend_row(q, kc, vc, n, g.hd, g.scale, scores, o, at, mass);
+      attend_row(q, kc, vc, n, g.hd, g.scale, scores, o, at, mass != nullptr ? &m : nullptr);
   } else if (g.parents == nullptr) {
     n = g.start + t + 1, lo = g.window > 0 && n > g.window ? n - g.window : 0;
     if constexpr (AVX2)
@@ -567,16 +582,12 @@ DFLASH_INLINE int64_t tree_compact(const Geometry& g, int64_t t, float* scores) 
   return b + d;
 }
 
-// a group query's probabilities into the score policy's masses, at its keys' cache rows in list
-// order (a tree's: the list's prefix, then its path's rows, as the per-row path over its own list)
+// a group query's probabilities into the score policy's masses: its scores [0, n) are in its own
+// key list's order (a chain row's list is a prefix of the group's; a tree row's scores were
+// compacted to its prefix and path: tree_compact), as on the per-row path
 DFLASH_INLINE void group_mass(const Geometry& g, int64_t t, const float* scores, float inv, int64_t n,
-                              const int64_t* list, float* mass) {
-  if (g.parents == nullptr) return add_mass(scores, inv, n, ListRows{list}, mass);
-  const int64_t b = tree_start(g);
-  add_mass(scores, inv, b, ListRows{list}, mass);
-  int64_t path[64];
-  const int64_t d = tree_path(g, t, path);
-  for (int64_t i = 0; i < d; ++i) mass[tree_row(g, path[i])] += scores[b + i] * inv;
+                              int64_t* mass) {
+  add_mass(scores, inv, n, mass_row(g, mass, t));
 }
 
 // The queries [u0, u1) of kv head kvh's group (u = head-in-group * T + row) of a causal block
@@ -589,7 +600,7 @@ DFLASH_INLINE void group_mass(const Geometry& g, int64_t t, const float* scores,
 // 1.56x for a chain of the same rows; now both ~1.7x, measured alternating in one process.)
 template <typename T, typename KT, int NV>
 DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
-                            const int64_t* list, int64_t width, float* mass) {
+                            const int64_t* list, int64_t width, int64_t* mass) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, KB = 32;
   const int64_t G = g.nh / g.nkv, Q = u1 - u0, stride = 2 * hd + width;
@@ -613,7 +624,7 @@ DFLASH_AVX2 void group_avx2(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64
     if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, base + u * stride + 2 * hd);
     cont[u] = g.parents != nullptr ? tree_start(g) : n[u];
     inv[u] = softmax_avx2(base + u * stride + 2 * hd, n[u]);
-    if (mass != nullptr) group_mass(g, (u0 + u) % g.T, base + u * stride + 2 * hd, inv[u], n[u], list, mass);
+    if (mass != nullptr) group_mass(g, (u0 + u) % g.T, base + u * stride + 2 * hd, inv[u], n[u], mass);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
@@ -714,7 +725,7 @@ DFLASH_AVX512 inline void values_avx512(const float* vf, int64_t kb, int64_t j0,
 // group_avx2's computation (same queries, same keys, same bits), four queries at a time (QS, QV)
 template <typename T, typename KT, int NV>
 DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
-                                const int64_t* list, int64_t width, float* mass) {
+                                const int64_t* list, int64_t width, int64_t* mass) {
   const Geometry& g = s.g;
   constexpr int64_t hd = 8 * NV, S = NV, KB = 32;
   // queries per pass over a block's keys (scores) and values: each key / value register load
@@ -781,7 +792,7 @@ DFLASH_AVX512 void group_avx512(const Step<T, KT>& s, int64_t kvh, int64_t u0, i
     if (g.parents != nullptr) n[u] = tree_compact(g, (u0 + u) % g.T, scores(u));
     cont[u] = g.parents != nullptr ? tree_start(g) : n[u];
     inv[u] = softmax_avx2(scores(u), n[u]);
-    if (mass != nullptr) group_mass(g, (u0 + u) % g.T, scores(u), inv[u], n[u], list, mass);
+    if (mass != nullptr) group_mass(g, (u0 + u) % g.T, scores(u), inv[u], n[u], mass);
     std::memset(base + u * stride + hd, 0, hd * sizeof(float));
   }
   for (int64_t kb = 0; kb < width; kb += KB) {
@@ -830,11 +841,11 @@ DFLASH_AVX2 void write_kv_avx2(const Step<T, KT>& s, int64_t h) { write_kv<T, KT
 template <typename T, typename KT>
 void write_kv_portable(const Step<T, KT>& s, int64_t h) { write_kv<T, KT, false>(s, h); }
 template <typename T, typename KT>
-DFLASH_AVX2 void query_avx2(const Step<T, KT>& s, int64_t w, float* scratch, float* mass) {
+DFLASH_AVX2 void query_avx2(const Step<T, KT>& s, int64_t w, float* scratch, int64_t* mass) {
   query<T, KT, true>(s, w, scratch, mass);
 }
 template <typename T, typename KT>
-void query_portable(const Step<T, KT>& s, int64_t w, float* scratch, float* mass) {
+void query_portable(const Step<T, KT>& s, int64_t w, float* scratch, int64_t* mass) {
   query<T, KT, false>(s, w, scratch, mass);
 }
 
@@ -910,7 +921,7 @@ bool group_form(const Step<T, KT>& s, bool fast, Step<T, KT>& gs, TreeLists& tre
 // queries [u0, u1) of kv head kvh's group on the grouped path of this CPU (AVX-512 or AVX2)
 template <typename T, typename KT>
 void run_group(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::vector<float>& buf,
-               const int64_t* list, int64_t width, float* mass, bool wide) {
+               const int64_t* list, int64_t width, int64_t* mass, bool wide) {
   if (wide)
     s.g.hd == 64 ? group_avx512<T, KT, 8>(s, kvh, u0, u1, buf, list, width, mass)
                  : group_avx512<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
@@ -919,30 +930,28 @@ void run_group(const Step<T, KT>& s, int64_t kvh, int64_t u0, int64_t u1, std::v
                  : group_avx2<T, KT, 16>(s, kvh, u0, u1, buf, list, width, mass);
 }
 
-// KV Flash's score policy sums the attention each cache row receives in one fixed order, whatever
-// the threads, the path (grouped or per-row) or the other rows of a call: a share per mass unit
-// (kv head kvh's queries u in [MASS_UNIT k, MASS_UNIT (k + 1)), u = head-in-group * T + row, i.e.
-// the per-row work items w = kvh * G * T + u), each unit's queries added to its share in order
-// from zero, and the shares added to Geometry::mass in unit order. So a sequence's masses from
-// attention_rows equal its own attention_step's bit for bit (a query's probabilities are the same
-// bits on every path, as its output is). A unit is at most group_*'s 128 queries.
-constexpr int64_t MASS_UNIT = 128;
-inline int64_t mass_pieces(const Geometry& g) { return (g.nh / g.nkv * g.T + MASS_UNIT - 1) / MASS_UNIT; }
-
-// mass unit i of a step (i = kvh * mass_pieces + piece) into share (max_ctx floats, zeroed):
-// on the grouped path when ``grouped`` (gs, list, width: group_form's), else query by query
-template <typename T, typename KT>
-void run_mass_unit(const Step<T, KT>& s, const Step<T, KT>& gs, int64_t i, bool grouped, const int64_t* list,
-                   int64_t width, bool fast, bool wide, std::vector<float>& buf, std::vector<float>& scratch,
-                   float* share) {
-  const Geometry& g = s.g;
-  const int64_t per = g.nh / g.nkv * g.T, pieces = mass_pieces(g);
-  const int64_t kvh = i / pieces, u0 = (i % pieces) * MASS_UNIT, u1 = std::min(per, u0 + MASS_UNIT);
-  if (grouped) return run_group(gs, kvh, u0, u1, buf, list, width, share, wide);
-  scratch.resize(static_cast<size_t>(g.start + g.T + 2 * g.hd));
-  for (int64_t u = u0; u < u1; ++u)
-    fast ? query_avx2(s, kvh * per + u, scratch.data(), share) : query_portable(s, kvh * per + u, scratch.data(), share);
-}
+// The score policy's masses are fixed-point sums (MASS_ONE), exact in any order: each thread adds
+// into its own copy of the call's buckets (zeroed at its first use), and the copies are added
+// after the work, so the totals do not depend on the threads, the paths or the work items.
+struct MassBuffers {
+  int64_t* mass;  // the call's buckets (null: no masses)
+  size_t size;
+  std::vector<std::vector<int64_t>> local;
+  MassBuffers(int64_t* m, int64_t n) : mass(m), size(static_cast<size_t>(n)), local(m ? at::get_num_threads() : 0) {}
+  int64_t* mine() {  // this thread's buckets, or null
+    if (mass == nullptr) return nullptr;
+    const int64_t tid = at::get_thread_num();
+    TORCH_CHECK(tid >= 0 && tid < static_cast<int64_t>(local.size()), "dflash: attention masses: thread id ", tid,
+                " outside the pool of ", local.size());
+    auto& b = local[static_cast<size_t>(tid)];
+    if (b.empty()) b.assign(size, 0);
+    return b.data();
+  }
+  void add() {
+    for (const auto& b : local)
+      for (size_t i = 0; i < b.size(); ++i) mass[i] += b[i];
+  }
+};
 
 template <typename T, typename KT>
 void run_step(const Step<T, KT>& s, bool fast) {
@@ -956,18 +965,7 @@ void run_step(const Step<T, KT>& s, bool fast) {
   Step<T, KT> gs = s;   // the step as the group paths take it (a tree over key lists: tree_lists)
   TreeLists tree;
   const bool grouped = group_form(s, fast, gs, tree, &list, &width), wide = has_avx512();
-  if (g.mass != nullptr) {  // the score policy's masses: the work items are the mass units
-    const int64_t units = g.nkv * mass_pieces(g);
-    std::vector<float> shares(static_cast<size_t>(units * g.max_ctx), 0.f);
-    at::parallel_for(0, units, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> buf, scratch;
-      for (int64_t i = i0; i < i1; ++i)
-        run_mass_unit(s, gs, i, grouped, list, width, fast, wide, buf, scratch, shares.data() + i * g.max_ctx);
-    });
-    for (int64_t i = 0; i < units; ++i)
-      for (int64_t r = 0; r < g.max_ctx; ++r) g.mass[r] += shares[i * g.max_ctx + r];
-    return;
-  }
+  MassBuffers masses(g.mass, g.T * g.mass_stride);
   if (grouped) {
     // each kv head's queries in a few chunks, so the threads have about two each (at most
     // 128 queries a chunk: group_avx2's per-query arrays), but at least MIN_QUERIES a chunk
@@ -984,19 +982,23 @@ void run_step(const Step<T, KT>& s, bool fast) {
     const int64_t pieces = (per + size - 1) / size;
     at::parallel_for(0, g.nkv * pieces, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> buf;
+      int64_t* mass = masses.mine();
       for (int64_t w = w0; w < w1; ++w) {
         const int64_t kvh = w / pieces, u0 = (w % pieces) * size, u1 = std::min(per, u0 + size);
-        run_group(gs, kvh, u0, u1, buf, list, width, nullptr, wide);
+        run_group(gs, kvh, u0, u1, buf, list, width, mass, wide);
       }
     });
+    masses.add();
     return;
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, (g.start + g.T) * g.hd));
   at::parallel_for(0, g.nh * g.T, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(g.start + g.T + 2 * g.hd);
+    int64_t* mass = masses.mine();
     for (int64_t w = w0; w < w1; ++w)
-      fast ? query_avx2(s, w, scratch.data(), nullptr) : query_portable(s, w, scratch.data(), nullptr);
+      fast ? query_avx2(s, w, scratch.data(), mass) : query_portable(s, w, scratch.data(), mass);
   });
+  masses.add();
 }
 
 // the caches' element type: fp32, fp16 or bf16, both caches alike
@@ -1024,6 +1026,22 @@ void dispatch_types(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& ca
   }
 }
 
+// the score policy's arguments: mass (rows, buckets) int64, contiguous (added to); mass_keys
+// (rows, L) like key_rows: each listed key's bucket, in [0, buckets). Returns mass_keys as int64.
+at::Tensor check_mass(const at::Tensor& mass, const at::Tensor& mass_keys, int64_t rows, const at::Tensor& key_rows,
+                      const at::Tensor& key_counts, const char* op) {
+  TORCH_CHECK(mass.scalar_type() == at::kLong && mass.dim() == 2 && mass.size(0) == rows && mass.size(1) >= 1 &&
+                  mass.is_contiguous() && mass_keys.dim() == 2 && mass_keys.sizes() == key_rows.sizes(),
+              op, ": mass must be a contiguous int64 (rows, buckets) tensor and mass_keys (rows, L) as key_rows");
+  auto mk = mass_keys.to(at::kLong).contiguous();
+  const int64_t L = mk.size(1), S = mass.size(1);
+  const int64_t *k = mk.data_ptr<int64_t>(), *c = key_counts.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < c[t]; ++j)
+      TORCH_CHECK(k[t * L + j] >= 0 && k[t * L + j] < S, op, ": a mass key outside [0, buckets)");
+  return mk;
+}
+
 at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           at::Tensor& k_cache, at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv,
                           double scale, bool portable, const c10::optional<at::Tensor>& q_norm,
@@ -1031,7 +1049,7 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           bool v_norm, const c10::optional<at::Tensor>& tree,
                           const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
                           const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
-                          const c10::optional<at::Tensor>& q_out) {
+                          const c10::optional<at::Tensor>& q_out, const c10::optional<at::Tensor>& mass_keys) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_step: qkv must be (1, T, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_step: window must be >= 0 (0: none)");
@@ -1095,11 +1113,12 @@ at::Tensor attention_step(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     g.parents = pp;
   }
   auto qkv = qkv_in.contiguous();
-  if (mass.has_value()) {  // KV Flash's score policy: attention each cache row receives
-    TORCH_CHECK(g.key_rows != nullptr && mass->scalar_type() == at::kFloat && mass->dim() == 1 &&
-                    mass->size(0) == g.max_ctx && mass->is_contiguous(),
-                "dflash::attention_step: mass must be a contiguous float32 (cache rows) tensor, with key lists");
-    g.mass = mass->data_ptr<float>();
+  at::Tensor mk;
+  if (mass.has_value() || mass_keys.has_value()) {  // KV Flash's score policy: each row's attention per bucket
+    TORCH_CHECK(g.key_rows != nullptr && mass.has_value() && mass_keys.has_value(),
+                "dflash::attention_step: mass and mass_keys go together, with key lists");
+    mk = check_mass(*mass, *mass_keys, g.T, kr, kcnt, "dflash::attention_step");
+    g.mass = mass->data_ptr<int64_t>(), g.mass_keys = mk.data_ptr<int64_t>(), g.mass_stride = mass->size(1);
   }
   if (q_out.has_value()) {  // ... and the latest rows' rotated queries
     TORCH_CHECK(q_out->scalar_type() == qkv.scalar_type() && q_out->dim() == 4 && q_out->size(0) == 1 &&
@@ -1149,7 +1168,8 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
                           double norm_eps, bool gated, int64_t window, bool v_norm,
                           const c10::optional<at::Tensor>& tree, const c10::optional<at::Tensor>& write_rows,
                           const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts,
-                          const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out) {
+                          const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out,
+                          const c10::optional<at::Tensor>& mass_keys) {
   TORCH_CHECK(qkv_in.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == 1,
               "dflash::attention_rows: qkv must be (1, rows, width) on the CPU");
   TORCH_CHECK(window >= 0, "dflash::attention_rows: window must be >= 0 (0: none)");
@@ -1242,10 +1262,12 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == B && sin_in.sizes() == cos_in.sizes(),
               "dflash::attention_rows: cos/sin must be (rows, rotary_dim)");
   auto qkv = qkv_in.contiguous();
-  if (mass.has_value())  // KV Flash's score policy: each lane's attention per cache row, as attention_step's
-    TORCH_CHECK(listed && mass->scalar_type() == at::kFloat && mass->dim() == 2 && mass->size(0) == n_lanes &&
-                    mass->size(1) == max_ctx && mass->is_contiguous(),
-                "dflash::attention_rows: mass must be a contiguous float32 (lanes, cache rows) tensor, with key lists");
+  at::Tensor mk;
+  if (mass.has_value() || mass_keys.has_value()) {  // KV Flash's score policy: each row's attention per bucket
+    TORCH_CHECK(listed && mass.has_value() && mass_keys.has_value(),
+                "dflash::attention_rows: mass and mass_keys go together, with key lists");
+    mk = check_mass(*mass, *mass_keys, B, kr, kcnt, "dflash::attention_rows");
+  }
   if (q_out.has_value())  // ... and every row's rotated queries
     TORCH_CHECK(q_out->scalar_type() == qkv.scalar_type() && q_out->dim() == 3 && q_out->size(0) == B &&
                     q_out->size(1) == nh && q_out->size(2) == hd && q_out->is_contiguous(),
@@ -1254,7 +1276,8 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
   auto out = at::empty({1, B, nh * hd}, qkv.options());
   const bool fast = !portable && dflash::simd::has_avx2();
   const int64_t rot = cos.size(1), width = qkv.size(2), lane_elems = nkv * max_ctx * hd;
-  float* mass_p = mass.has_value() ? mass->data_ptr<float>() : nullptr;
+  int64_t* mass_p = mass.has_value() ? mass->data_ptr<int64_t>() : nullptr;
+  const int64_t mass_stride = mass.has_value() ? mass->size(1) : 0;
   dispatch_types(qkv, out, k_bank, "dflash::attention_rows", [&](auto* qp, auto* op, auto* tag) {
     using CT = std::remove_pointer_t<decltype(qp)>;
     using KT = std::remove_pointer_t<decltype(tag)>;
@@ -1279,7 +1302,8 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
         g.write_rows = wr.data_ptr<int64_t>() + b, g.key_rows = kr.data_ptr<int64_t>() + b * L;
         g.key_counts = kcnt.data_ptr<int64_t>() + b, g.key_stride = L;
       }
-      if (mass_p != nullptr) g.mass = mass_p + lanes[b] * max_ctx;
+      if (mass_p != nullptr)
+        g.mass = mass_p + b * mass_stride, g.mass_keys = mk.data_ptr<int64_t>() + b * L, g.mass_stride = mass_stride;
       if (q_out.has_value()) g.q_rows = T;
       steps.push_back(Step<CT, KT>{g, qp + b * width, cos.data_ptr<float>() + b * rot, sin.data_ptr<float>() + b * rot,
                                kb + lanes[b] * lane_elems, vb + lanes[b] * lane_elems, op + b * nh * hd});
@@ -1295,12 +1319,8 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     // (4 lanes' decode rows of 9 / 3 heads, fp16 bank, alternating builds: 100 keys 22.7 vs
     // 20.1 us, 512 keys even, 1024 121-127 vs 122-139, 4096 484-533 vs 603-619).
     constexpr int64_t ROWS_GROUPED_KEYS = 512;
-    // With masses (the score policy) a step's work items are its mass units, each into its own
-    // share, the shares then added to its lane's masses in unit order: attention_step's sums.
     struct Item {
-      // grouped (kvh >= 0): queries [a, b) of kv head kvh; else query units [a, b); share: the
-      // item's mass share (a mass unit), -1 for none
-      int64_t step, a, b, kvh, share;
+      int64_t step, a, b, kvh;  // grouped (kvh >= 0): queries [a, b) of kv head kvh; else work items [a, b)
     };
     std::vector<Item> items;
     std::vector<const int64_t*> lists(steps.size());
@@ -1308,45 +1328,38 @@ at::Tensor attention_rows(const at::Tensor& qkv_in, const at::Tensor& cos_in, co
     std::vector<Step<CT, KT>> gsteps(steps);   // each step as the group paths take it (group_form)
     std::vector<TreeLists> trees(steps.size());
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, longest * hd));
-    int64_t shares_n = 0;
     for (int64_t s = 0; s < static_cast<int64_t>(steps.size()); ++s) {
       const Geometry& g = steps[s].g;
       const int64_t per = g.nh / g.nkv * g.T;
       const bool grouped = group_form(steps[s], fast, gsteps[s], trees[s], &lists[s], &widths[s]) &&
                            (g.T > 1 || widths[s] >= ROWS_GROUPED_KEYS);
-      if (grouped || g.mass != nullptr) {  // (a unit is at most 128 queries: MASS_UNIT)
+      if (grouped) {  // (at most 128 queries an item: group_*'s arrays)
         for (int64_t kvh = 0; kvh < nkv; ++kvh)
-          for (int64_t u0 = 0; u0 < per; u0 += MASS_UNIT) {
-            const int64_t u1 = std::min(per, u0 + MASS_UNIT), share = g.mass != nullptr ? shares_n++ : -1;
-            items.push_back(grouped ? Item{s, u0, u1, kvh, share} : Item{s, kvh * per + u0, kvh * per + u1, -1, share});
-          }
+          for (int64_t u0 = 0; u0 < per; u0 += 128) items.push_back({s, u0, std::min(per, u0 + 128), kvh});
       } else {
-        for (int64_t w0 = 0; w0 < nh * g.T; w0 += grain)
-          items.push_back({s, w0, std::min(nh * g.T, w0 + grain), -1, -1});
+        for (int64_t w0 = 0; w0 < nh * g.T; w0 += grain) items.push_back({s, w0, std::min(nh * g.T, w0 + grain), -1});
       }
     }
-    std::vector<float> shares(static_cast<size_t>(shares_n * max_ctx), 0.f);
+    // the score policy's masses: each thread's buckets for all the call's rows (MassBuffers), a
+    // step's at its first row
+    MassBuffers masses(mass_p, B * mass_stride);
     const bool wide = has_avx512();
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scratch(longest + 2 * hd), buf;
+      int64_t* mine = masses.mine();
       for (int64_t i = i0; i < i1; ++i) {
         const Item& it = items[i];
         const auto& st = steps[it.step];
-        float* share = it.share >= 0 ? shares.data() + it.share * max_ctx : nullptr;
+        int64_t* m = mine != nullptr ? mine + (st.g.mass - mass_p) : nullptr;
         if (it.kvh >= 0) {
-          run_group(gsteps[it.step], it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], share, wide);
+          run_group(gsteps[it.step], it.kvh, it.a, it.b, buf, lists[it.step], widths[it.step], m, wide);
           continue;
         }
         for (int64_t w = it.a; w < it.b; ++w)
-          fast ? query_avx2(st, w, scratch.data(), share) : query_portable(st, w, scratch.data(), share);
+          fast ? query_avx2(st, w, scratch.data(), m) : query_portable(st, w, scratch.data(), m);
       }
     });
-    for (const Item& it : items)  // (items in step order, a step's units in unit order)
-      if (it.share >= 0) {
-        float* m = steps[it.step].g.mass;
-        const float* sh = shares.data() + it.share * max_ctx;
-        for (int64_t r = 0; r < max_ctx; ++r) m[r] += sh[r];
-      }
+    masses.add();
   });
   return out;
 }
@@ -1360,9 +1373,9 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              double norm_eps, bool gated, const c10::optional<at::Tensor>& tree,
                              const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
                              const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
-                             const c10::optional<at::Tensor>& q_out) {
+                             const c10::optional<at::Tensor>& q_out, const c10::optional<at::Tensor>& mass_keys) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, portable, q_norm, k_norm, norm_eps,
-                        gated, 0, false, tree, write_rows, key_rows, key_counts, mass, q_out);
+                        gated, 0, false, tree, write_rows, key_rows, key_counts, mass, q_out, mass_keys);
 }
 at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                              at::Tensor& v_cache, int64_t start, int64_t nh, int64_t nkv, double scale,
@@ -1370,7 +1383,8 @@ at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              double norm_eps, const at::Tensor& write_rows, const at::Tensor& key_rows,
                              const at::Tensor& key_counts) {
   return attention_step(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm, norm_eps, false,
-                        0, false, c10::nullopt, write_rows, key_rows, key_counts, c10::nullopt, c10::nullopt);
+                        0, false, c10::nullopt, write_rows, key_rows, key_counts, c10::nullopt, c10::nullopt,
+                        c10::nullopt);
 }
 at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_bank,
                              at::Tensor& v_bank, at::IntArrayRef lanes, at::IntArrayRef positions, int64_t nh,
@@ -1378,9 +1392,10 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& k_norm, double norm_eps, bool gated,
                              const c10::optional<at::Tensor>& tree, const c10::optional<at::Tensor>& write_rows,
                              const c10::optional<at::Tensor>& key_rows, const c10::optional<at::Tensor>& key_counts,
-                             const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out) {
+                             const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out,
+                             const c10::optional<at::Tensor>& mass_keys) {
   return attention_rows(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, portable, q_norm, k_norm,
-                        norm_eps, gated, 0, false, tree, write_rows, key_rows, key_counts, mass, q_out);
+                        norm_eps, gated, 0, false, tree, write_rows, key_rows, key_counts, mass, q_out, mass_keys);
 }
 }  // namespace dflash
 
@@ -1389,12 +1404,12 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
         "int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, Tensor? tree=None, "
         "Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, Tensor(c!)? mass=None, "
-        "Tensor(d!)? q_out=None) -> Tensor");
+        "Tensor(d!)? q_out=None, Tensor? mass_keys=None) -> Tensor");
   m.def("attention_rows(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, "
         "int[] positions, int nh, int nkv, float scale, bool portable=False, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, int window=0, bool v_norm=False, "
         "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, "
-        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None) -> Tensor");
+        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None, Tensor? mass_keys=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -24,7 +24,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
                          double norm_eps, bool gated, const c10::optional<at::Tensor>& tree,
                          const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
                          const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
-                         const c10::optional<at::Tensor>& q_out) {
+                         const c10::optional<at::Tensor>& q_out, const c10::optional<at::Tensor>& mass_keys) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer: x must be (1, T, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_cache.size(-1);
@@ -32,7 +32,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& n1, double eps1,
   const c10::optional<at::Tensor> none;
   auto qkv = qmm_fused_op(x, qkv_w, qkv_t, qkv_n, hidden, n1, eps1, false, none);  // rms_norm(x) @ QKV
   auto a = dflash::attention_step_op(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, scale, false, q_norm, k_norm,
-                                     norm_eps, gated, tree, write_rows, key_rows, key_counts, mass, q_out);
+                                     norm_eps, gated, tree, write_rows, key_rows, key_counts, mass, q_out, mass_keys);
   auto x1 = qmm_fused_op(a, o_w, o_t, hidden, attn, none, 0., false, x);  // x + O(a)
   auto gu = qmm_fused_op(x1, gu_w, gu_t, 2 * inter, hidden, n2, eps2, false, none);
   return qmm_fused_op(gu, d_w, d_t, hidden, inter, none, 0., true, x1);  // x1 + down(silu(g) * u)
@@ -53,7 +53,7 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
                               double norm_eps, bool gated, const c10::optional<at::Tensor>& tree,
                               const c10::optional<at::Tensor>& write_rows, const c10::optional<at::Tensor>& key_rows,
                               const c10::optional<at::Tensor>& key_counts, const c10::optional<at::Tensor>& mass,
-                              const c10::optional<at::Tensor>& q_out) {
+                              const c10::optional<at::Tensor>& q_out, const c10::optional<at::Tensor>& mass_keys) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "dflash::decoder_layer_rows: x must be (1, rows, hidden)");
   TORCH_CHECK(inter > 0, "dflash::decoder_layer_rows: bad intermediate size");
   const int64_t hidden = x.size(2), attn = nh * k_bank.size(-1);
@@ -61,7 +61,7 @@ at::Tensor decoder_layer_rows(const at::Tensor& x, const at::Tensor& n1, double 
   const c10::optional<at::Tensor> none;
   auto qkv = qmm_fused_op(x, qkv_w, qkv_t, qkv_n, hidden, n1, eps1, false, none);  // rms_norm(x) @ QKV
   auto a = dflash::attention_rows_op(qkv, cos, sin, k_bank, v_bank, lanes, positions, nh, nkv, scale, false, q_norm,
-                                     k_norm, norm_eps, gated, tree, write_rows, key_rows, key_counts, mass, q_out);
+                                     k_norm, norm_eps, gated, tree, write_rows, key_rows, key_counts, mass, q_out, mass_keys);
   auto x1 = qmm_fused_op(a, o_w, o_t, hidden, attn, none, 0., false, x);  // x + O(a)
   auto gu = qmm_fused_op(x1, gu_w, gu_t, 2 * inter, hidden, n2, eps2, false, none);
   return qmm_fused_op(gu, d_w, d_t, hidden, inter, none, 0., true, x1);  // x1 + down(silu(g) * u)
@@ -88,7 +88,8 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weight
                                       const c10::optional<at::Tensor>& write_rows,
                                       const c10::optional<at::Tensor>& key_rows,
                                       const c10::optional<at::Tensor>& key_counts,
-                                      const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out) {
+                                      const c10::optional<at::Tensor>& mass, const c10::optional<at::Tensor>& q_out,
+                                      const c10::optional<at::Tensor>& mass_keys) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches.size()) == L, "dflash::decoder_stack: one K and one V cache per layer");
   const int64_t wpl = static_cast<int64_t>(weights.size()) / L;
@@ -114,11 +115,13 @@ std::vector<at::Tensor> decoder_stack(const at::Tensor& x, at::TensorList weight
             ? decoder_layer_rows(h, w[0], f[0], w[1], i[0], i[1], cos, sin, k, v, *lanes, *positions, i[2], i[3], f[1],
                                  w[2], i[4], w[3], f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0, tree,
                                  write_rows, key_rows, key_counts, mass,
-                                 q_out.has_value() ? c10::optional<at::Tensor>(q_out->select(0, l)) : c10::nullopt)
+                                 q_out.has_value() ? c10::optional<at::Tensor>(q_out->select(0, l)) : c10::nullopt,
+                                 mass_keys)
             : decoder_layer(h, w[0], f[0], w[1], i[0], i[1], cos, sin, k, v, start, i[2], i[3], f[1], w[2], i[4], w[3],
                             f[2], w[4], i[5], i[6], w[5], i[7], qn, kn, f[3], i[8] != 0, tree, write_rows, key_rows,
                             key_counts, mass,
-                            q_out.has_value() ? c10::optional<at::Tensor>(q_out->select(0, l)) : c10::nullopt);
+                            q_out.has_value() ? c10::optional<at::Tensor>(q_out->select(0, l)) : c10::nullopt,
+                            mass_keys);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) caps[c] = h;
   }
@@ -132,18 +135,19 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("decoder_stack(Tensor x, Tensor[] weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] ints, "
         "float[] floats, Tensor cos, Tensor sin, int start, int[] capture, Tensor? tree=None, int[]? lanes=None, "
         "int[]? positions=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, "
-        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None) -> Tensor[]");
+        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None, Tensor? mass_keys=None) -> Tensor[]");
   m.def("decoder_layer(Tensor x, Tensor n1, float eps1, Tensor qkv_w, int qkv_t, int qkv_n, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, int start, int nh, int nkv, float scale, Tensor o_w, int o_t, "
         "Tensor n2, float eps2, Tensor gu_w, int gu_t, int inter, Tensor d_w, int d_t, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, Tensor? tree=None, Tensor? write_rows=None, "
-        "Tensor? key_rows=None, Tensor? key_counts=None, Tensor(c!)? mass=None, Tensor(d!)? q_out=None) -> Tensor");
+        "Tensor? key_rows=None, Tensor? key_counts=None, Tensor(c!)? mass=None, Tensor(d!)? q_out=None, "
+        "Tensor? mass_keys=None) -> Tensor");
   m.def("decoder_layer_rows(Tensor x, Tensor n1, float eps1, Tensor qkv_w, int qkv_t, int qkv_n, Tensor cos, "
         "Tensor sin, Tensor(a!) k_bank, Tensor(b!) v_bank, int[] lanes, int[] positions, int nh, int nkv, "
         "float scale, Tensor o_w, int o_t, Tensor n2, float eps2, Tensor gu_w, int gu_t, int inter, Tensor d_w, "
         "int d_t, Tensor? q_norm=None, Tensor? k_norm=None, float norm_eps=1e-6, bool gated=False, "
         "Tensor? tree=None, Tensor? write_rows=None, Tensor? key_rows=None, Tensor? key_counts=None, "
-        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None) -> Tensor");
+        "Tensor(c!)? mass=None, Tensor(d!)? q_out=None, Tensor? mass_keys=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {

@@ -29,7 +29,8 @@ at::Tensor attention_step_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& key_rows = c10::nullopt,
                              const c10::optional<at::Tensor>& key_counts = c10::nullopt,
                              const c10::optional<at::Tensor>& mass = c10::nullopt,
-                             const c10::optional<at::Tensor>& q_out = c10::nullopt);
+                             const c10::optional<at::Tensor>& q_out = c10::nullopt,
+                             const c10::optional<at::Tensor>& mass_keys = c10::nullopt);
 // attention_step's slot-addressed form: row t's K/V written to cache row write_rows[t], the row
 // attending to key_counts[t] cache rows key_rows[t, ...] (every row's K/V written first)
 at::Tensor attention_keys_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -46,5 +47,6 @@ at::Tensor attention_rows_op(const at::Tensor& qkv, const at::Tensor& cos, const
                              const c10::optional<at::Tensor>& key_rows = c10::nullopt,
                              const c10::optional<at::Tensor>& key_counts = c10::nullopt,
                              const c10::optional<at::Tensor>& mass = c10::nullopt,
-                             const c10::optional<at::Tensor>& q_out = c10::nullopt);
+                             const c10::optional<at::Tensor>& q_out = c10::nullopt,
+                             const c10::optional<at::Tensor>& mass_keys = c10::nullopt);
 }  // namespace dflash
