@@ -321,6 +321,8 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
         fp_parts["kernels"] = "aten"
     if kvflash and (kvflash.policy, kvflash.tau, kvflash.sink_chunks, kvflash.tail_chunks) != ("lru", 64, 1, 4):
         fp_parts["kvflash_policy"] = [kvflash.policy, kvflash.tau, kvflash.sink_chunks, kvflash.tail_chunks]
+        if kvflash.policy == "score":   # 2: committed rows observed, re-selection at multiples of tau (2026-12-07)
+            fp_parts["kvflash_policy"].append(2)
     disk = open_disk_cache(cfg, fingerprint(fp_parts))
     compressor = load_compressor(cfg, pipeline, dtype, quantize[0])
     engine = Engine(pipeline, chunk=cfg.chunk, proposer=proposer, prefix_slots=cfg.prefix_cache_slots,

@@ -429,7 +429,7 @@ class Attention(nn.Module):
                 w = w.view(B, self.nkv, g, T, P).masked_fill(~mask, float("-inf")).view(B, self.nkv, g * T, P)
             w = w.softmax(-1)
             per_row = w.view(B, self.nkv, g, T, P).double().sum(dim=(0, 1, 2))     # (T, P)
-            fixed = (per_row * MASS_ONE).round().long()
+            fixed = (per_row * MASS_ONE).round().long().to(ctx.attn_mass.device)   # (the masses live on the CPU)
             ctx.attn_mass.scatter_add_(1, ctx.slot_mass_keys(self.window)[:, :P], fixed)
             out = (w @ values).view(B, self.nh, T, self.hd)
         else:

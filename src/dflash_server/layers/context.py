@@ -28,7 +28,7 @@ class ForwardContext:
     slot_until: torch.Tensor | None = None  # (P,): first query position that no longer sees a slot
     pool_chunk: int = 0                    # ... the pool's chunk (tokens)
     # the score policy: (T, pool chunks) int64, the attention each row paid to each pool chunk,
-    # in fixed point (kv_pool.MASS_ONE), over layers and heads (a key counted in the chunk its
+    # in fixed point (attention.MASS_ONE), over layers and heads (a key counted in the chunk its
     # position occupies once committed: a tree row's ancestors at their depths); and each
     # attention layer's rotated queries of every row, (1, T, nh, hd)
     attn_mass: torch.Tensor | None = None

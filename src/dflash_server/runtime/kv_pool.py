@@ -133,8 +133,7 @@ class KvPool:
                 for row in rec.mass[keep].tolist():
                     policy.observe({rec.chunks[p]: m / MASS_ONE for p, m in enumerate(row) if m and rec.chunks[p] >= 0})
             if rec.queries:
-                idx = torch.tensor(keep)
-                self.recent.append([q[:, idx] for q in rec.queries])
+                self.recent.append([q[:, keep] for q in rec.queries])
                 while len(self.recent) > 1 and \
                         sum(p[0].shape[1] for p in self.recent[1:]) >= SCORE_QUERY_ROWS:
                     self.recent.pop(0)

@@ -140,14 +140,18 @@ class RemoteStage:
         return int(kv["chunk"]) if kv else 1 << 30
 
     def spec_room(self, pos: int) -> int:
-        """As LocalStage.spec_room for the worker's pools, from their configuration (the pool's
-        size there is the worker's to choose: with the score policy every chunk boundary counts
-        as an eviction, score_room's capacity None)."""
+        """As LocalStage.spec_room for the worker's pools: their configuration, and the chunks
+        they hold as its load reported (unknown: every chunk boundary counts as an eviction)."""
         kv = self._load["kvflash"]
         if not kv:
             return 1 << 30
         room = int(kv["chunk"])
-        return min(room, score_room(pos, room, int(kv["tau"]), None)) if kv.get("policy") == "score" else room
+        if kv.get("policy") != "score":
+            return room
+        res = self.link.setup_results[0] if self.link.setup_results else {}
+        capacity = res.get("kvflash_capacity")
+        capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else None
+        return min(room, score_room(pos, room, int(kv["tau"]), capacity))
 
     @property
     def can_ragged(self) -> bool:

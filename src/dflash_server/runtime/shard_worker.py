@@ -143,9 +143,12 @@ class ShardWorker:
             self._each("select", lane)
             self._each("reset")
         self._each("select", 0)
+        pagers = [s.pager for s in self.stages if s.pager is not None]
         return {"weight_bytes": sum(s.weight_bytes() for s in self.stages), "pid": os.getpid(),
                 "can_ragged": all(s.can_ragged for s in self.stages),
-                "can_tree_rows": all(s.can_tree_rows for s in self.stages)}, {}
+                "can_tree_rows": all(s.can_tree_rows for s in self.stages),
+                # the chunks its KV Flash pools hold (RemoteStage.spec_room)
+                "kvflash_capacity": min(p.capacity for p in pagers) if pagers else None}, {}
 
     def _need(self):
         if self.pipeline is None:

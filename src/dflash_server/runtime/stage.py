@@ -763,7 +763,7 @@ class LocalStage:
 
     @property
     def _counters_key(self) -> str:
-        return f"kvflash_counters.{self.begin}"  # [policy clock, tokens since re-selection]
+        return f"kvflash_counters.{self.begin}"  # [policy clock, the next re-selection's position]
 
     @torch.inference_mode()
     def snapshot_save(self, slot: int) -> None:
