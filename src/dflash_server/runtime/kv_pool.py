@@ -25,6 +25,10 @@ import torch
 from ..layers.attention import MASS_ONE, SCORE_QUERY_ROWS
 from .kv_pager import KvPager, Move, score_room
 
+# the re-selections at multiples of tau score with the latest this many committed rows' queries
+# (the one on a prompt's tail with all its rows, up to SCORE_QUERY_ROWS): at 4096 tokens, default
+# model, a re-selection cost 33 / 43 / 75 ms with 1 / 8 / 32 rows (measured in one process)
+SCORE_DECODE_ROWS = 8
 SCORE_TOP = 4        # re-selection: a chunk's score is the mean of its largest attention masses
 SCORE_NEXT = 0.5     # ... and at least this share of its predecessor's
 
@@ -89,7 +93,7 @@ class KvPool:
             if observe and start >= self.due:
                 if self.recent:
                     self.apply(pager.settle(start))
-                    self.reselect(start)
+                    self.reselect(start, SCORE_DECODE_ROWS)
                 else:
                     self.due = (start // self.tau + 1) * self.tau
         self.apply(pager.plan_write(start, end, speculative))
@@ -132,8 +136,9 @@ class KvPool:
             if rec.mass is not None:
                 for row in rec.mass[keep].tolist():
                     policy.observe({rec.chunks[p]: m / MASS_ONE for p, m in enumerate(row) if m and rec.chunks[p] >= 0})
-            if rec.queries:
-                self.recent.append([q[:, keep] for q in rec.queries])
+            if rec.queries:   # (a forward kept whole, e.g. a decode row: its tensors as they are)
+                whole = keep == list(range(rec.queries[0].shape[1]))
+                self.recent.append(rec.queries if whole else [q[:, keep] for q in rec.queries])
                 while len(self.recent) > 1 and \
                         sum(p[0].shape[1] for p in self.recent[1:]) >= SCORE_QUERY_ROWS:
                     self.recent.pop(0)
@@ -166,9 +171,9 @@ class KvPool:
 
     # --- re-selection ---------------------------------------------------------------------
     @torch.inference_mode()
-    def chunk_scores(self, length: int) -> dict[int, float]:
-        """How strongly the latest queries attend to every written chunk (resident or paged):
-        full attention over the whole context, once per tau.
+    def chunk_scores(self, length: int, rows: int = SCORE_QUERY_ROWS) -> dict[int, float]:
+        """How strongly the latest ``rows`` committed queries attend to every written chunk
+        (resident or paged): full attention over the whole context, once per tau.
 
         A chunk's score is the mean of its SCORE_TOP largest attention masses over every
         (layer, head, query row): the few heads that retrieve decide, not the many that look
@@ -183,6 +188,7 @@ class KvPool:
         last_q = self.last_q
         if not chunks or not last_q:
             return {}
+        last_q = [q[:, -rows:] for q in last_q]
         # keys in one tensor per layer: the resident chunks gathered from the pool in one index,
         # then the paged ones; columns in that order, scores put back in chunk order at the end
         resident = [c for c in chunks if c in pager.resident]
@@ -213,14 +219,14 @@ class KvPool:
         scores[1:] = torch.maximum(scores[1:], SCORE_NEXT * scores[:-1] * heir)
         return dict(zip(chunks, scores.tolist()))
 
-    def reselect(self, length: int) -> bool:
+    def reselect(self, length: int, rows: int = SCORE_QUERY_ROWS) -> bool:
         """Page in the highest-scoring chunks (out go the lowest) by the attention of the
-        latest committed queries on positions [0, length) (committed: ``commit``); True if
-        residency changed. The next one is due at the next multiple of tau."""
+        latest ``rows`` committed queries on positions [0, length) (committed: ``commit``);
+        True if residency changed. The next one is due at the next multiple of tau."""
         pager = self.pager
         self.commit(length)
         self.due = (length // self.tau + 1) * self.tau
-        scores = self.chunk_scores(length)
+        scores = self.chunk_scores(length, rows)
         if not scores:
             return False
         pager.policy.observe(scores)
