@@ -128,8 +128,8 @@ def test_page_out_and_in_is_bit_exact_and_device_kv_stays_constant(tiny_dir):
                                            ("qwen3_5", "score")])
 def test_snapshots_of_a_paged_pool_restore_and_round_trip(tiny_dir, family, policy):
     """Snapshots work while the pool is identity-mapped and after paging (the logical rows,
-    the resident chunk list and the policy's state: use order, scores, latest queries,
-    tokens since re-selection): restore == uninterrupted, also through export/import; with
+    the resident chunk list and the policy's state: use order, scores, latest queries, the
+    next re-selection's position): restore == uninterrupted, also through export/import; with
     ``score`` and tau 8 the continuations re-select and evict by the restored scores."""
     path = tiny_dir(family)
     pipe = kv_pipeline(path, 128, chunk=16, policy=policy, tau=8)
@@ -166,6 +166,10 @@ def test_snapshots_of_a_paged_pool_restore_and_round_trip(tiny_dir, family, poli
     bad["ls0.kvflash_table.0"] = torch.tensor([[0, 0], [1, 0]])  # one physical chunk twice
     with pytest.raises(ValueError, match="page table"):
         pipe.snapshot_import(4, bad)
+    counters = exported["ls0.kvflash_counters.0"]
+    for value in ([-1, 8], [counters[0].item(), 13], [counters[0].item(), -8]):   # (13: not a multiple of tau)
+        with pytest.raises(ValueError, match="policy state"):
+            pipe.snapshot_import(4, dict(exported, **{"ls0.kvflash_counters.0": torch.tensor(value)}))
 
 
 def test_config_validation_and_auto_size():

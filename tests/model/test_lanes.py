@@ -115,10 +115,15 @@ def _blocks(pipe, prompts, sizes):
 
 
 def _score_states(pipe, lane: int) -> list:
-    """Each stage's KV Flash score-policy state of slot ``lane``: the policy's rows (chunk,
-    last use, score) and the pool's latest queries."""
-    return [(st.lanes[lane].pool.pager.policy.state(), [q.clone() for q in st.lanes[lane].pool.last_q or ()])
-            for st in pipe.stages]
+    """Each stage's KV Flash score-policy state of slot ``lane`` once all its rows so far are
+    committed (the last forward's rows observed one by one: their masses and queries): the
+    policy's rows (chunk, last use, score) and the pool's latest queries."""
+    out = []
+    for st in pipe.stages:
+        pool = st.lanes[lane].pool
+        pool.commit(st.lanes[lane].length)
+        out.append((pool.pager.policy.state(), [q.clone() for q in pool.last_q or ()]))
+    return out
 
 
 def _assert_same_scores(got: list, want: list) -> None:

@@ -23,7 +23,9 @@ from .sdpa import sdpa
 MASS_ONE = 2.0 ** 32  # the score policy's masses in fixed point: an attention probability of 1
 
 
-SCORE_QUERY_ROWS = 32  # KV Flash re-selection scores chunks with the latest this many committed rows' queries
+# KV Flash's score policy keeps the latest this many committed rows' queries: the re-selection on a
+# prompt's tail scores chunks with them all, those at multiples of tau with fewer (kv_pool.SCORE_DECODE_ROWS)
+SCORE_QUERY_ROWS = 32
 
 
 def pool_step_args(ctx, rows: int, nh: int, hd: int, dtype: torch.dtype, window: int | None = None,

@@ -30,7 +30,7 @@ class KvFlashConfig:
     policy: str = "lru"
     sink_chunks: int = 1
     tail_chunks: int = 4
-    tau: int = 64          # score policy: re-select residency every tau tokens
+    tau: int = 64          # score policy: re-select residency at every multiple of tau positions
 
     def __post_init__(self):
         if self.pool != "auto" and (not isinstance(self.pool, int) or self.pool < 1):

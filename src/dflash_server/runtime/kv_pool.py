@@ -8,8 +8,10 @@ latest queries.
 
 The score policy's state depends only on the committed tokens, not on which forwards
 computed them (plain decode rows, verify blocks, trees, rows batched with other sequences):
-an observed forward leaves each row's attention per chunk (exact fixed-point sums, the same
-bits for a row on every path) and its queries *pending*; a row is observed, one by one in
+an observed forward leaves each row's attention per chunk (exact fixed-point sums: on the
+native CPU attention ops the same bits for a row in any forward; aten's, on other devices or
+without the kernels, come from batched matmuls whose rounding may depend on the rows) and its
+queries *pending*; a row is observed, one by one in
 position order as a plain decode step would be, only once its position is committed (the
 next forward's start, a rollback's length, a tree's accepted path), and dropped if rolled
 back. Re-selection and eviction read committed state only, and the engine keeps speculative
@@ -266,8 +268,10 @@ class KvPool:
         return pol, counters, list(self.last_q or [])  # snapshot_save copies what it keeps
 
     def check_policy_tensors(self, pol: torch.Tensor, counters: torch.Tensor, num_chunks: int) -> None:
-        """ValueError unless ``pol``/``counters`` are a policy state for ``num_chunks`` chunks."""
-        if pol.dim() != 2 or pol.shape[1] != 3 or counters.shape != (2,) or bool((counters < 0).any()):
+        """ValueError unless ``pol``/``counters`` are a policy state for ``num_chunks`` chunks
+        (the next re-selection at a multiple of tau: ``spec_room`` stops blocks there)."""
+        if pol.dim() != 2 or pol.shape[1] != 3 or counters.shape != (2,) or bool((counters < 0).any()) \
+                or int(counters[1]) % self.tau:
             raise ValueError("snapshot: invalid KV Flash policy state")
         if pol.numel() and (not bool(torch.isfinite(pol).all()) or bool((pol[:, :2] < 0).any())
                             or bool((pol[:, 0] >= num_chunks).any()) or bool((pol[:, 0] != pol[:, 0].round()).any())):

@@ -113,10 +113,11 @@ class TargetPipeline:
         return min(st.max_spec_rows for st in self.stages)
 
     def spec_room(self, pos: int) -> int:
-        """The most positions a speculative forward (chain or tree) of the selected sequence
-        at ``pos`` may commit: ``max_spec_rows``, and with KV Flash's score policy no further
-        than where plain decoding would re-select or evict next (kv_pager.score_room), so a
-        drafted sequence's paging equals its plain decoding's."""
+        """The most positions a speculative forward (chain or tree) of a sequence at ``pos``
+        may commit: ``max_spec_rows``, and with KV Flash's score policy no further than where
+        plain decoding would re-select or evict next (kv_pager.score_room), so a drafted
+        sequence's paging equals its plain decoding's. (A function of ``pos`` and the pools'
+        configuration, the same for every slot: callers need not select the sequence.)"""
         return min([self.max_spec_rows] + [st.spec_room(pos) for st in self.stages])
 
     @property

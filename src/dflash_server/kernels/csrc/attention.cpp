@@ -113,9 +113,13 @@ constexpr float MASS_ONE = 4294967296.f;  // a probability of 1 in the masses' f
 DFLASH_INLINE MassRow mass_row(const Geometry& g, int64_t* mass, int64_t t) {
   return {mass + t * g.mass_stride, g.mass_keys + t * g.key_stride};
 }
-// p_j = scores[j] * inv of one query's keys [0, n) (its list's order) into its row's buckets
+// p_j = scores[j] * inv of one query's keys [0, n) (its list's order) into its row's buckets (a
+// probability outside [0, 1], e.g. NaN from NaN inputs, counts 0: the conversion stays defined)
 DFLASH_INLINE void add_mass(const float* scores, float inv, int64_t n, MassRow m) {
-  for (int64_t j = 0; j < n; ++j) m.out[m.keys[j]] += static_cast<int64_t>(scores[j] * inv * MASS_ONE + 0.5f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = scores[j] * inv;
+    m.out[m.keys[j]] += p >= 0.f && p <= 1.f ? static_cast<int64_t>(p * MASS_ONE + 0.5f) : 0;
+  }
 }
 
 // sigmoid by exp_neg on -|x| (both signs stable); plain float operations
@@ -1027,7 +1031,8 @@ void dispatch_types(const at::Tensor& qkv, at::Tensor& out, const at::Tensor& ca
 }
 
 // the score policy's arguments: mass (rows, buckets) int64, contiguous (added to); mass_keys
-// (rows, L) like key_rows: each listed key's bucket, in [0, buckets). Returns mass_keys as int64.
+// (rows, L) like key_rows: each listed key's bucket, in [0, buckets). Returns mass_keys as int64
+// (like key_rows, not to share storage with what the op writes: the checks are made once).
 at::Tensor check_mass(const at::Tensor& mass, const at::Tensor& mass_keys, int64_t rows, const at::Tensor& key_rows,
                       const at::Tensor& key_counts, const char* op) {
   TORCH_CHECK(mass.scalar_type() == at::kLong && mass.dim() == 2 && mass.size(0) == rows && mass.size(1) >= 1 &&
