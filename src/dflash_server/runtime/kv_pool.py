@@ -163,13 +163,11 @@ class KvPool:
         self.recent = [list(queries)] if queries else []
 
     def spec_room(self, pos: int) -> int:
-        """The most positions a speculative forward at ``pos`` may commit (a verify block's
-        rows, a tree's depth): a chunk (KvPager's spare chunk covers one new chunk), and with
-        the score policy no further than the next re-selection or eviction (score_room)."""
-        room = self.pager.chunk
-        if self.scoring:
-            room = min(room, score_room(pos, self.pager.chunk, self.tau, self.pager.capacity))
-        return room
+        """The policy's limit on what a speculative forward at ``pos`` may commit (a verify
+        block's rows, a tree's depth): with the score policy no further than the next
+        re-selection or eviction (score_room), else none (the stage's ``max_spec_rows`` bounds
+        the rows)."""
+        return score_room(pos, self.pager.chunk, self.tau, self.pager.capacity) if self.scoring else 1 << 30
 
     # --- re-selection ---------------------------------------------------------------------
     @torch.inference_mode()

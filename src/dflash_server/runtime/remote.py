@@ -143,15 +143,12 @@ class RemoteStage:
         """As LocalStage.spec_room for the worker's pools: their configuration, and the chunks
         they hold as its load reported (unknown: every chunk boundary counts as an eviction)."""
         kv = self._load["kvflash"]
-        if not kv:
+        if not kv or kv.get("policy") != "score":
             return 1 << 30
-        room = int(kv["chunk"])
-        if kv.get("policy") != "score":
-            return room
         res = self.link.setup_results[0] if self.link.setup_results else {}
         capacity = res.get("kvflash_capacity")
         capacity = capacity if isinstance(capacity, int) and not isinstance(capacity, bool) else None
-        return min(room, score_room(pos, room, int(kv["tau"]), capacity))
+        return score_room(pos, int(kv["chunk"]), int(kv["tau"]), capacity)
 
     @property
     def can_ragged(self) -> bool:

@@ -644,8 +644,9 @@ class LocalStage:
         return self.pool.pager.chunk if self.pool is not None else 1 << 30
 
     def spec_room(self, pos: int) -> int:
-        """The most positions a speculative forward of the selected slot at ``pos`` may commit
-        (KvPool.spec_room; unbounded without a pool)."""
+        """The pool's limit on what a speculative forward of the selected slot at ``pos`` may
+        commit (KvPool.spec_room; unbounded without a pool; Pipeline.spec_room adds
+        ``max_spec_rows``)."""
         return self.pool.spec_room(pos) if self.pool is not None else 1 << 30
 
     @property

@@ -41,7 +41,7 @@ class Stage(Protocol):
     def can_tree_rows(self) -> bool: ...       # forward_rows(trees=...): a slot's DDTree among other rows
     @property
     def max_spec_rows(self) -> int: ...        # most rows of one speculative forward
-    def spec_room(self, pos: int) -> int: ...  # most positions a speculative forward at pos may commit
+    def spec_room(self, pos: int) -> int: ...  # the pools' limit on what a speculative forward at pos commits
 
     def select(self, lane: int) -> None: ...
     def forward(self, x: torch.Tensor, start: int, *, logits: str = "last", capture: tuple[int, ...] = (),
