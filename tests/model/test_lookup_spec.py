@@ -206,3 +206,53 @@ def test_lookup_grafted_onto_trees_is_lossless_and_taken(tiny_dir, family, stage
         assert alone.token_ids == ref and alone.extra["spec"]["lookup_steps"] == 0
         if sampling.greedy:   # the tiny model repeats its prompt: the lookup's chains are accepted
             assert spec["acceptance_length"] > alone.extra["spec"]["acceptance_length"]
+
+
+# --- lookups across requests (--lookup-store): spec.lookup.LookupStore ---------------------------
+
+from dflash_server.spec.lookup import LookupStore  # noqa: E402
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "alone"), ("llama", "draft"), ("qwen3_5", "alone")])
+def test_a_store_of_earlier_requests_is_lossless_and_taken(tiny_dir, family, kind):
+    """A request run again copies its earlier answer from the store: fewer verify steps, the
+    same tokens (greedy and seeded sampling), and requests of other prompts are unchanged."""
+    pipe = pipeline(tiny_dir(family))
+    ids = prompt_ids(pipe, 24)
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    ref = run(pipe, ids, max_tokens=40).token_ids
+    ref_s = run(pipe, ids, max_tokens=40, sampling=sampling).token_ids
+    other = prompt_ids(pipe, 17)[::-1]
+    ref_o = run(pipe, other, max_tokens=24).token_ids
+
+    def proposer():
+        p = LookupProposer(pipe, 8) if kind == "alone" else DFlashProposer(random_draft(pipe, block=4), pipe, lookup=8)
+        return p
+
+    without = Engine(pipe, proposer=proposer())
+    with_store = Engine(pipe, proposer=proposer())
+    with_store.proposer.lookup_store = LookupStore(10_000)
+    req = GenerationRequest(tuple(ids), max_tokens=40, ignore_eos=True)
+    first = with_store.generate(req)
+    assert first.token_ids == ref and len(with_store.proposer.lookup_store) == len(ids) + 40 + 1
+    again, base = with_store.generate(req), without.generate(req)
+    assert again.token_ids == base.token_ids == ref
+    a, b = again.extra["spec"], base.extra["spec"]
+    assert a["steps"] + a["plain_steps"] < b["steps"] + b["plain_steps"]   # the store's copy was verified
+    assert with_store.proposer.lookup_store.matches > 0
+    sreq = GenerationRequest(tuple(ids), max_tokens=40, ignore_eos=True, sampling=sampling)
+    assert with_store.generate(sreq).token_ids == ref_s
+    assert with_store.generate(GenerationRequest(tuple(other), max_tokens=24, ignore_eos=True)).token_ids == ref_o
+    stats = with_store.stats()["speculative"]["lookup_store"]
+    assert stats["tokens"] == len(with_store.proposer.lookup_store) and stats["capacity"] == 10_000
+    assert without.stats()["speculative"]["lookup_store"] is None
+
+
+def test_a_request_that_does_not_speculate_is_not_stored(tiny_dir):
+    pipe = pipeline(tiny_dir("llama"))
+    eng = Engine(pipe, proposer=LookupProposer(pipe, 4))
+    eng.proposer.lookup_store = LookupStore(1000)
+    eng.generate(GenerationRequest(tuple(prompt_ids(pipe, 12)), max_tokens=8, ignore_eos=True, speculate=False))
+    assert len(eng.proposer.lookup_store) == 0
+    eng.generate(GenerationRequest(tuple(prompt_ids(pipe, 12)), max_tokens=8, ignore_eos=True))
+    assert len(eng.proposer.lookup_store) == 12 + 8 + 1

@@ -190,6 +190,19 @@ def test_the_built_in_model_drafts_with_its_shipped_draft_by_default():
     assert_clean_error(run_cli(*base, "--ddtree", "--compile"), "--draft")   # (no shipped draft with --compile)
 
 
+def test_lookup_store_flag(tiny_dir):
+    """--lookup-store N: lossless, reported, refused where no lookups run or N is not a size."""
+    base = ["generate", "--model", str(tiny_dir("llama")), "--prompt", "Hello there", "--max-tokens", "12",
+            "--ignore-eos", "--json", "--dtype", "fp32"]
+    plain = json.loads(run_cli(*base, "--no-draft").stdout)
+    res = run_cli(*base, "--lookup", "4", "--lookup-store", "4096")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["token_ids"] == plain["token_ids"]
+    for bad in ("-1", "10", "x", "2.5"):
+        assert_clean_error(gen(tiny_dir("llama"), "--lookup", "4", "--lookup-store", bad), "lookup-store")
+    assert_clean_error(gen(tiny_dir("llama"), "--no-draft", "--lookup-store", "4096"), "--lookup-store")
+
+
 def test_generate_json_with_draft_is_lossless(tiny_dir, tmp_path):
     draft = _save_random_draft(tiny_dir, tmp_path / "draft")
     base = ["generate", "--model", str(tiny_dir("llama")), "--prompt", "Hello there", "--max-tokens", "12",

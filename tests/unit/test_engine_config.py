@@ -69,6 +69,9 @@ def test_flags_reach_the_config_and_it_is_frozen():
     ({"lookup": -1, "draft": "default"}, "--lookup"), ({"lookup": 17, "draft": "default"}, "--lookup"),
     ({"lookup": True, "draft": "default"}, "--lookup"), ({"lookup": "5", "draft": "default"}, "--lookup"),
     ({"lookup": 2.5, "draft": "default"}, "--lookup"),
+    ({"lookup_store": -1}, "--lookup-store"), ({"lookup_store": 10}, "--lookup-store"),
+    ({"lookup_store": True}, "--lookup-store"), ({"lookup_store": "4096"}, "--lookup-store"),
+    ({"lookup_store": 2.5}, "--lookup-store"),
     ({"batch_spec": "maybe"}, "--batch-spec"), ({"batch_spec": True}, "--batch-spec"), ({"batch_spec": None}, "--batch-spec"),
 ])
 def test_bad_values_are_refused_naming_the_flag(kw, flag):

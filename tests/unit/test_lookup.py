@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dflash_server.spec.lookup import LookupIndex, LookupUse
+from dflash_server.spec.lookup import LookupIndex, LookupStore, LookupUse
 
 
 def brute(tokens, depth, n_min, n_max):
@@ -95,3 +95,83 @@ def test_a_sequence_stops_looking_up_when_it_does_not_pay():
     assert good.paying
     good.learn(0)
     assert not good.paying
+
+
+# --- across requests: LookupStore (--lookup-store) ----------------------------------------------
+
+def store_brute(docs, context, depth, n_min=LookupStore.N_MIN, n_max=LookupStore.N_MAX):
+    """The latest occurrence (newest document first, then the latest place in it) of the
+    longest suffix of ``context`` followed by at least one token of its document; what follows."""
+    for n in range(n_max, n_min - 1, -1):
+        if len(context) < n:
+            continue
+        suffix = list(context[-n:])
+        for doc in reversed(docs):
+            for i in range(len(doc) - n - 1, -1, -1):
+                if doc[i:i + n] == suffix:
+                    return doc[i + n:i + n + depth]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 4, 30])
+def test_store_equals_brute_force(vocab):
+    rng = random.Random(vocab)
+    store, docs = LookupStore(100_000), []
+    for _ in range(12):
+        doc = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        store.add(doc)
+        docs.append(doc)
+        for _ in range(40):
+            ctx = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
+            if rng.random() < 0.5 and docs:   # often a context that does occur
+                d = rng.choice(docs)
+                i = rng.randrange(len(d))
+                ctx = ctx + d[max(0, i - 9):i + 1]
+            for depth in (1, 6):
+                assert store.propose(ctx, depth) == store_brute(docs, ctx, depth), (ctx, depth)
+    assert store.proposals > store.matches > 0
+
+
+def test_store_copies_stop_at_the_end_of_a_request():
+    store = LookupStore(1000)
+    store.add([1, 2, 3, 4, 5])
+    store.add([9, 9, 9])
+    assert store.propose([7, 1, 2, 3], 8) == [4, 5]            # not on into the next request's tokens
+    assert store.propose([3, 4, 5], 3) == [] and store.propose([1, 2], 3) == []   # at its end; too short a suffix
+    assert store.propose([1, 2, 3], 0) == []
+
+
+def test_store_is_bounded_and_keeps_the_newest_whole_requests():
+    store = LookupStore(200)
+    docs = [[1000 + 10 * k + j for j in range(9)] for k in range(60)]
+    for doc in docs:
+        store.add(doc)
+        assert len(store) <= 200
+    assert store.propose(docs[-1][:3], 2) == docs[-1][3:5]     # the newest are kept
+    assert store.propose(docs[0][:3], 2) == []                  # the oldest are gone
+    kept = [d for d in docs if store.propose(d[:3], 1)]
+    assert kept == docs[len(docs) - len(kept):] and len(kept) >= 200 // 10 // 2   # a contiguous newest run, whole
+    big = list(range(5000, 5000 + 1000))                        # one request longer than the store
+    store.add(big)
+    assert len(store) <= 200 and store.propose(big[-10:-7], 3) == big[-7:-4] and store.propose(docs[-1][:3], 1) == []
+    huge = LookupStore(100_000)
+    huge.add(list(range(10_000)))                               # a request keeps its last MAX_ADD tokens
+    assert len(huge) == LookupStore.MAX_ADD + 1 and huge.propose([0, 1, 2], 1) == [] \
+        and huge.propose([9000, 9001, 9002], 1) == [9003]
+
+
+def test_store_survives_hash_collisions():
+    """A table entry that does not hold the suffix (what a hash collision would give) is skipped."""
+    store = LookupStore(1000)
+    store.add([1, 2, 3, 4, 5, 6])
+    store.add([7, 8, 9, 10])
+    for n, table in store.after.items():   # point every key at the second request's entries
+        for key in list(table):
+            table[key] = len(store) - 2
+    assert store.propose([1, 2, 3], 2) == []
+
+
+@pytest.mark.parametrize("bad", [0, 63, -5, True, 2.5, "4096", None])
+def test_store_refuses_a_bad_capacity(bad):
+    with pytest.raises(ValueError, match="capacity"):
+        LookupStore(bad)

@@ -160,6 +160,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "copied from after their earlier occurrence (0-16, 0: off; default 5 beside a --draft, "
                         "and alone, without a draft model, on a CPU target; off with --no-draft, or alone on a "
                         "GPU; with --ddtree off unless given, then grafted onto the trees as a path)")
+    d.add_argument("--lookup-store", type=non_negative_int, default=0, metavar="N",
+                   help="prompt lookup across requests: keep the last N tokens of finished requests' prompts "
+                        "and outputs, and where a sequence's own context has no match, verify what followed "
+                        "its last 3-8 tokens there (lossless; 0: off, the default: response times may then "
+                        "tell one user whether another's text continued the same way); needs lookups on "
+                        "(--lookup N, or the default beside a draft on a CPU)")
     d.add_argument("--batch-spec", default="auto", choices=["auto", "on", "off"],
                    help="several sequences decoding together verify their draft blocks in one forward, "
                         "sized by the batch sizer (on), or decode plain rows in one forward while each keeps "
@@ -307,6 +313,12 @@ def load_engine(cfg: EngineConfig, progress: bool = True):
         proposer = LookupProposer(pipeline, lookup)
     else:
         proposer = None
+    if cfg.lookup_store:
+        if proposer is None or not proposer.lookup_depth:
+            raise UserError("--lookup-store needs prompt lookups: give --lookup N (they are off here)")
+        from ..spec.lookup import LookupStore
+
+        proposer.lookup_store = LookupStore(cfg.lookup_store)
     fp_parts = {"snapshot_format": 1, "weights": source.fingerprint(), "format": source.format,
                 "family": mcfg.family, "dtype": str(dtype), "shards": [(s.device, s.begin, s.end) for s in shards],
                 "max_ctx": max_ctx, "quantize": quantize, "chat_template": text_hash(source.tokenizer.chat_template),

@@ -90,6 +90,7 @@ class EngineConfig:
     ddtree: bool = False
     ddtree_budget: int | None = None
     lookup: int | None = None  # prompt-lookup drafts a step (spec.lookup); None: see lookup_depth()
+    lookup_store: int = 0      # tokens of finished requests kept for lookups across requests (0: off)
     batch_spec: str = "auto"   # several sequences verify drafts in one forward: auto | on | off (batch_speculation())
     no_draft: bool = False
     # prefill compression (PFlash)
@@ -152,6 +153,15 @@ class EngineConfig:
         if self.lookup is not None and (isinstance(self.lookup, bool) or not isinstance(self.lookup, int)
                                         or not 0 <= self.lookup <= LOOKUP_MAX):
             raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
+        if self.lookup_store and (isinstance(self.lookup_store, bool) or not isinstance(self.lookup_store, int)
+                                  or self.lookup_store < 0):
+            raise ValueError(f"--lookup-store must be a number of tokens >= 0, got {self.lookup_store!r}")
+        if self.lookup_store:
+            from ..spec.lookup import LookupStore
+
+            if self.lookup_store < LookupStore.MIN_CAPACITY:
+                raise ValueError(f"--lookup-store must be 0 (off) or at least {LookupStore.MIN_CAPACITY} tokens, "
+                                 f"got {self.lookup_store}")
         if self.batch_spec not in ("auto", "on", "off"):
             raise ValueError(f"--batch-spec must be auto, on or off, got {self.batch_spec!r}")
         # (without --draft, the built-in model's shipped draft where it runs by default: checked

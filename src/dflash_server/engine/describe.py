@@ -19,6 +19,8 @@ def speculative(proposer) -> dict:
     out["ddtree"] = {"budget": int(proposer.tree_budget), "active": bool(proposer.uses_tree(proposer.pipeline))}
     # prompt lookup (spec.lookup): drafts copied where the context repeats, up to this many a step
     out["lookup_depth"] = int(proposer.lookup_depth)
+    # lookups across requests (--lookup-store): tokens held, proposals asked and found
+    out["lookup_store"] = proposer.lookup_store.to_dict() if proposer.lookup_store is not None else None
     # several running sequences verify their blocks (or trees) in one target forward
     out["batch_verify"] = bool(proposer.batch_verify(proposer.pipeline))
     if proposer.sizer is not None:

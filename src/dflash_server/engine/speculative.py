@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..spec.ddtree import chain_tree, graft
-from ..spec.lookup import LookupUse
+from ..spec.lookup import LookupStore, LookupUse
 
 if TYPE_CHECKING:
     from ..spec.ddtree import DraftTree
@@ -96,6 +96,9 @@ def spec_begin(proposer: Proposer, seq) -> None:
 def spec_end(proposer: Proposer, seq) -> None:
     if proposer.sizer is not None:
         proposer.sizer.end_request(seq.id)
+    store = proposer.lookup_store
+    if store is not None and seq.error is None and seq.req.speculate and seq.out.tokens:
+        store.add(list(seq.prompt) + list(seq.out.tokens))   # (finished or stopped: what later requests may copy)
 
 
 @dataclass
@@ -223,8 +226,12 @@ def lookup_drafts(proposer: Proposer, seq, room: int) -> list[int]:
         seq.lookup = LookupUse()
     if not seq.lookup.paying:
         return []
-    seq.lookup.index.sync(seq.prompt, seq.out.tokens)
-    return seq.lookup.index.propose(depth)
+    index = seq.lookup.index
+    index.sync(seq.prompt, seq.out.tokens)
+    drafts = index.propose(depth)
+    if not drafts and proposer.lookup_store is not None:   # none in its own context: earlier requests'
+        drafts = proposer.lookup_store.propose(index.tokens[-LookupStore.N_MAX:], depth)
+    return drafts
 
 
 def draft_block(proposer: Proposer, seq, block: int) -> tuple[list[int], torch.Tensor | None]:

@@ -13,6 +13,8 @@ verifies every token (exact match; benchmarks/spec.py measures what it gains).
 earlier occurrence of each n-gram; ``LookupUse`` the per-sequence record that turns it off
 where its proposals are mostly rejected; ``LookupProposer`` speculates by lookups alone, with
 no draft model (engine.speculative.lookup_drafts takes the lookups for either proposer).
+``LookupStore`` (``--lookup-store N``, off by default) is the same across requests: the prompts
+and outputs of finished requests, looked up where the sequence's own context has no match.
 """
 from __future__ import annotations
 
@@ -73,6 +75,92 @@ class LookupIndex:
         return []
 
 
+class LookupStore:
+    """Finished requests' tokens (prompt + output), for lookups across requests: where a
+    sequence's own context does not repeat its last ``STORE_N_MAX`` .. ``STORE_N_MIN`` tokens,
+    what followed their latest occurrence in an earlier request (the idea of SuffixDecoding,
+    arXiv 2411.04975, with n-gram tables instead of a suffix tree). Lossless like every
+    lookup: the target verifies each token by exact match, so outputs do not depend on what
+    the store holds (greedy, and seeded sampled requests: one draw per token). What it changes
+    is speed, and so the timing of one user's request may tell whether another user's text
+    continued the same way: off by default (``--lookup-store N``), like any cross-request cache.
+
+    At most ``capacity`` tokens: past it the older half is dropped (the tables are rebuilt from
+    the rest, so the cost stays linear in what is added). Keys are hashes of n-grams; a
+    proposal is checked against the log, so a collision only costs a miss. About 0.4 KB a token."""
+    N_MIN, N_MAX = 3, 8      # longer suffixes than within a sequence: another text matches by chance more often
+    SEP = -1                 # between requests: no copy runs across it
+    MIN_CAPACITY = 64
+    MAX_ADD = 4096           # tokens kept of one request (its end: the output and the prompt's tail),
+                             # so that indexing a long prompt does not stall the step loop
+
+    def __init__(self, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < self.MIN_CAPACITY:
+            raise ValueError(f"lookup store capacity must be an integer >= {self.MIN_CAPACITY} tokens, got {capacity!r}")
+        self.capacity = capacity
+        self.log: list[int] = []
+        self.after: dict[int, dict[int, int]] = {n: {} for n in range(self.N_MIN, self.N_MAX + 1)}
+        self.proposals = self.matches = 0
+
+    def __len__(self) -> int:
+        return len(self.log)
+
+    def add(self, tokens: list[int]) -> None:
+        """Remember one finished request's tokens (the newest occurrence of an n-gram wins)."""
+        tokens = [int(t) for t in tokens][-min(self.MAX_ADD, self.capacity - 1):]
+        if not tokens:
+            return
+        if len(self.log) + len(tokens) + 1 > self.capacity:
+            kept = self.log[len(self.log) // 2:]
+            kept = kept[kept.index(self.SEP) + 1:] if self.SEP in kept else []   # whole requests only
+            if len(kept) + len(tokens) + 1 > self.capacity:
+                kept = []
+            self.log, self.after = [], {n: {} for n in self.after}
+            start = 0
+            for i, tok in enumerate(kept):
+                if tok == self.SEP:
+                    self._extend(kept[start:i])
+                    start = i + 1
+        self._extend(tokens)
+
+    def _extend(self, tokens: list[int]) -> None:
+        log, base = self.log, len(self.log)
+        log.extend(tokens)
+        log.append(self.SEP)
+        for i in range(len(tokens) - 1):   # the n-gram ending at i is followed by the token at i + 1
+            for n, table in self.after.items():
+                if i + 1 >= n:
+                    table[hash(tuple(log[base + i + 1 - n:base + i + 1]))] = base + i + 1
+
+    def propose(self, context: list[int], depth: int) -> list[int]:
+        """Up to ``depth`` tokens that followed the latest stored occurrence of the longest
+        suffix of ``context`` (``N_MAX`` down to ``N_MIN`` tokens) found; [] when none is."""
+        if depth < 1:
+            return []
+        self.proposals += 1
+        log = self.log
+        for n in range(self.N_MAX, self.N_MIN - 1, -1):
+            if len(context) < n:
+                continue
+            key = [int(t) for t in context[-n:]]
+            e = self.after[n].get(hash(tuple(key)))
+            if e is None or log[e - n:e] != key:
+                continue
+            out = []
+            for tok in log[e:e + depth]:
+                if tok == self.SEP:
+                    break
+                out.append(tok)
+            if out:
+                self.matches += 1
+                return out
+        return []
+
+    def to_dict(self) -> dict:
+        return {"tokens": len(self.log), "capacity": self.capacity, "proposals": self.proposals,
+                "matches": self.matches}
+
+
 class LookupUse:
     """One sequence's lookups so far: used while they keep paying. A lookup step verifies
     ``depth + 1`` rows; about half of them are rejected at once (measured on the evaluation
@@ -117,6 +205,7 @@ class LookupProposer:
     block_size = 1                 # a step without a lookup: one row, no draft
     sizer = batch_sizer = None
     tree_budget = 0
+    lookup_store = None            # LookupStore (--lookup-store), set by the loader
     sampled_verify = "exact"       # lookups are verified by exact match, sampled or not
     vocab = None
 

@@ -89,6 +89,7 @@ class DFlashProposer:
         if not 0 <= lookup <= LOOKUP_MAX_DEPTH:
             raise ValueError(f"lookup depth must be in [0, {LOOKUP_MAX_DEPTH}], got {lookup}")
         self.lookup_depth = int(lookup)
+        self.lookup_store = None   # LookupStore across requests (--lookup-store), set by the loader
         self.draft, self.pipeline = draft, pipeline
         self.selector = draft.selector                       # DFlash 2's candidate selector
         if draft.cfg.dflash2 and self.selector is None:

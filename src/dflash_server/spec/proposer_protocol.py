@@ -20,6 +20,7 @@ class Proposer(Protocol):
     batch_sizer: Any        # blocks of several sequences verified in one forward (BatchSizer), or None
     tree_budget: int        # DDTree nodes per step (0: chains)
     lookup_depth: int       # prompt-lookup drafts per step where the context repeats (0: off; spec.lookup)
+    lookup_store: Any       # finished requests' tokens for lookups across requests (LookupStore), or None
     sampled_verify: str     # "auto" | "exact" | "rejection"
     vocab: torch.Tensor | None  # the draft's own vocabulary (token ids), None: the target's
 
