@@ -38,3 +38,27 @@ def test_a_grammar_that_rejects_the_copy(tiny_dir):
     schema = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
     plain, look = both(pipe, ids, max_tokens=24, grammar=json_schema_grammar(schema), ignore_eos=False)
     assert look.token_ids == plain.token_ids and look.text == plain.text
+
+
+def test_a_store_fed_degenerate_requests_stays_bounded_and_lossless(tiny_dir):
+    """--lookup-store under hostile traffic: requests of one token repeated, short cycles and
+    a prompt far longer than the store, run together on three slots and then alone; every
+    answer equals plain decoding's and the store never exceeds its capacity."""
+    from dflash_server.spec.lookup import LookupStore
+
+    path = tiny_dir("llama")
+    plain = Engine(pipeline(path, max_ctx=4096))
+    pipe = pipeline(path, max_ctx=4096, lanes=3)
+    eng = Engine(pipe, proposer=LookupProposer(pipe, 16))
+    eng.proposer.lookup_store = LookupStore(256)
+    prompts = [[7] * 600, [11, 12, 13] * 200, prompt_ids(pipe, 20) * 3, [5] * 3000, [11, 12, 13, 14] * 5]
+    reqs = [GenerationRequest(tuple(ids), max_tokens=24, ignore_eos=True) for ids in prompts]
+    want = [plain.generate(r).token_ids for r in reqs]
+    seqs = [eng.submit(r) for r in reqs]
+    while eng.has_work:
+        eng.step()
+        assert len(eng.proposer.lookup_store) <= 256
+    assert [s.result.token_ids for s in seqs] == want
+    for r, w in zip(reqs, want):             # alone, with the store holding the others' tokens
+        assert eng.generate(r).token_ids == w
+        assert len(eng.proposer.lookup_store) <= 256
