@@ -87,7 +87,7 @@ class LookupStore:
 
     At most ``capacity`` tokens: past it the older half is dropped (the tables are rebuilt from
     the rest, so the cost stays linear in what is added). Keys are hashes of n-grams; a
-    proposal is checked against the log, so a collision only costs a miss. About 0.4 KB a token."""
+    proposal is checked against the log, so a collision only costs a miss. About 0.6 KB a token."""
     N_MIN, N_MAX = 3, 8      # longer suffixes than within a sequence: another text matches by chance more often
     SEP = -1                 # between requests: no copy runs across it
     MIN_CAPACITY = 64
