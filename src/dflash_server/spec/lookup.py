@@ -77,7 +77,7 @@ class LookupIndex:
 
 class LookupStore:
     """Finished requests' tokens (prompt + output), for lookups across requests: where a
-    sequence's own context does not repeat its last ``STORE_N_MAX`` .. ``STORE_N_MIN`` tokens,
+    sequence's own context does not repeat its last ``N_MAX`` .. ``N_MIN`` tokens,
     what followed their latest occurrence in an earlier request (the idea of SuffixDecoding,
     arXiv 2411.04975, with n-gram tables instead of a suffix tree). Lossless like every
     lookup: the target verifies each token by exact match, so outputs do not depend on what
