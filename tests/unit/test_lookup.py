@@ -97,6 +97,17 @@ def test_a_sequence_stops_looking_up_when_it_does_not_pay():
     assert not good.paying
 
 
+def test_store_lookups_are_judged_apart_from_the_sequences_own():
+    use = LookupUse()
+    use.source = "store"
+    for _ in range(LookupUse.TRIAL):
+        use.learn(0)
+    assert not use.pays("store") and use.paying          # the store's copies stopped, its own go on
+    use.source = "own"
+    use.learn(3)
+    assert use.steps == 1 and use.accepted == 3 and use.record["store"] == [LookupUse.TRIAL, 0]
+
+
 # --- across requests: LookupStore (--lookup-store) ----------------------------------------------
 
 def store_brute(docs, context, depth, n_min=LookupStore.N_MIN, n_max=LookupStore.N_MAX):

@@ -224,13 +224,16 @@ def lookup_drafts(proposer: Proposer, seq, room: int) -> list[int]:
         return []
     if seq.lookup is None:
         seq.lookup = LookupUse()
-    if not seq.lookup.paying:
+    use, store = seq.lookup, proposer.lookup_store
+    from_store = store is not None and use.pays("store")
+    if not use.paying and not from_store:
         return []
-    index = seq.lookup.index
-    index.sync(seq.prompt, seq.out.tokens)
-    drafts = index.propose(depth)
-    if not drafts and proposer.lookup_store is not None:   # none in its own context: earlier requests'
-        drafts = proposer.lookup_store.propose(index.tokens[-LookupStore.N_MAX:], depth)
+    use.index.sync(seq.prompt, seq.out.tokens)
+    use.source = "own"
+    drafts = use.index.propose(depth) if use.paying else []
+    if not drafts and from_store:   # none in its own context: earlier requests'
+        use.source = "store"
+        drafts = store.propose(use.index.tokens[-LookupStore.N_MAX:], depth)
     return drafts
 
 

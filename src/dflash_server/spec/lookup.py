@@ -166,21 +166,37 @@ class LookupUse:
     ``depth + 1`` rows; about half of them are rejected at once (measured on the evaluation
     sets) and the rest copy runs of several tokens, 1.6-2.2 drafts a step on average. A
     sequence whose first ``TRIAL`` lookups accepted fewer than ``MIN_MEAN`` drafts a step on
-    average stops looking up (its rows cost more than they commit)."""
+    average stops looking up (its rows cost more than they commit). Lookups in its own context
+    and in the store of earlier requests (``LookupStore``) are judged apart: ``learn`` counts a
+    step for the source of the latest proposal (``source``), so copies from other requests that
+    do not pay do not turn off the sequence's own."""
     TRIAL, MIN_MEAN = 4, 0.5
 
     def __init__(self, n_min: int = N_MIN, n_max: int = N_MAX):
         self.index = LookupIndex(n_min, n_max)
-        self.steps = 0
-        self.accepted = 0
+        self.record = {"own": [0, 0], "store": [0, 0]}   # source -> [steps, drafts accepted]
+        self.source = "own"
+
+    @property
+    def steps(self) -> int:
+        return self.record["own"][0]
+
+    @property
+    def accepted(self) -> int:
+        return self.record["own"][1]
+
+    def pays(self, source: str = "own") -> bool:
+        steps, accepted = self.record[source]
+        return steps < self.TRIAL or accepted >= self.MIN_MEAN * steps
 
     @property
     def paying(self) -> bool:
-        return self.steps < self.TRIAL or self.accepted >= self.MIN_MEAN * self.steps
+        return self.pays("own")
 
     def learn(self, accepted: int) -> None:
-        self.steps += 1
-        self.accepted += accepted
+        rec = self.record[self.source]
+        rec[0] += 1
+        rec[1] += accepted
 
 
 class _NoDraft:
