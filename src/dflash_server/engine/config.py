@@ -153,15 +153,13 @@ class EngineConfig:
         if self.lookup is not None and (isinstance(self.lookup, bool) or not isinstance(self.lookup, int)
                                         or not 0 <= self.lookup <= LOOKUP_MAX):
             raise ValueError(f"--lookup must be an integer in [0, {LOOKUP_MAX}], got {self.lookup!r}")
-        if self.lookup_store and (isinstance(self.lookup_store, bool) or not isinstance(self.lookup_store, int)
-                                  or self.lookup_store < 0):
-            raise ValueError(f"--lookup-store must be a number of tokens >= 0, got {self.lookup_store!r}")
         if self.lookup_store:
             from ..spec.lookup import LookupStore
 
-            if self.lookup_store < LookupStore.MIN_CAPACITY:
-                raise ValueError(f"--lookup-store must be 0 (off) or at least {LookupStore.MIN_CAPACITY} tokens, "
-                                 f"got {self.lookup_store}")
+            if isinstance(self.lookup_store, bool) or not isinstance(self.lookup_store, int) \
+                    or self.lookup_store < LookupStore.MIN_CAPACITY:
+                raise ValueError(f"--lookup-store must be 0 (off) or an integer of at least "
+                                 f"{LookupStore.MIN_CAPACITY} tokens, got {self.lookup_store!r}")
         if self.batch_spec not in ("auto", "on", "off"):
             raise ValueError(f"--batch-spec must be auto, on or off, got {self.batch_spec!r}")
         # (without --draft, the built-in model's shipped draft where it runs by default: checked
