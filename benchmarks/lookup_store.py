@@ -1,8 +1,11 @@
-"""Lookups across requests (``--lookup-store``) on the default model with its shipped draft, in
-the serving configuration: the default proposer (adaptive chain + prompt lookup) with and
-without a store of earlier requests, on the evaluation sets, greedy.
+"""Lookups across requests (``--lookup-store``) on the default model in the serving
+configuration: a proposer with and without a store of earlier requests, on the evaluation sets,
+greedy. ``--proposer draft`` (the default): the server's default proposer, the shipped draft's
+adaptive chain + prompt lookup; ``--proposer lookup``: prompt lookup alone, no draft model (a
+server run with ``--no-draft --lookup N``).
 
-    python benchmarks/lookup_store.py [--warm 100] [--prompts 5] [--max-tokens 96] [--out FILE]
+    python benchmarks/lookup_store.py [--proposer draft|lookup] [--warm 100] [--prompts 5]
+                                      [--max-tokens 96] [--out FILE]
 
 The store is first filled with ``--warm`` requests of the project's training prompts
 (src/dflash_server/assets/train_prompts.jsonl, never the evaluation sets), as a server that
@@ -27,6 +30,8 @@ from spec import EVAL, ROOT, SETS, geomean, load_prompts, serving_setup  # noqa:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--proposer", choices=("draft", "lookup"), default="draft",
+                    help="the shipped draft with prompt lookup (the server's default), or lookup alone")
     ap.add_argument("--warm", type=int, default=100, help="training prompts answered into the store first")
     ap.add_argument("--prompts", type=int, default=5, help="evaluation prompts per set")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -38,12 +43,15 @@ def main():
     src, pipe, load_draft = serving_setup("cpu")
     from dflash_server.engine.config import DEFAULT_LOOKUP
     from dflash_server.engine.generate import Engine, GenerationRequest
-    from dflash_server.spec.lookup import LookupStore
+    from dflash_server.spec.lookup import LookupProposer, LookupStore
     from dflash_server.spec.proposer import DFlashProposer
     from dflash_server.weights.default_model import default_draft_path
 
     def engine(store: bool) -> Engine:
-        prop = DFlashProposer(load_draft(str(default_draft_path())), pipe, adaptive=True, lookup=DEFAULT_LOOKUP)
+        if args.proposer == "lookup":
+            prop = LookupProposer(pipe, DEFAULT_LOOKUP)
+        else:
+            prop = DFlashProposer(load_draft(str(default_draft_path())), pipe, adaptive=True, lookup=DEFAULT_LOOKUP)
         if store:
             prop.lookup_store = LookupStore(args.capacity)
         return Engine(pipe, proposer=prop)
