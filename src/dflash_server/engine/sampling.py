@@ -119,14 +119,16 @@ class Sampler:
         top_p (found by widening a top-n probe), so a step costs a top-k over the vocabulary
         instead of a sort of it."""
         p = self.params
-        logits = self.process(logits) / p.temperature
+        logits = self.process(logits)
         V = logits.shape[-1]
         ids = None
         if 0 < p.top_k < V:
-            vals, ids = torch.topk(logits, p.top_k)
+            vals, ids = torch.topk(logits / p.temperature, p.top_k)
             probs = torch.softmax(vals, dim=-1)
         else:
-            probs = torch.softmax(logits, dim=-1)
+            probs = kernels.softmax_t(logits, p.temperature)   # (the vocabulary's: native on a CPU)
+            if p.top_p >= 1.0 and p.min_p <= 0.0:
+                return probs, None     # every token, already normalized
             if p.top_p < 1.0:
                 n = min(V, 512)
                 while True:
@@ -161,6 +163,8 @@ class Sampler:
     def draw(self, weights: torch.Tensor) -> int:
         """An index drawn in proportion to (V,) non-negative ``weights`` (inverse CDF, one
         uniform from the request's generator)."""
-        cdf = weights.double().cumsum(-1)
         u = torch.rand((1,), generator=self.generator, dtype=torch.float64, device=self.generator.device)
+        if (i := kernels.draw(weights, float(u))) is not None:   # (on a CPU: one pass, no fp64 copy)
+            return i
+        cdf = weights.double().cumsum(-1)
         return min(int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True)), cdf.shape[-1] - 1)

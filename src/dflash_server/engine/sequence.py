@@ -89,8 +89,8 @@ class Sequence:
         c = self.constraint
         if c is not None:
             logits = c.mask(logits)
-        p = self.sampler.probs(logits).double()
-        q = q[:p.shape[-1]].to(p.device).double()
+        p = self.sampler.probs(logits)     # (fp32, as q: the test and the residual need no fp64 copies)
+        q = q[:p.shape[-1]].to(p.device, p.dtype)
         g = self.sampler.generator
         u = float(torch.rand((1,), generator=g, dtype=torch.float64, device=g.device))
         qx = float(q[token]) if 0 <= token < q.shape[-1] else 0.0

@@ -48,7 +48,7 @@ import torch
 log = logging.getLogger("dflash_server.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "argmax.cpp", "attention.cpp", "layer.cpp", "gdn.cpp", "draft.cpp")
+SOURCES = ("qmm.cpp", "norms.cpp", "act.cpp", "argmax.cpp", "sample.cpp", "attention.cpp", "layer.cpp", "gdn.cpp", "draft.cpp")
 HEADERS = ("ops.h", "simd.h")
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers (serial without it); the
 # GOMP symbols resolve to the runtime torch already loaded. -ffp-contract=off: no a * b + c
@@ -249,6 +249,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             and enabled() and load():
         return torch.ops.dflash.argmax(x)
     return x.argmax(-1)
+
+
+def softmax_t(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``softmax(x / temperature)`` over the last dimension, in fp32: natively on the CPU where
+    the kernels are built (``csrc/sample.cpp``: one pass for the maximum, one for the exps and
+    their sum; ~8x aten's time over a vocabulary's logits), else aten's. -inf logits get
+    probability 0; a row with a NaN, or with no finite logit, is NaN, as aten gives it."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() \
+            and not x.requires_grad and enabled() and load():
+        return torch.ops.dflash.softmax_t(x, 1.0 / temperature)
+    return torch.softmax(x.float() / temperature, dim=-1)
+
+
+def draw(weights: torch.Tensor, u: float) -> int | None:
+    """The inverse-CDF draw ``u`` in [0, 1) picks from 1-D non-negative ``weights``: the first
+    index whose running sum (fp64) passes ``u`` times the total, natively on the CPU
+    (``csrc/sample.cpp``); None where the caller takes aten's path: no kernels, another device
+    or dtype, or weights whose total is 0 or not finite."""
+    if weights.device.type == "cpu" and weights.dim() == 1 and weights.numel() \
+            and weights.dtype in (torch.float32, torch.float64) and enabled() and load():
+        i = int(torch.ops.dflash.draw(weights, float(u)))
+        return i if i >= 0 else None
+    return None
 
 
 def packed_shape(qtype: int, n: int, k: int) -> tuple[int, int]:
