@@ -35,39 +35,18 @@
 
 namespace {
 
-using dflash::simd::EXP_C;
-using dflash::simd::LN2_HI;
-using dflash::simd::LN2_LO;
-using dflash::simd::LOG2E;
 using dflash::simd::load8;
 
 constexpr float EXP_LO = -87.f;  // below it (and -inf, NaN aside): exp taken as 0
 
 inline float exp_le0(float a) {  // a <= 0, not NaN
-  if (!(a >= EXP_LO)) return 0.f;
-  const float n = std::nearbyint(a * LOG2E);
-  float r = std::fma(n, -LN2_HI, a);
-  r = std::fma(n, -LN2_LO, r);
-  float p = EXP_C[7];
-  for (int k = 6; k >= 0; --k) p = std::fma(p, r, EXP_C[k]);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
+  return a >= EXP_LO ? dflash::simd::exp_in_range(a) : 0.f;
 }
 
 DFLASH_SIMD_AVX2 inline __m256 exp8_le0(__m256 a) {
   const __m256 keep = _mm256_cmp_ps(a, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
-  a = _mm256_max_ps(a, _mm256_set1_ps(EXP_LO));  // (the lanes set to 0 below compute exp(-87))
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), a);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-  __m256 p = _mm256_set1_ps(EXP_C[7]);
-  for (int k = 6; k >= 0; --k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C[k]));
-  const __m256 scale =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-  return _mm256_and_ps(_mm256_mul_ps(p, scale), keep);
+  // (the lanes set to 0 compute exp(-87))
+  return _mm256_and_ps(dflash::simd::exp8_in_range(_mm256_max_ps(a, _mm256_set1_ps(EXP_LO))), keep);
 }
 
 inline float sum8(const float a[8]) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }

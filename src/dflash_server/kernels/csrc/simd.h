@@ -79,11 +79,9 @@ constexpr float SILU_LO = -87.f, SILU_HI = 88.f;
 constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
 constexpr float EXP_C[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720, 1.f / 5040};
 
-// the reference, one value at a time (silu_mul_one(g, 1.f) is silu(g))
-inline float silu_mul_one(float g, float u) {
-  float a = -g;
-  a = a > SILU_LO ? a : SILU_LO;  // as _mm256_max_ps(a, LO) (NaN -> LO: g's NaN comes through the division)
-  a = a < SILU_HI ? a : SILU_HI;  // as _mm256_min_ps(a, HI)
+// exp(a) for a in [SILU_LO, SILU_HI] (2^n stays a normal float), one value and 8 at a time,
+// the same bits (silu_mul below, the sampler's softmax in sample.cpp)
+inline float exp_in_range(float a) {
   const float n = std::nearbyint(a * LOG2E);
   float r = std::fma(n, -LN2_HI, a);
   r = std::fma(n, -LN2_LO, r);
@@ -92,12 +90,10 @@ inline float silu_mul_one(float g, float u) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
-  return g / (1.f + p * scale) * u;
+  return p * scale;
 }
 
-DFLASH_SIMD_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
-  __m256 a = _mm256_xor_ps(g, _mm256_set1_ps(-0.f));  // -g: the sign flipped, as the scalar negation
-  a = _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(SILU_LO)), _mm256_set1_ps(SILU_HI));
+DFLASH_SIMD_AVX2 inline __m256 exp8_in_range(__m256 a) {
   const __m256 n =
       _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), a);
@@ -106,7 +102,21 @@ DFLASH_SIMD_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
   for (int k = 6; k >= 0; --k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C[k]));
   const __m256 scale =
       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_mul_ps(p, scale))), u);
+  return _mm256_mul_ps(p, scale);
+}
+
+// the reference, one value at a time (silu_mul_one(g, 1.f) is silu(g))
+inline float silu_mul_one(float g, float u) {
+  float a = -g;
+  a = a > SILU_LO ? a : SILU_LO;  // as _mm256_max_ps(a, LO) (NaN -> LO: g's NaN comes through the division)
+  a = a < SILU_HI ? a : SILU_HI;  // as _mm256_min_ps(a, HI)
+  return g / (1.f + exp_in_range(a)) * u;
+}
+
+DFLASH_SIMD_AVX2 inline __m256 silu_mul8(__m256 g, __m256 u) {
+  __m256 a = _mm256_xor_ps(g, _mm256_set1_ps(-0.f));  // -g: the sign flipped, as the scalar negation
+  a = _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(SILU_LO)), _mm256_set1_ps(SILU_HI));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8_in_range(a))), u);
 }
 
 }  // namespace dflash::simd
