@@ -113,3 +113,49 @@ def test_sampler_on_the_native_ops_draws_from_its_distribution():
     a, b = Sampler(params, 8, "cpu"), Sampler(params, 8, "cpu")
     assert [a.sample(logits) for _ in range(200)] == [b.sample(logits) for _ in range(200)]
     assert math.isclose(float(s.probs(logits).double().sum()), 1.0, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [0.02, 0.5, 3.0, 12.0])      # nearly flat to peaked
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.95, 0.99])
+def test_top_p_candidates_hold_what_top_p_keeps(scale, top_p):
+    """The candidates are sorted (most likely first, ties by id), and are a prefix of the fully
+    sorted vocabulary that holds every token the top-p rule keeps and at least the margin's mass
+    more; the sampler's distribution with them equals the one of its own top-k probes."""
+    g = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 1000))
+    logits = torch.randn(49152, generator=g) * scale
+    logits[torch.randperm(49152, generator=g)[:100]] = -INF       # masked tokens: probability 0
+    probs = kernels.softmax_t(logits, 1.0)
+    got = kernels.top_p_candidates(probs, top_p)
+    assert got is not None
+    vals, ids = got
+    assert torch.equal(vals, probs[ids]) and bool((vals[1:] <= vals[:-1]).all())
+    order = torch.argsort(-probs, stable=True)                      # the full sort, ties by id
+    assert torch.equal(ids, order[:len(ids)])                       # a prefix of it
+    full = probs[order]
+    kept = int(((full.double().cumsum(0) - full.double()) < top_p).sum())
+    assert len(ids) >= kept and float(vals.double().sum()) >= top_p + 1e-3 - 1e-5   # the rest: dropped by a margin
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=1)
+    native = Sampler(params, 49152, "cpu").probs(logits)
+    saved = kernels.top_p_candidates
+    try:
+        kernels.top_p_candidates = lambda p, t: None                 # the sampler's own probes
+        probed = Sampler(params, 49152, "cpu").probs(logits)
+    finally:
+        kernels.top_p_candidates = saved
+    assert torch.equal(native > 0, probed > 0)
+    torch.testing.assert_close(native, probed, rtol=1e-6, atol=0)
+
+
+def test_top_p_candidates_hand_odd_inputs_back():
+    p = torch.full((1000,), 1e-3)
+    assert kernels.top_p_candidates(p, 0.9995) is None               # the margin takes everything
+    bad = p.clone(); bad[3] = NAN
+    assert kernels.top_p_candidates(bad, 0.5) is None
+    bad = p.clone(); bad[3] = -1e-3
+    assert kernels.top_p_candidates(bad, 0.5) is None
+    assert kernels.top_p_candidates(p.double(), 0.5) is None and kernels.top_p_candidates(p, 1.0) is None
+    with pytest.raises(RuntimeError, match="top_p must be in"):
+        torch.ops.dflash.top_p_candidates(p, 0.0)
+    ties = torch.tensor([0.25, 0.25, 0.25, 0.125, 0.125])
+    vals, ids = kernels.top_p_candidates(ties, 0.5)
+    assert ids.tolist()[:3] == [0, 1, 2]                             # ties by id

@@ -129,7 +129,9 @@ class Sampler:
             probs = kernels.softmax_t(logits, p.temperature)   # (the vocabulary's: native on a CPU)
             if p.top_p >= 1.0 and p.min_p <= 0.0:
                 return probs, None     # every token, already normalized
-            if p.top_p < 1.0:
+            if p.top_p < 1.0 and (got := kernels.top_p_candidates(probs, p.top_p)) is not None:
+                probs, ids = got       # (on a CPU: one pass and a sort of the candidates)
+            elif p.top_p < 1.0:
                 n = min(V, 512)
                 while True:
                     top, top_ids = torch.topk(probs, n)

@@ -274,6 +274,18 @@ def draw(weights: torch.Tensor, u: float) -> int | None:
     return None
 
 
+def top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(probabilities, ids) of the best tokens of 1-D fp32 ``probs``, sorted (most likely first,
+    ties by id), that hold every token top-p at ``top_p`` keeps and the next ones (``csrc/sample.cpp``:
+    one pass, then a sort of the candidates); None where the caller's own search must run (no
+    kernels, another device or dtype, a NaN, or a margin that takes the whole vocabulary)."""
+    if probs.device.type == "cpu" and probs.dim() == 1 and probs.numel() and probs.dtype == torch.float32 \
+            and 0.0 < top_p < 1.0 and enabled() and load():
+        got = torch.ops.dflash.top_p_candidates(probs, float(top_p))
+        return (got[0], got[1]) if got else None
+    return None
+
+
 def packed_shape(qtype: int, n: int, k: int) -> tuple[int, int]:
     """Shape of the layout ``qmm`` reads: groups of 8 rows, per block of 32 values the 8
     rows' codes and scales (``csrc/qmm.cpp``)."""
