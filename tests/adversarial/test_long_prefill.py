@@ -95,9 +95,6 @@ def test_a_short_request_is_not_held_behind_a_long_prefill():
     try:
         # half the other tests' sizes: this long prefill runs to its end (~2,900 tokens; the
         # 1,500-word prompt took ~65 s of a CI run here)
-        r, calib = timed_post(s.url, chat(words("calibrate", 150)))
-        assert r.status_code == 200
-        expected_full = calib * 5
         got: dict = {}
 
         def long_one():
@@ -107,9 +104,12 @@ def test_a_short_request_is_not_held_behind_a_long_prefill():
         time.sleep(0.3)                     # the long prompt is in prefill
         r, waited = timed_post(s.url, chat("Hi"))
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-        assert waited < 0.4 * expected_full, (waited, expected_full)
         th.join(300)
-        r, _ = got["long"]
+        r, long_took = got["long"]
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 2500
+        # held behind the whole prefill it would have waited ~long_took - 0.3 s; measured against
+        # the long request of the same run (a calibration request before it was at the mercy of
+        # the machine's load changing in between: 1.55 s against a bound of 1.49 in one CI run)
+        assert waited < 0.5 * long_took, (waited, long_took)
     finally:
         assert s.stop() == 0, s.output()
