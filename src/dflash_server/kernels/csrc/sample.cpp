@@ -256,7 +256,6 @@ std::vector<at::Tensor> top_p_candidates(const at::Tensor& p_in, double top_p) {
   constexpr int NB = (0x7F800000 >> TOP_P_SHIFT) + 1;  // every finite non-negative float's bucket
   std::vector<double> mass(NB, 0.);
   std::vector<int64_t> count(NB, 0);
-  double total = 0.;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t bits;
     std::memcpy(&bits, v + i, 4);
@@ -264,8 +263,9 @@ std::vector<at::Tensor> top_p_candidates(const at::Tensor& p_in, double top_p) {
     const int b = static_cast<int>(bits >> TOP_P_SHIFT);
     mass[b] += v[i];
     count[b] += 1;
-    total += v[i];
   }
+  double total = 0.;
+  for (double m : mass) total += m;
   const double target = (top_p + TOP_P_MARGIN) * total;
   double cum = 0.;
   int low = NB;  // the lowest bucket taken
